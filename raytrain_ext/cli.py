@@ -1,0 +1,62 @@
+"""The ``raytrain-ext`` command line: ``raytrain-ext train [CONFIG.yaml] [key=value ...]``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import List, Optional
+
+
+def _train(args: argparse.Namespace) -> int:
+    from raytrain_ext.config import ConfigError, load_config
+    from raytrain_ext.elastic.controller import TrainingFailed
+    from raytrain_ext.trainer import Trainer
+
+    config_path, overrides = split_config_and_overrides(args.config, args.items)
+    try:
+        cfg = load_config(config_path, overrides)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    trainer = Trainer(cfg)
+    try:
+        summary = trainer.fit()
+    except TrainingFailed as e:
+        print(f"training failed; see {trainer.run_dir / 'summary.json'}\n{e.__cause__ or e}",
+              file=sys.stderr)
+        return 1
+    shown = {k: v for k, v in summary.items() if k not in ("loss_history", "transitions")}
+    print(f"run summary ({trainer.run_dir / 'summary.json'}):")
+    print(json.dumps(shown, indent=2))
+    return 0
+
+
+def split_config_and_overrides(config: Optional[str], items: List[str]):
+    """``--config X`` wins; otherwise a first positional that is not key=value is the config."""
+    items = list(items)
+    if config is None and items and "=" not in items[0]:
+        config = items.pop(0)
+    return config, items
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="raytrain-ext", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    train = commands.add_parser("train", help="train the reference GPT on a Ray cluster")
+    train.add_argument("--config", help="YAML config (default: the packaged tiny_cpu config)")
+    train.add_argument("items", nargs="*", metavar="[CONFIG.yaml] key=value",
+                       help="a config file and/or OmegaConf overrides, e.g. run.max_steps=10")
+    train.set_defaults(func=_train)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

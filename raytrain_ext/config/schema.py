@@ -1,0 +1,139 @@
+"""Typed configuration: one structured dataclass per section.
+
+OmegaConf enforces the types and rejects unknown keys when YAML files and
+``key=value`` overrides are merged onto these defaults; the semantic checks
+(divisibility, ranges, choices) live in :mod:`raytrain_ext.config.validate`.
+Interpolations such as ``${run.seed}`` are resolved on the driver, so workers
+always receive plain values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+
+@dataclass
+class RunConfig:
+    """Identity and length of a run; ``output_dir/name`` is the run directory."""
+
+    name: str = "tiny"
+    output_dir: str = "runs"
+    seed: int = 1234
+    max_steps: int = 40
+    log_every: int = 5
+    device: str = "auto"  # auto | cpu | cuda
+    tensorboard: bool = True
+
+
+@dataclass
+class MoEConfig:
+    """Mixture-of-experts feed-forward; ``num_experts: 0`` means a dense MLP."""
+
+    num_experts: int = 0
+    top_k: int = 2
+    capacity_factor: float = 1.25
+    aux_loss_weight: float = 0.01
+
+
+@dataclass
+class ModelConfig:
+    """Reference GPT shape; ``vocab_size: 256`` matches the byte-level corpus."""
+
+    n_layers: int = 2
+    d_model: int = 128
+    n_heads: int = 4
+    vocab_size: int = 256
+    seq_len: int = 128
+    mlp_ratio: int = 4
+    dropout: float = 0.0
+    moe: MoEConfig = field(default_factory=MoEConfig)
+
+
+@dataclass
+class DataConfig:
+    """Token source and the global batch.
+
+    ``path`` is ``builtin:corpus`` (ships with the package), a local Arrow IPC
+    or Parquet file or directory, or an ``s3://bucket/prefix`` URI.  Each step
+    consumes exactly ``global_batch_size`` samples of the global order whatever
+    the world size; ``micro_batch_size`` is what one rank runs per forward.
+    """
+
+    path: str = "builtin:corpus"
+    global_batch_size: int = 16
+    micro_batch_size: int = 4
+    shuffle: bool = True
+    seed: int = "${run.seed}"  # type: ignore[assignment]
+    s3_endpoint_url: Optional[str] = None
+    s3_region: Optional[str] = None
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warmup then cosine decay to ``min_lr``."""
+
+    lr: float = 3.0e-3
+    min_lr: float = 3.0e-4
+    weight_decay: float = 0.1
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1.0e-8
+    warmup_steps: int = 5
+    decay_steps: int = "${run.max_steps}"  # type: ignore[assignment]
+    grad_clip: float = 1.0
+
+
+@dataclass
+class ScalingConfig:
+    """How many workers, what each one needs, and how they are placed.
+
+    ``min_workers``/``max_workers`` default to ``num_workers``; the elastic
+    controller keeps the world size inside that range.
+    """
+
+    num_workers: int = 2
+    min_workers: Optional[int] = None
+    max_workers: Optional[int] = None
+    resources_per_worker: Dict[str, float] = field(default_factory=lambda: {"CPU": 1.0})
+    use_gpu: bool = False
+    placement_strategy: str = "PACK"  # PACK | SPREAD | STRICT_PACK | STRICT_SPREAD
+    placement_timeout_s: float = 60.0
+    ray_address: Optional[str] = None
+
+
+@dataclass
+class ParallelConfig:
+    """Distribution strategy and the process group it runs on."""
+
+    strategy: str = "ddp"
+    backend: str = "auto"  # auto (nccl on GPU, gloo on CPU) | nccl | gloo
+    timeout_s: float = 120.0
+    mixed_precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32
+
+
+@dataclass
+class CheckpointConfig:
+    """Where a run's checkpoints live (tiers and policy arrive with checkpointing)."""
+
+    dir: str = "${run.output_dir}/${run.name}/checkpoints"
+
+
+@dataclass
+class ElasticConfig:
+    """Controller loop settings; the controller polls workers for heartbeats."""
+
+    poll_interval_s: float = 0.2
+
+
+@dataclass
+class TrainConfig:
+    """The whole run configuration: every section a run needs."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    scaling: ScalingConfig = field(default_factory=ScalingConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)

@@ -1,0 +1,156 @@
+"""Semantic checks on a resolved config, run on the driver before anything starts.
+
+Types and key names are enforced by OmegaConf; here we check ranges, choices
+and the arithmetic between keys.  Each message names the full key, shows the
+numbers involved and says how to fix it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, List
+
+from omegaconf import DictConfig
+
+from raytrain_ext.config.loader import ConfigError
+
+CHOICES = {
+    "run.device": ("auto", "cpu", "cuda"),
+    "scaling.placement_strategy": ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
+    "parallel.strategy": ("ddp",),
+    "parallel.backend": ("auto", "nccl", "gloo"),
+    "parallel.mixed_precision": ("auto", "bf16", "fp32"),
+}
+
+POSITIVE_INTS = (
+    "run.max_steps", "run.log_every", "model.n_layers", "model.d_model", "model.n_heads",
+    "model.vocab_size", "model.seq_len", "model.mlp_ratio", "data.global_batch_size",
+    "data.micro_batch_size", "optim.decay_steps", "scaling.num_workers",
+)
+
+POSITIVE_FLOATS = ("optim.lr", "optim.eps", "scaling.placement_timeout_s",
+                   "parallel.timeout_s", "elastic.poll_interval_s")
+
+NON_NEGATIVE = ("optim.min_lr", "optim.weight_decay", "optim.warmup_steps", "optim.grad_clip",
+                "model.moe.num_experts", "model.moe.aux_loss_weight")
+
+
+def validate(cfg: DictConfig) -> None:
+    """Fill derived defaults (min/max workers, GPU resource), then check in order.
+
+    Checks run from simple ranges to cross-key arithmetic, so later checks may
+    rely on earlier ones (no division by a zero batch size); the first problem
+    found is raised.
+    """
+    _fill_scaling_defaults(cfg)
+    for check in _CHECKS:
+        check(cfg)
+
+
+def _get(cfg: DictConfig, key: str):
+    node = cfg
+    for part in key.split("."):
+        node = node[part]
+    return node
+
+
+def _fill_scaling_defaults(cfg: DictConfig) -> None:
+    s = cfg.scaling
+    if s.min_workers is None:
+        s.min_workers = s.num_workers
+    if s.max_workers is None:
+        s.max_workers = s.num_workers
+    if s.use_gpu and "GPU" not in s.resources_per_worker:
+        s.resources_per_worker["GPU"] = 1.0
+
+
+def _check_choices(cfg: DictConfig) -> None:
+    for key, allowed in CHOICES.items():
+        value = _get(cfg, key)
+        if value not in allowed:
+            raise ConfigError(f"{key}: {value!r} is not one of {', '.join(allowed)}. "
+                              f"Set {key} to one of them.")
+
+
+def _check_ranges(cfg: DictConfig) -> None:
+    for key in POSITIVE_INTS + POSITIVE_FLOATS:
+        value = _get(cfg, key)
+        if not value > 0 or (isinstance(value, float) and math.isinf(value)):
+            raise ConfigError(f"{key}: must be a positive finite number, got {value}. "
+                              f"Set {key} to a value > 0.")
+    for key in NON_NEGATIVE:
+        if _get(cfg, key) < 0:
+            raise ConfigError(f"{key}: must be >= 0, got {_get(cfg, key)}.")
+    if not 0.0 <= cfg.model.dropout < 1.0:
+        raise ConfigError(f"model.dropout: must be in [0, 1), got {cfg.model.dropout}.")
+    if not cfg.run.name or "/" in cfg.run.name or cfg.run.name in (".", ".."):
+        raise ConfigError(f"run.name: {cfg.run.name!r} must be a non-empty name without '/'; "
+                          "it names the directory runs/<run.name>.")
+
+
+def _check_model(cfg: DictConfig) -> None:
+    m = cfg.model
+    if m.d_model % m.n_heads:
+        raise ConfigError(f"model.d_model: {m.d_model} is not divisible by model.n_heads={m.n_heads} "
+                          f"({m.d_model} / {m.n_heads} = {m.d_model / m.n_heads:g}). "
+                          "Choose d_model as a multiple of n_heads.")
+    if cfg.data.path == "builtin:corpus" and m.vocab_size < 256:
+        raise ConfigError(f"model.vocab_size: {m.vocab_size} is too small for the byte-level "
+                          "builtin corpus (token ids 0..255). Set model.vocab_size >= 256.")
+    moe = m.moe
+    if moe.num_experts and not 1 <= moe.top_k <= moe.num_experts:
+        raise ConfigError(f"model.moe.top_k: {moe.top_k} must be between 1 and "
+                          f"model.moe.num_experts={moe.num_experts}.")
+    if moe.num_experts and moe.capacity_factor <= 0:
+        raise ConfigError(f"model.moe.capacity_factor: must be > 0, got {moe.capacity_factor}.")
+
+
+def _check_batch(cfg: DictConfig) -> None:
+    d, s = cfg.data, cfg.scaling
+    per_step = d.micro_batch_size * s.num_workers
+    if d.global_batch_size % per_step:
+        raise ConfigError(
+            f"data.global_batch_size: {d.global_batch_size} is not a multiple of "
+            f"data.micro_batch_size x scaling.num_workers = {d.micro_batch_size} x {s.num_workers} "
+            f"= {per_step}, so gradient accumulation would not be a whole number of micro-batches. "
+            f"Use a global_batch_size such as {per_step * max(1, round(d.global_batch_size / per_step))}.")
+    if d.global_batch_size < s.max_workers:
+        raise ConfigError(f"data.global_batch_size: {d.global_batch_size} is smaller than "
+                          f"scaling.max_workers={s.max_workers}; every worker needs at least one "
+                          "sample per step. Raise global_batch_size or lower max_workers.")
+
+
+def _check_optim(cfg: DictConfig) -> None:
+    o = cfg.optim
+    if o.min_lr > o.lr:
+        raise ConfigError(f"optim.min_lr: {o.min_lr} is larger than optim.lr={o.lr}. "
+                          "Set min_lr <= lr.")
+    if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
+        raise ConfigError(f"optim.betas: {list(o.betas)} must be two numbers in [0, 1), "
+                          "for example [0.9, 0.95].")
+
+
+def _check_scaling(cfg: DictConfig) -> None:
+    s, p = cfg.scaling, cfg.parallel
+    if not 1 <= s.min_workers <= s.num_workers <= s.max_workers:
+        raise ConfigError(
+            f"scaling.num_workers: need 1 <= min_workers <= num_workers <= max_workers, got "
+            f"{s.min_workers} <= {s.num_workers} <= {s.max_workers}. Adjust scaling.min_workers, "
+            "scaling.num_workers or scaling.max_workers.")
+    for name, amount in s.resources_per_worker.items():
+        if amount < 0:
+            raise ConfigError(f"scaling.resources_per_worker.{name}: must be >= 0, got {amount}.")
+    if s.resources_per_worker.get("GPU", 0) > 0 and not s.use_gpu:
+        raise ConfigError("scaling.resources_per_worker.GPU: GPUs are requested but "
+                          "scaling.use_gpu is false. Set scaling.use_gpu=true or drop the GPU entry.")
+    if p.backend == "nccl" and not s.use_gpu:
+        raise ConfigError("parallel.backend: 'nccl' needs GPUs. Set scaling.use_gpu=true, "
+                          "or parallel.backend=gloo (or auto) on CPU.")
+    if cfg.run.device == "cuda" and not s.use_gpu:
+        raise ConfigError("run.device: 'cuda' needs scaling.use_gpu=true so that Ray assigns "
+                          "each worker a GPU.")
+
+
+_CHECKS: List[Callable[[DictConfig], None]] = [
+    _check_choices, _check_ranges, _check_model, _check_batch, _check_optim, _check_scaling,
+]

@@ -1,0 +1,108 @@
+"""Token files read with pyarrow: one flat ``tokens`` column, cut into samples.
+
+Sample ``i`` is ``tokens[i*L : i*L + L + 1]`` (inputs and shifted targets) for
+``L = model.seq_len``, so the sample count depends only on the data and the
+sequence length.  Local Arrow IPC files are memory-mapped (no copy, shared by
+the workers of a node through the page cache); Parquet and ``s3://`` sources
+are read into memory once per worker.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+import torch
+
+from raytrain_ext.data.corpus import builtin_corpus_path
+
+TOKEN_COLUMN = "tokens"
+SUFFIXES = (".arrow", ".feather", ".ipc", ".parquet")
+
+
+class TokenDataset:
+    """Random access to fixed-length samples of a token stream."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, source: str = "<memory>"):
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.source = source
+        self.num_samples = (len(tokens) - 1) // seq_len
+        if self.num_samples < 1:
+            raise ValueError(f"{source} holds {len(tokens)} tokens, fewer than one sample of "
+                             f"model.seq_len+1={seq_len + 1}; use more data or a shorter seq_len")
+
+    def batch(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and targets (int64, shape [len(indices), seq_len])."""
+        starts = np.asarray(indices, dtype=np.int64) * self.seq_len
+        offsets = np.arange(self.seq_len + 1, dtype=np.int64)
+        rows = torch.from_numpy(self.tokens[starts[:, None] + offsets].astype(np.int64))
+        return rows[:, :-1], rows[:, 1:]
+
+    def max_token(self) -> int:
+        return int(self.tokens.max())
+
+
+def open_token_dataset(path: str, seq_len: int, *, s3_endpoint_url: Optional[str] = None,
+                       s3_region: Optional[str] = None) -> TokenDataset:
+    """Open ``builtin:corpus``, a local file or directory, or an ``s3://`` URI."""
+    if path == "builtin:corpus":
+        return TokenDataset(_read_local(builtin_corpus_path()), seq_len, source=path)
+    if path.startswith("s3://"):
+        fs = pafs.S3FileSystem(endpoint_override=s3_endpoint_url, region=s3_region,
+                               scheme="http" if (s3_endpoint_url or "").startswith("http://")
+                               else "https")
+        return TokenDataset(_read_remote(fs, path[len("s3://"):]), seq_len, source=path)
+    local = Path(path)
+    if not local.exists():
+        raise FileNotFoundError(f"data.path: {path} does not exist; point it at an Arrow IPC or "
+                                "Parquet file (or a directory of them) with a 'tokens' column")
+    files = sorted(p for p in local.rglob("*") if p.suffix in SUFFIXES) if local.is_dir() else [local]
+    if not files:
+        raise FileNotFoundError(f"data.path: {path} holds no {'/'.join(SUFFIXES)} files")
+    arrays = [_read_local(f) for f in files]
+    tokens = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+    return TokenDataset(tokens, seq_len, source=path)
+
+
+def _read_local(path: Path) -> np.ndarray:
+    if path.suffix == ".parquet":
+        return _column(pq.read_table(path, columns=[TOKEN_COLUMN], memory_map=True), str(path))
+    table = pa.ipc.open_file(pa.memory_map(str(path), "r")).read_all()
+    return _column(table, str(path))
+
+
+def _read_remote(fs: pafs.FileSystem, path: str) -> np.ndarray:
+    info = fs.get_file_info(path)
+    if info.type == pafs.FileType.Directory:
+        selector = pafs.FileSelector(path, recursive=True)
+        names = sorted(i.path for i in fs.get_file_info(selector) if i.path.endswith(SUFFIXES))
+    elif info.type == pafs.FileType.File:
+        names = [path]
+    else:
+        raise FileNotFoundError(f"data.path: s3://{path} does not exist")
+    arrays: List[np.ndarray] = []
+    for name in names:
+        with fs.open_input_file(name) as f:
+            if name.endswith(".parquet"):
+                table = pq.read_table(f, columns=[TOKEN_COLUMN])
+            else:
+                table = pa.ipc.open_file(f).read_all()
+        arrays.append(_column(table, f"s3://{name}"))
+    if not arrays:
+        raise FileNotFoundError(f"data.path: s3://{path} holds no {'/'.join(SUFFIXES)} files")
+    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+
+
+def _column(table: pa.Table, source: str) -> np.ndarray:
+    if TOKEN_COLUMN not in table.column_names:
+        raise ValueError(f"{source} has no '{TOKEN_COLUMN}' column (columns: {table.column_names})")
+    column = table.column(TOKEN_COLUMN)
+    if not pa.types.is_integer(column.type):
+        raise ValueError(f"{source}: column '{TOKEN_COLUMN}' must hold integers, not {column.type}")
+    chunk = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+    return chunk.to_numpy(zero_copy_only=False)

@@ -1,0 +1,1 @@
+"""The controller that runs, watches and (later) resizes the worker group."""

@@ -1,0 +1,136 @@
+"""The run controller: an explicit state machine on the driver.
+
+States: SCHEDULING -> RUNNING -> FINISHED, or FAILED from either.  Each state
+has one handler that does the state's work and returns the next state and the
+reason; ``run`` loops until a terminal state and logs every transition.  The
+controller owns the worker group's lifetime: whatever happens, the group is
+shut down before ``run`` returns or raises.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import ray
+
+from raytrain_ext.config import to_dict
+from raytrain_ext.metrics import MetricsSink
+from raytrain_ext.worker.group import WorkerGroup
+
+log = logging.getLogger(__name__)
+
+
+class RunState(enum.Enum):
+    SCHEDULING = "SCHEDULING"
+    RUNNING = "RUNNING"
+    FINISHED = "FINISHED"
+    FAILED = "FAILED"
+
+
+TERMINAL = (RunState.FINISHED, RunState.FAILED)
+
+
+class TrainingFailed(RuntimeError):
+    """A worker raised, or the group could not be formed; ``__cause__`` has the worker error."""
+
+
+@dataclass
+class Transition:
+    source: str
+    target: str
+    reason: str
+    at: float
+
+
+@dataclass
+class ControllerResult:
+    state: RunState
+    records: List[Dict[str, Any]] = field(default_factory=list)
+    worker_results: List[Dict[str, Any]] = field(default_factory=list)
+    world_size_history: List[Dict[str, int]] = field(default_factory=list)
+    transitions: List[Transition] = field(default_factory=list)
+    backend: Optional[str] = None
+    error: Optional[BaseException] = None
+
+
+class Controller:
+    def __init__(self, cfg, sink: MetricsSink, clock: Callable[[], float] = time.time):
+        self.cfg = cfg
+        self.sink = sink
+        self.clock = clock
+        self.state = RunState.SCHEDULING
+        self.group = WorkerGroup(dict(cfg.scaling.resources_per_worker),
+                                 cfg.scaling.placement_strategy)
+        self.result = ControllerResult(state=self.state)
+        self._fit_refs: List[ray.ObjectRef] = []
+
+    def run(self) -> ControllerResult:
+        handlers = {RunState.SCHEDULING: self._schedule, RunState.RUNNING: self._running}
+        try:
+            while self.state not in TERMINAL:
+                target, reason = handlers[self.state]()
+                self._transition(target, reason)
+        finally:
+            self.group.shutdown()
+        self.result.state = self.state
+        if self.state is RunState.FAILED:
+            raise TrainingFailed(f"training failed: {self.result.error}") from self.result.error
+        return self.result
+
+    def _transition(self, target: RunState, reason: str) -> None:
+        if target is self.state:
+            return
+        self.result.transitions.append(Transition(self.state.value, target.value, reason,
+                                                  self.clock()))
+        log.info("controller: %s -> %s (%s)", self.state.value, target.value, reason)
+        self.state = target
+
+    def _schedule(self) -> Tuple[RunState, str]:
+        s, p = self.cfg.scaling, self.cfg.parallel
+        try:
+            self.group.start(s.num_workers, backend=p.backend, timeout_s=p.timeout_s,
+                             placement_timeout_s=s.placement_timeout_s)
+        except Exception as e:  # placement timeout, rendezvous failure
+            self.result.error = e
+            return RunState.FAILED, f"could not form the worker group: {type(e).__name__}"
+        self.result.backend = self.group.backend
+        self.result.world_size_history.append({"step": 0, "world_size": self.group.world_size})
+        self._fit_refs = self.group.call_async("fit", to_dict(self.cfg))
+        return RunState.RUNNING, f"{self.group.world_size} workers formed a {self.group.backend} group"
+
+    def _running(self) -> Tuple[RunState, str]:
+        """Wait for the workers, forwarding metrics every poll interval."""
+        interval = self.cfg.elastic.poll_interval_s
+        pending = list(self._fit_refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=len(pending), timeout=interval)
+            failed = self._first_error(done)
+            if failed is not None:
+                self.result.error = failed
+                return RunState.FAILED, f"a worker raised {type(failed).__name__}"
+            self._drain_events()
+        self.result.worker_results = ray.get(self._fit_refs)
+        self._drain_events()
+        return RunState.FINISHED, f"{self.cfg.run.max_steps} steps completed"
+
+    def _first_error(self, done: List[ray.ObjectRef]) -> Optional[BaseException]:
+        for ref in done:
+            try:
+                ray.get(ref)
+            except Exception as e:
+                return e
+        return None
+
+    def _drain_events(self) -> None:
+        """Forward rank 0's new per-step records to the sinks."""
+        try:
+            events = ray.get(self.group.actors[0].poll.remote(), timeout=30)
+        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+            return  # rank 0 is gone; its fit() ref reports the error
+        for record in events["records"]:
+            self.result.records.append(record)
+            self.sink.write(record["step"], record)

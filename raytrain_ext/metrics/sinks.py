@@ -1,0 +1,104 @@
+"""One small interface for metrics, three sinks: stdout, TensorBoard, Ray metrics.
+
+A sink takes ``write(step, record)`` and ``close()``.  The driver feeds rank 0's
+per-step records to the stdout and TensorBoard sinks; rank 0 itself feeds the
+``ray.util.metrics`` gauges (Prometheus through the Ray dashboard), because
+Ray exports metrics from worker processes.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, Dict, Iterable, List, Mapping, Protocol, TextIO
+
+SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "world_size")
+
+
+class MetricsSink(Protocol):
+    def write(self, step: int, record: Mapping[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def format_progress(record: Mapping[str, Any], max_steps: int) -> str:
+    return (f"step {record['step']:>6}/{max_steps}  loss {record['loss']:.4f}  "
+            f"lr {record['lr']:.2e}  grad_norm {record['grad_norm']:.3f}  "
+            f"tokens/s {record['tokens_per_s']:>9.0f}  step_time {record['step_time_s'] * 1e3:.1f} ms  "
+            f"world {record['world_size']}")
+
+
+class StdoutSink:
+    """One line every ``every`` steps (and at the last step)."""
+
+    def __init__(self, every: int, max_steps: int, stream: TextIO | None = None):
+        self.every, self.max_steps = every, max_steps
+        self.stream = stream or sys.stdout
+
+    def write(self, step: int, record: Mapping[str, Any]) -> None:
+        if step % self.every == 0 or step == self.max_steps:
+            print(format_progress(record, self.max_steps), file=self.stream, flush=True)
+
+    def close(self) -> None:
+        self.stream.flush()
+
+
+class TensorBoardSink:
+    def __init__(self, log_dir: Path):
+        from tensorboardX import SummaryWriter
+
+        self.writer = SummaryWriter(str(log_dir))
+
+    def write(self, step: int, record: Mapping[str, Any]) -> None:
+        for key in SCALARS:
+            if key in record:
+                self.writer.add_scalar(f"train/{key}", record[key], step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class RayMetricsSink:
+    """``ray.util.metrics`` gauges tagged with the run name."""
+
+    def __init__(self, run_name: str):
+        from ray.util.metrics import Gauge
+
+        self.tags = {"run": run_name}
+        self.gauges = {key: Gauge(f"raytrain_ext_{key}", description=f"training {key}",
+                                  tag_keys=("run",)) for key in SCALARS + ("step",)}
+
+    def write(self, step: int, record: Mapping[str, Any]) -> None:
+        self.gauges["step"].set(step, tags=self.tags)
+        for key in SCALARS:
+            if key in record:
+                self.gauges[key].set(float(record[key]), tags=self.tags)
+
+    def close(self) -> None:
+        pass
+
+
+class FanOut:
+    """Writes every record to several sinks."""
+
+    def __init__(self, sinks: Iterable[MetricsSink]):
+        self.sinks: List[MetricsSink] = list(sinks)
+
+    def write(self, step: int, record: Mapping[str, Any]) -> None:
+        for sink in self.sinks:
+            sink.write(step, record)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+
+
+def summarize_records(records: List[Dict[str, Any]], skip_first: int = 1) -> Dict[str, float]:
+    """Mean throughput and median step time, ignoring warm-up steps."""
+    steady = records[skip_first:] or records
+    if not steady:
+        return {}
+    times = sorted(r["step_time_s"] for r in steady)
+    total_time = sum(times)
+    tokens = sum(r["tokens_per_s"] * r["step_time_s"] for r in steady)
+    return {"median_step_time_s": times[len(times) // 2], "tokens_per_s": tokens / total_time}

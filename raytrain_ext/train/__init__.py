@@ -1,0 +1,1 @@
+"""The per-worker training loop and what it needs: optimizer, schedule, digests."""

@@ -1,0 +1,131 @@
+"""The Python API: ``Trainer(config).fit()``, used by the CLI, jobs and notebooks.
+
+``fit`` connects to Ray (an already-initialised session, ``scaling.ray_address``,
+``RAY_ADDRESS``, or a new local instance), prepares ``runs/<name>/`` with the
+resolved config, runs the controller, and writes ``summary.json`` whether the
+run succeeded or failed.  A Ray instance that ``fit`` started is stopped again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any, Dict, Optional, Sequence
+
+from omegaconf import DictConfig
+
+from raytrain_ext.config import config_digest, load_config, to_yaml
+from raytrain_ext.elastic.controller import Controller, ControllerResult, TrainingFailed
+from raytrain_ext.metrics import FanOut, StdoutSink, TensorBoardSink, summarize_records
+
+log = logging.getLogger(__name__)
+
+
+class Trainer:
+    def __init__(self, config: DictConfig | str | Path | None = None, overrides: Sequence[str] = ()):
+        """``config`` is a loaded config, a YAML path, or None for the packaged default."""
+        if isinstance(config, DictConfig):
+            if overrides:
+                raise ValueError("overrides go with a config path; for a loaded config apply "
+                                 "them with load_config(path, overrides) instead")
+            self.cfg = config
+        else:
+            self.cfg = load_config(config, overrides)
+        self.run_dir = Path(self.cfg.run.output_dir) / self.cfg.run.name
+
+    def fit(self) -> Dict[str, Any]:
+        """Train to completion; returns the summary (also written to summary.json)."""
+        start = time.time()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.yaml").write_text(to_yaml(self.cfg))
+        started_ray = connect_ray(self.cfg.scaling.ray_address)
+        sinks = [StdoutSink(self.cfg.run.log_every, self.cfg.run.max_steps)]
+        if self.cfg.run.tensorboard:
+            sinks.append(TensorBoardSink(self.run_dir / "tensorboard"))
+        sink = FanOut(sinks)
+        controller = Controller(self.cfg, sink)
+        try:
+            result = controller.run()
+        except TrainingFailed as e:
+            self._write_summary(controller.result, start, error=e)
+            raise
+        finally:
+            sink.close()
+            if started_ray:
+                import ray
+
+                ray.shutdown()
+        return self._write_summary(result, start)
+
+    def _write_summary(self, result: ControllerResult, start: float,
+                       error: Optional[BaseException] = None) -> Dict[str, Any]:
+        summary = build_summary(self.cfg, result, start, error)
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary
+
+
+def connect_ray(address: Optional[str]) -> bool:
+    """Attach to Ray; returns True when this call started a local instance."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+        return False
+    _pin_local_ray_to_loopback()
+    ray.init(include_dashboard=False, _node_ip_address="127.0.0.1")
+    return True
+
+
+def _pin_local_ray_to_loopback() -> None:
+    """Keep a private single-node Ray (and so gloo's rendezvous) on 127.0.0.1.
+
+    Ray otherwise resolves its node address to the first external interface even
+    with ``_node_ip_address``.  Its single-node switch is read from the
+    environment when ``ray`` is imported, so it is set for the child processes
+    and patched on the already-imported module.
+    """
+    from ray._private import ray_constants
+
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    if hasattr(ray_constants, "ENABLE_RAY_CLUSTER"):
+        ray_constants.ENABLE_RAY_CLUSTER = False
+
+
+def build_summary(cfg, result: ControllerResult, start: float,
+                  error: Optional[BaseException]) -> Dict[str, Any]:
+    import ray
+    import torch
+
+    records = result.records
+    ranks = result.worker_results
+    hashes = sorted({r["params_sha256"] for r in ranks})
+    digests = sorted({r["samples_digest"] for r in ranks})
+    summary: Dict[str, Any] = {
+        "run_name": cfg.run.name,
+        "status": "failed" if error else "finished",
+        "steps_completed": records[-1]["step"] if records else 0,
+        "final_loss": records[-1]["loss"] if records else None,
+        "first_loss": records[0]["loss"] if records else None,
+        **summarize_records(records),
+        "wall_time_s": time.time() - start,
+        "time_to_first_step_s": records[0]["time"] - start if records else None,
+        "world_size_history": result.world_size_history,
+        "params_sha256": hashes[0] if len(hashes) == 1 else hashes or None,
+        "samples_digest": digests[0] if len(digests) == 1 else digests or None,
+        "samples_consumed": ranks[0]["samples_consumed"] if ranks else 0,
+        "replicas_identical": len(hashes) == 1 if ranks else None,
+        "backend": result.backend,
+        "config_digest": config_digest(cfg),
+        "transitions": [t.__dict__ for t in result.transitions],
+        "versions": {"torch": torch.__version__, "ray": ray.__version__},
+        "loss_history": [[r["step"], r["loss"]] for r in records],
+    }
+    if error is not None:
+        summary["error"] = str(error.__cause__ or error)
+    return summary

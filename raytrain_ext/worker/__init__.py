@@ -1,0 +1,1 @@
+"""Worker group: Ray actors placed as a gang, forming one torch.distributed group."""

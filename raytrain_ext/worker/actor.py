@@ -1,0 +1,103 @@
+"""The worker actor: one per device slot, hosting one rank's training loop.
+
+The actor is threaded (``max_concurrency=2``): ``fit`` runs the training loop
+in one thread while the controller calls ``poll`` from another to collect
+heartbeats and rank 0's metrics without waiting for the loop.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import deque
+from typing import Any, Dict, List
+
+import ray
+
+from raytrain_ext.worker.dist_env import (
+    WorkerEnv,
+    choose_backend,
+    destroy_distributed,
+    free_port,
+    init_distributed,
+)
+
+
+class EventBuffer:
+    """Thread-safe buffer of metric records plus the latest heartbeat."""
+
+    def __init__(self, maxlen: int = 100_000):
+        self._records: deque = deque(maxlen=maxlen)
+        self._lock = threading.Lock()
+        self.last_step = 0
+        self.last_beat = time.time()
+
+    def push(self, record: Dict[str, Any], keep: bool) -> None:
+        with self._lock:
+            self.last_step, self.last_beat = record["step"], time.time()
+            if keep:
+                self._records.append(record)
+
+    def drain(self) -> Dict[str, Any]:
+        with self._lock:
+            records = list(self._records)
+            self._records.clear()
+            return {"step": self.last_step, "beat": self.last_beat, "records": records}
+
+
+class TrainWorker:
+    """Remote methods are called by :class:`raytrain_ext.worker.group.WorkerGroup`."""
+
+    def __init__(self) -> None:
+        self.events = EventBuffer()
+        self.env: WorkerEnv | None = None
+        self.device = None
+        self.metrics_sink = None
+
+    def node_info(self) -> Dict[str, Any]:
+        ctx = ray.get_runtime_context()
+        return {"node_id": ctx.get_node_id(), "node_ip": ray.util.get_node_ip_address(),
+                "gpu_ids": [str(g) for g in ray.get_gpu_ids()], "pid": os.getpid(),
+                "hostname": os.uname().nodename}
+
+    def free_port(self) -> int:
+        return free_port()
+
+    def setup(self, env: Dict[str, Any], backend: str, timeout_s: float) -> str:
+        """Join the process group; returns the backend actually used."""
+        self.env = WorkerEnv(**env)
+        has_gpu = bool(ray.get_gpu_ids())
+        chosen = choose_backend(backend, has_gpu)
+        self.device = init_distributed(self.env, chosen, timeout_s)
+        return chosen
+
+    def fit(self, cfg_dict: Dict[str, Any]) -> Dict[str, Any]:
+        from raytrain_ext.config import config_from_dict
+        from raytrain_ext.metrics.sinks import RayMetricsSink
+        from raytrain_ext.train.loop import TrainLoop
+
+        cfg = config_from_dict(cfg_dict)
+        assert self.env is not None, "setup() must run before fit()"
+        is_rank0 = self.env.rank == 0
+        if is_rank0:
+            self.metrics_sink = RayMetricsSink(cfg.run.name)
+
+        def report(record: Dict[str, Any]) -> None:
+            self.events.push(record, keep=is_rank0)
+            if self.metrics_sink is not None:
+                self.metrics_sink.write(record["step"], record)
+
+        loop = TrainLoop(cfg, self.env.rank, self.env.world_size, self.env.local_rank,
+                         self.device, report)
+        return loop.fit()
+
+    def poll(self) -> Dict[str, Any]:
+        return self.events.drain()
+
+    def shutdown(self) -> None:
+        destroy_distributed()
+
+
+def remote_worker_class(max_concurrency: int = 2):
+    return ray.remote(max_concurrency=max_concurrency)(TrainWorker)

@@ -1,0 +1,117 @@
+"""torch.distributed setup inside a worker: environment, device, process group.
+
+Invariants: every process group is created with a finite timeout (gloo's
+default is 30 minutes and it cannot be aborted, so a vanished peer would hang
+the survivors); the backend is NCCL exactly when the worker has a GPU unless
+the config forces one; on loopback rendezvous gloo is pinned to ``lo``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import asdict, dataclass
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class WorkerEnv:
+    """The rendezvous facts the driver hands each worker (the torchrun variables)."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+    cuda_visible_devices: Optional[str] = None  # union of this node's worker GPUs
+    device_index: int = 0  # this worker's GPU inside cuda_visible_devices
+
+    def as_environ(self) -> dict:
+        env = {"RANK": self.rank, "LOCAL_RANK": self.local_rank, "WORLD_SIZE": self.world_size,
+               "LOCAL_WORLD_SIZE": self.local_world_size, "GROUP_RANK": self.node_rank,
+               "MASTER_ADDR": self.master_addr, "MASTER_PORT": self.master_port}
+        if self.cuda_visible_devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = self.cuda_visible_devices
+        return {k: str(v) for k, v in env.items()}
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def free_port(host: str = "") -> int:
+    """A TCP port that is free on this node now (the rendezvous port of rank 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def choose_backend(requested: str, has_gpu: bool) -> str:
+    if requested == "auto":
+        return "nccl" if has_gpu else "gloo"
+    return requested
+
+
+def init_distributed(env: WorkerEnv, backend: str, timeout_s: float) -> torch.device:
+    """Export the torchrun variables, pick the device, join the process group."""
+    os.environ.update(env.as_environ())
+    if env.master_addr.startswith("127.") or env.master_addr == "localhost":
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", env.device_index)
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend=backend,
+        init_method=f"tcp://{env.master_addr}:{env.master_port}",
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    return device
+
+
+def destroy_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def assign_ranks(node_ids: List[str], gpu_ids: List[List[str]], master_addrs: List[str],
+                 port: int, order: Optional[List[int]] = None) -> List[WorkerEnv]:
+    """Rank workers node by node so local ranks are contiguous (as torchrun does).
+
+    ``node_ids[i]``/``gpu_ids[i]`` describe actor ``i``; the result's entry ``i`` is
+    actor ``i``'s environment.  Rank 0 is the first actor on the first node seen;
+    ``master_addrs[i]`` is the address actor ``i`` would publish as master.
+    """
+    node_order: List[str] = []
+    for nid in node_ids:
+        if nid not in node_order:
+            node_order.append(nid)
+    ranked = sorted(range(len(node_ids)), key=lambda i: (node_order.index(node_ids[i]), i))
+    master = master_addrs[ranked[0]]
+    per_node_gpus = {nid: sorted({g for i, n in enumerate(node_ids) if n == nid for g in gpu_ids[i]},
+                                 key=_gpu_sort_key) for nid in node_order}
+    envs: List[Optional[WorkerEnv]] = [None] * len(node_ids)
+    for rank, i in enumerate(ranked):
+        nid = node_ids[i]
+        peers = [j for j in ranked if node_ids[j] == nid]
+        visible = per_node_gpus[nid]
+        envs[i] = WorkerEnv(
+            rank=rank, local_rank=peers.index(i), world_size=len(node_ids),
+            local_world_size=len(peers), node_rank=node_order.index(nid), master_addr=master,
+            master_port=port,
+            cuda_visible_devices=",".join(visible) if visible else None,
+            device_index=visible.index(gpu_ids[i][0]) if gpu_ids[i] else 0,
+        )
+    return envs  # type: ignore[return-value]
+
+
+def _gpu_sort_key(gpu_id: str):
+    return (0, int(gpu_id)) if gpu_id.isdigit() else (1, gpu_id)
