@@ -1,0 +1,46 @@
+"""Run the real training loop in W local processes over gloo (no Ray): the multi-process rung."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Dict, List
+
+import torch
+import torch.multiprocessing as mp
+
+from raytrain_ext.config import config_from_dict, load_config, to_dict
+from raytrain_ext.worker.dist_env import WorkerEnv, destroy_distributed, free_port, init_distributed
+
+
+def _run_rank(rank: int, world: int, port: int, cfg_dict: dict, out_dir: str) -> None:
+    from raytrain_ext.train.loop import TrainLoop
+
+    env = WorkerEnv(rank=rank, local_rank=rank, world_size=world, local_world_size=world,
+                    node_rank=0, master_addr="127.0.0.1", master_port=port)
+    torch.set_num_threads(1)
+    device = init_distributed(env, "gloo", timeout_s=60)
+    try:
+        loop = TrainLoop(config_from_dict(cfg_dict), rank, world, rank, device, lambda r: None)
+        result = loop.fit()
+        params = {k: v.clone() for k, v in loop.strategy.full_parameters(loop.model).items()}
+        torch.save({"result": result, "params": params}, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        destroy_distributed()
+
+
+def train_processes(world: int, overrides: List[str], out_dir: Path) -> List[Dict]:
+    """Train with `world` gloo processes; return each rank's {result, params}.
+
+    The config is validated for ``scaling.num_workers`` from ``overrides`` (default
+    ``world``); running more ranks than that mimics an elastic resize, where the
+    global batch may split unevenly.
+    """
+    if not any(o.startswith("scaling.num_workers=") for o in overrides):
+        overrides = [f"scaling.num_workers={world}", *overrides]
+    cfg = load_config(None, overrides)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    mp.start_processes(_run_rank, args=(world, free_port("127.0.0.1"), to_dict(cfg), str(out_dir)),
+                       nprocs=world, join=True, start_method="spawn")
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
