@@ -78,7 +78,9 @@ class Controller:
             self.group.shutdown()
         self.result.state = self.state
         if self.state is RunState.FAILED:
-            raise TrainingFailed(f"training failed: {self.result.error}") from self.result.error
+            reason = self.result.transitions[-1].reason
+            raise TrainingFailed(f"training failed: {reason}:\n{self.result.error}") \
+                from self.result.error
         return self.result
 
     def _transition(self, target: RunState, reason: str) -> None:
@@ -110,19 +112,22 @@ class Controller:
             done, pending = ray.wait(pending, num_returns=len(pending), timeout=interval)
             failed = self._first_error(done)
             if failed is not None:
-                self.result.error = failed
-                return RunState.FAILED, f"a worker raised {type(failed).__name__}"
+                rank, error = failed
+                info = self.group.infos[rank]
+                self.result.error = error
+                return RunState.FAILED, (f"worker rank {rank} (node {info['node_ip']}, pid "
+                                         f"{info['pid']}) raised {_error_name(error)}")
             self._drain_events()
         self.result.worker_results = ray.get(self._fit_refs)
         self._drain_events()
         return RunState.FINISHED, f"{self.cfg.run.max_steps} steps completed"
 
-    def _first_error(self, done: List[ray.ObjectRef]) -> Optional[BaseException]:
+    def _first_error(self, done: List[ray.ObjectRef]) -> Optional[Tuple[int, BaseException]]:
         for ref in done:
             try:
                 ray.get(ref)
             except Exception as e:
-                return e
+                return self._fit_refs.index(ref), e
         return None
 
     def _drain_events(self) -> None:
@@ -134,3 +139,8 @@ class Controller:
         for record in events["records"]:
             self.result.records.append(record)
             self.sink.write(record["step"], record)
+
+
+def _error_name(error: BaseException) -> str:
+    """The worker's own exception type, not Ray's ``RayTaskError`` wrapper."""
+    return type(getattr(error, "cause", None) or error).__name__

@@ -1,0 +1,59 @@
+"""End to end through the real entrypoints, each in its own process with its own local Ray."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PROGRESS = re.compile(r"^step +\d+/\d+  loss [\d.]+  lr [\d.e+-]+  grad_norm [\d.]+  "
+                      r"tokens/s +\d+  step_time [\d.]+ ms  world 2$", re.M)
+
+
+def run(cmd, cwd):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("RAY_ADDRESS", None)
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def raytrain_ext_cmd():
+    exe = Path(sys.executable).with_name("raytrain-ext")
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "raytrain_ext"]
+
+
+@pytest.mark.slow
+def test_cli_and_job_entrypoint_train_the_same_model(tmp_path):
+    common = ["run.max_steps=6", "run.log_every=3", f"run.output_dir={tmp_path}"]
+    cli = run([*raytrain_ext_cmd(), "train", *common, "run.name=cli"], cwd=tmp_path)
+    assert cli.returncode == 0, cli.stderr[-3000:]
+    assert len(PROGRESS.findall(cli.stdout)) == 2, cli.stdout  # steps 3 and 6, rank 0 only
+    job = run([sys.executable, str(REPO / "jobs" / "train.py"), "--config",
+               str(REPO / "configs" / "tiny_cpu.yaml"), *common, "run.name=job"], cwd=tmp_path)
+    assert job.returncode == 0, job.stderr[-3000:]
+    a = json.loads((tmp_path / "cli" / "summary.json").read_text())
+    b = json.loads((tmp_path / "job" / "summary.json").read_text())
+    assert a["steps_completed"] == b["steps_completed"] == 6
+    assert a["params_sha256"] == b["params_sha256"]  # packaged default == configs/tiny_cpu.yaml
+    assert (tmp_path / "cli" / "config.yaml").read_text().count("max_steps: 6") == 1
+    assert list((tmp_path / "cli" / "tensorboard").glob("events.out.tfevents.*"))
+    assert '"params_sha256"' in cli.stdout  # the summary is printed
+
+
+def test_cli_config_error_exits_2_before_starting_ray(tmp_path):
+    result = run([*raytrain_ext_cmd(), "train", "data.global_batch_sise=4"], cwd=tmp_path)
+    assert result.returncode == 2
+    assert "data.global_batch_sise: unknown key" in result.stderr
+    assert "Did you mean 'data.global_batch_size'" in result.stderr
+    assert "Ray" not in result.stdout + result.stderr and not (tmp_path / "runs").exists()
+
+
+def test_positional_config_and_overrides(tmp_path):
+    from raytrain_ext.cli import split_config_and_overrides
+
+    assert split_config_and_overrides(None, ["c.yaml", "a=1"]) == ("c.yaml", ["a=1"])
+    assert split_config_and_overrides("d.yaml", ["a=1"]) == ("d.yaml", ["a=1"])
+    assert split_config_and_overrides(None, ["a=1"]) == (None, ["a=1"])

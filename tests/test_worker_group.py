@@ -1,0 +1,95 @@
+"""The worker group and the Python API on a real single-node Ray."""
+
+import json
+import os
+import re
+
+import pytest
+import ray
+
+from raytrain_ext import Trainer, TrainingFailed, load_config
+from raytrain_ext.worker.dist_env import assign_ranks
+from raytrain_ext.worker.group import PlacementTimeout, WorkerGroup
+from tests.conftest import tiny_overrides
+from tests.leaks import assert_nothing_left
+
+
+def test_ranks_are_contiguous_per_node_and_gpus_are_mapped():
+    envs = assign_ranks(node_ids=["b", "a", "b", "a"], gpu_ids=[["3"], ["0"], ["1"], ["1"]],
+                        master_addrs=["10.0.0.2", "10.0.0.1", "10.0.0.2", "10.0.0.1"], port=29500)
+    by_rank = sorted(envs, key=lambda e: e.rank)
+    assert [e.rank for e in envs] == [0, 2, 1, 3]  # node "b" was seen first
+    assert [(e.node_rank, e.local_rank) for e in by_rank] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert {e.master_addr for e in envs} == {"10.0.0.2"} and envs[0].master_port == 29500
+    assert envs[0].cuda_visible_devices == "1,3" and envs[0].device_index == 1
+    assert envs[2].device_index == 0 and envs[1].cuda_visible_devices == "0,1"
+    assert envs[0].as_environ()["LOCAL_WORLD_SIZE"] == "2"
+
+
+@pytest.mark.slow
+def test_workers_get_torchrun_environment_and_one_gloo_group(ray_local):
+    group = WorkerGroup({"CPU": 1})
+    try:
+        group.start(3, backend="auto", timeout_s=30, placement_timeout_s=30)
+        environs = ray.get([a.__ray_call__.remote(lambda self: dict(os.environ))
+                            for a in group.actors])
+        assert [e["RANK"] for e in environs] == ["0", "1", "2"]
+        assert {e["WORLD_SIZE"] for e in environs} == {"3"}
+        assert [e["LOCAL_RANK"] for e in environs] == ["0", "1", "2"]
+        assert {(e["MASTER_ADDR"], e["MASTER_PORT"]) for e in environs} == {
+            ("127.0.0.1", str(group.envs[0].master_port))}
+        assert group.backend == "gloo"
+
+        def all_reduce(self):
+            import torch
+            import torch.distributed as dist
+            t = torch.tensor([float(dist.get_rank() + 1)])
+            dist.all_reduce(t)
+            return t.item(), dist.get_world_size()
+
+        assert ray.get([a.__ray_call__.remote(all_reduce) for a in group.actors]) == [(6.0, 3)] * 3
+    finally:
+        group.shutdown()
+    assert_nothing_left()
+
+
+def test_impossible_placement_fails_fast_and_cleans_up(ray_local):
+    group = WorkerGroup({"CPU": 64})
+    with pytest.raises(PlacementTimeout, match=r"could not place 2 workers with \{'CPU': 64.0\}"):
+        group.start(2, backend="auto", timeout_s=10, placement_timeout_s=1)
+    group.shutdown()
+    assert_nothing_left()
+
+
+@pytest.mark.slow
+def test_fit_writes_run_dir_and_identical_runs_are_bit_identical(ray_local, tmp_path):
+    summaries = []
+    for name in ("a", "b"):
+        cfg = load_config(None, tiny_overrides(tmp_path, f"run.name={name}"))
+        summaries.append(Trainer(cfg).fit())
+        assert_nothing_left()
+    a, b = summaries
+    assert a["status"] == "finished" and a["steps_completed"] == 6
+    assert a["replicas_identical"] is True
+    assert a["params_sha256"] == b["params_sha256"] and a["samples_digest"] == b["samples_digest"]
+    assert a["samples_consumed"] == 6 * 16
+    assert a["world_size_history"] == [{"step": 0, "world_size": 2}]
+    assert a["final_loss"] < a["first_loss"]
+    on_disk = json.loads((tmp_path / "a" / "summary.json").read_text())
+    assert on_disk["params_sha256"] == a["params_sha256"]
+    resolved = load_config(tmp_path / "a" / "config.yaml")
+    assert resolved.run.max_steps == 6 and resolved.data.seed == 1234
+
+
+@pytest.mark.slow
+def test_worker_error_reaches_the_user_and_nothing_is_left(ray_local, tmp_path):
+    cfg = load_config(None, tiny_overrides(tmp_path, "data.path=/nonexistent/tokens.parquet"))
+    with pytest.raises(TrainingFailed) as info:
+        Trainer(cfg).fit()
+    text = str(info.value) + str(info.value.__cause__)
+    assert "FileNotFoundError" in text and "data.path: /nonexistent/tokens.parquet" in text
+    assert re.search(r"worker rank \d \(node 127\.0\.0\.1, pid \d+\) raised FileNotFoundError", text)
+    assert 'tokens.py", line' in text  # the worker's own traceback
+    summary = json.loads((tmp_path / "tiny" / "summary.json").read_text())
+    assert summary["status"] == "failed" and "does not exist" in summary["error"]
+    assert_nothing_left()
