@@ -27,7 +27,7 @@ def _train(args: argparse.Namespace) -> int:
         print(f"training failed; see {trainer.run_dir / 'summary.json'}\n{e.__cause__ or e}",
               file=sys.stderr)
         return 1
-    shown = {k: v for k, v in summary.items() if k not in ("loss_history", "transitions")}
+    shown = {k: v for k, v in summary.items() if k not in ("loss_history", "step_times", "transitions")}
     print(f"run summary ({trainer.run_dir / 'summary.json'}):")
     print(json.dumps(shown, indent=2))
     return 0

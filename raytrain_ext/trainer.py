@@ -114,6 +114,8 @@ def build_summary(cfg, result: ControllerResult, start: float,
         "first_loss": records[0]["loss"] if records else None,
         **summarize_records(records),
         "wall_time_s": time.time() - start,
+        "started_at": start,
+        "first_step_at": records[0]["time"] if records else None,
         "time_to_first_step_s": records[0]["time"] - start if records else None,
         "world_size_history": result.world_size_history,
         "params_sha256": hashes[0] if len(hashes) == 1 else hashes or None,
@@ -125,6 +127,7 @@ def build_summary(cfg, result: ControllerResult, start: float,
         "transitions": [t.__dict__ for t in result.transitions],
         "versions": {"torch": torch.__version__, "ray": ray.__version__},
         "loss_history": [[r["step"], r["loss"]] for r in records],
+        "step_times": [r["step_time_s"] for r in records],
     }
     if error is not None:
         summary["error"] = str(error.__cause__ or error)

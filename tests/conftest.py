@@ -25,3 +25,18 @@ def tiny_overrides(tmp_path, *extra):
     """The packaged default, shortened for tests, writing under tmp_path."""
     return [f"run.output_dir={tmp_path}", "run.max_steps=6", "run.log_every=2",
             "run.tensorboard=false", *extra]
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """moto's standalone S3 server on loopback, spoken to through real boto3/pyarrow HTTP calls."""
+    from moto.server import ThreadedMotoServer
+
+    for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                       "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        os.environ.setdefault(key, value)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()

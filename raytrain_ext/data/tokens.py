@@ -71,7 +71,7 @@ def open_token_dataset(path: str, seq_len: int, *, s3_endpoint_url: Optional[str
 
 def _read_local(path: Path) -> np.ndarray:
     if path.suffix == ".parquet":
-        return _column(pq.read_table(path, columns=[TOKEN_COLUMN], memory_map=True), str(path))
+        return _column(_read_parquet(pq.ParquetFile(path, memory_map=True), str(path)), str(path))
     table = pa.ipc.open_file(pa.memory_map(str(path), "r")).read_all()
     return _column(table, str(path))
 
@@ -89,13 +89,21 @@ def _read_remote(fs: pafs.FileSystem, path: str) -> np.ndarray:
     for name in names:
         with fs.open_input_file(name) as f:
             if name.endswith(".parquet"):
-                table = pq.read_table(f, columns=[TOKEN_COLUMN])
+                table = _read_parquet(pq.ParquetFile(f), f"s3://{name}")
             else:
                 table = pa.ipc.open_file(f).read_all()
         arrays.append(_column(table, f"s3://{name}"))
     if not arrays:
         raise FileNotFoundError(f"data.path: s3://{path} holds no {'/'.join(SUFFIXES)} files")
     return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+
+
+def _read_parquet(parquet: pq.ParquetFile, source: str) -> pa.Table:
+    """Read only the token column, after checking that it exists."""
+    if TOKEN_COLUMN not in parquet.schema_arrow.names:
+        raise ValueError(f"{source} has no '{TOKEN_COLUMN}' column "
+                         f"(columns: {parquet.schema_arrow.names})")
+    return parquet.read(columns=[TOKEN_COLUMN])
 
 
 def _column(table: pa.Table, source: str) -> np.ndarray:
