@@ -33,6 +33,21 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ckpt_export(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from raytrain_ext.checkpoint.export import export_safetensors
+
+    try:
+        info = export_safetensors(args.location, Path(args.to), args.s3_endpoint_url)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"export failed: {e}", file=sys.stderr)
+        return 1
+    print(f"exported step {info['step']}: {info['tensors']} tensors, "
+          f"{info['parameters']:,} parameters -> {info['out']}")
+    return 0
+
+
 def split_config_and_overrides(config: Optional[str], items: List[str]):
     """``--config X`` wins; otherwise a first positional that is not key=value is the config."""
     items = list(items)
@@ -49,6 +64,16 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("items", nargs="*", metavar="[CONFIG.yaml] key=value",
                        help="a config file and/or OmegaConf overrides, e.g. run.max_steps=10")
     train.set_defaults(func=_train)
+
+    ckpt = commands.add_parser("ckpt", help="inspect and convert checkpoints")
+    ckpt_commands = ckpt.add_subparsers(dest="ckpt_command", required=True)
+    export = ckpt_commands.add_parser("export", help="full model to Hugging Face safetensors")
+    export.add_argument("location", metavar="RUN_OR_PATH",
+                        help="a run directory, a checkpoints directory, a step-<N> directory, "
+                             "or an s3:// prefix or step URI (newest committed step if not given)")
+    export.add_argument("--to", required=True, help="output .safetensors file")
+    export.add_argument("--s3-endpoint-url", default=None)
+    export.set_defaults(func=_ckpt_export)
     return parser
 
 

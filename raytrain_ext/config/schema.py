@@ -112,10 +112,40 @@ class ParallelConfig:
 
 
 @dataclass
-class CheckpointConfig:
-    """Where a run's checkpoints live (tiers and policy arrive with checkpointing)."""
+class S3Config:
+    """The S3 tier; ``uri: null`` disables it.  Credentials come from the boto3 chain."""
 
+    uri: Optional[str] = None  # s3://bucket/prefix
+    endpoint_url: Optional[str] = None  # MinIO, COS, OSS, moto, ...
+    region: Optional[str] = None
+    part_size_mb: int = 16
+    max_concurrency: int = 8
+    max_attempts: int = 5
+    retry_backoff_s: float = 1.0
+
+
+@dataclass
+class CheckpointConfig:
+    """When and where checkpoints are written, and how a run resumes.
+
+    A checkpoint is written to the fastest tier, then persisted down the others
+    in the background: local disk (``dir``, on each node) and S3 (``s3.uri``).
+    Saves trigger every ``every_steps`` steps and/or every ``every_seconds``
+    seconds (``null`` disables either), on demand, and on preemption.
+    """
+
+    enabled: bool = True
     dir: str = "${run.output_dir}/${run.name}/checkpoints"
+    local: bool = True
+    s3: S3Config = field(default_factory=S3Config)
+    every_steps: Optional[int] = None
+    every_seconds: Optional[float] = 600.0
+    save_final: bool = True
+    async_save: bool = True
+    on_busy: str = "skip"  # skip | wait: when a save is due while the previous one persists
+    keep_last: int = 3
+    resume: str = "auto"  # auto (newest committed, if any) | never | a step-<N> path or URI
+    timeout_s: float = 600.0
 
 
 @dataclass

@@ -8,6 +8,7 @@ numbers involved and says how to fix it.
 from __future__ import annotations
 
 import math
+import re
 from typing import Callable, List
 
 from omegaconf import DictConfig
@@ -20,16 +21,18 @@ CHOICES = {
     "parallel.strategy": ("ddp",),
     "parallel.backend": ("auto", "nccl", "gloo"),
     "parallel.mixed_precision": ("auto", "bf16", "fp32"),
+    "checkpoint.on_busy": ("skip", "wait"),
 }
 
 POSITIVE_INTS = (
     "run.max_steps", "run.log_every", "model.n_layers", "model.d_model", "model.n_heads",
     "model.vocab_size", "model.seq_len", "model.mlp_ratio", "data.global_batch_size",
-    "data.micro_batch_size", "optim.decay_steps", "scaling.num_workers",
+    "data.micro_batch_size", "optim.decay_steps", "scaling.num_workers", "checkpoint.keep_last",
+    "checkpoint.s3.part_size_mb", "checkpoint.s3.max_concurrency", "checkpoint.s3.max_attempts",
 )
 
 POSITIVE_FLOATS = ("optim.lr", "optim.eps", "scaling.placement_timeout_s",
-                   "parallel.timeout_s", "elastic.poll_interval_s")
+                   "parallel.timeout_s", "elastic.poll_interval_s", "checkpoint.timeout_s")
 
 NON_NEGATIVE = ("run.seed", "data.seed", "optim.min_lr", "optim.weight_decay", "optim.warmup_steps", "optim.grad_clip",
                 "model.moe.num_experts", "model.moe.aux_loss_weight")
@@ -151,6 +154,25 @@ def _check_scaling(cfg: DictConfig) -> None:
                           "each worker a GPU.")
 
 
+def _check_checkpoint(cfg: DictConfig) -> None:
+    c = cfg.checkpoint
+    for key in ("every_steps", "every_seconds"):
+        value = c[key]
+        if value is not None and value <= 0:
+            raise ConfigError(f"checkpoint.{key}: must be > 0 or null (disabled), got {value}.")
+    if c.s3.uri is not None and not (c.s3.uri.startswith("s3://") and len(c.s3.uri) > 5):
+        raise ConfigError(f"checkpoint.s3.uri: {c.s3.uri!r} is not an s3://bucket/prefix URI. "
+                          "Set it like s3://my-bucket/checkpoints, or null to disable the S3 tier.")
+    if c.resume not in ("auto", "never") and not re.search(r"step-\d+/?$", c.resume):
+        raise ConfigError(f"checkpoint.resume: {c.resume!r} must be auto, never, or the path/URI "
+                          "of one step-<N> checkpoint directory.")
+    if c.enabled and not (c.local or c.s3.uri):
+        raise ConfigError("checkpoint.local: checkpoints are enabled but no persistent tier is; "
+                          "set checkpoint.local=true or checkpoint.s3.uri, or "
+                          "checkpoint.enabled=false.")
+
+
 _CHECKS: List[Callable[[DictConfig], None]] = [
     _check_choices, _check_ranges, _check_model, _check_batch, _check_optim, _check_scaling,
+    _check_checkpoint,
 ]

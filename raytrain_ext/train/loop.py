@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from raytrain_ext.checkpoint.manager import CheckpointManager
+from raytrain_ext.config import config_digest
 from raytrain_ext.data import GlobalSampler, open_token_dataset, rank_slice
 from raytrain_ext.models import build_model
 from raytrain_ext.parallel import DistContext, build_strategy
@@ -72,16 +74,30 @@ class TrainLoop:
         self.step = 0
         self.global_tokens = cfg.data.global_batch_size * cfg.model.seq_len
         self.max_local = math.ceil(cfg.data.global_batch_size / world_size)
+        self.config_digest = config_digest(cfg)
+        self.ckpt: Optional[CheckpointManager] = None
+        self.restored: Optional[Dict[str, Any]] = None
+        if cfg.checkpoint.enabled:
+            self.ckpt = CheckpointManager(cfg.checkpoint, cfg.run.name, rank, world_size,
+                                          local_rank, self.config_digest)
+            for tier in self.ckpt.tiers:
+                tier.probe()
+            self.restored = self.ckpt.restore(self)
 
     def fit(self) -> Dict[str, Any]:
         """Train until ``run.max_steps``; return this rank's final digests."""
         last_loss = float("nan")
-        while self.step < self.cfg.run.max_steps:
-            last_loss = self.train_step()
+        try:
+            while self.step < self.cfg.run.max_steps:
+                last_loss = self.train_step()
+        finally:
+            if self.ckpt is not None:
+                self.ckpt.close()
         params = self.strategy.full_parameters(self.model)
         return {"rank": self.ctx.rank, "steps": self.step, "final_loss": last_loss,
                 "params_sha256": params_sha256(params), "samples_digest": self.ledger.digest,
-                "samples_consumed": self.ledger.samples}
+                "samples_consumed": self.ledger.samples, "restored": self.restored,
+                "checkpoint": self.ckpt.stats if self.ckpt else None}
 
     def train_step(self) -> float:
         start = time.perf_counter()
@@ -93,14 +109,19 @@ class TrainLoop:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        consumed, total_loss = self._exchange(local, loss_sum)
+        votes = (self.ckpt.request_flag(), float(self.ckpt.busy())) if self.ckpt else (0.0, 0.0)
+        consumed, total_loss, request, any_busy = self._exchange(local, loss_sum, votes)
         self.ledger.record(step, consumed)
         self.step += 1
+        stall = 0.0
+        if self.ckpt is not None:
+            stall = self.ckpt.after_step(self, self.step, request, any_busy > 0,
+                                         final=self.step == self.cfg.run.max_steps)
         step_time = time.perf_counter() - start
         loss = total_loss / self.global_tokens
         self.report({"step": self.step, "loss": loss, "lr": lr, "grad_norm": float(grad_norm),
                      "step_time_s": step_time, "tokens_per_s": self.global_tokens / step_time,
-                     "world_size": ctx.world_size, "time": time.time()})
+                     "ckpt_stall_s": stall, "world_size": ctx.world_size, "time": time.time()})
         return loss
 
     def _forward_backward(self, local: np.ndarray) -> torch.Tensor:
@@ -130,19 +151,26 @@ class TrainLoop:
             return contextlib.nullcontext()
         return torch.autocast(self.ctx.device.type, dtype=self.ctx.autocast_dtype)
 
-    def _exchange(self, local: np.ndarray, loss_sum: torch.Tensor):
-        """One all-gather of [loss sum, indices padded with -1] from every rank."""
-        payload = torch.full((1 + self.max_local,), -1.0, dtype=torch.float64)
-        payload[1:1 + len(local)] = torch.from_numpy(local.astype(np.float64))
+    def _exchange(self, local: np.ndarray, loss_sum: torch.Tensor, votes: tuple):
+        """One all-gather of [loss sum, save request, save busy, indices padded with -1].
+
+        Returns the consumed indices, the global loss sum, and the max over ranks
+        of the checkpoint votes, so every rank takes the same save decision.
+        """
+        head = 3
+        payload = torch.full((head + self.max_local,), -1.0, dtype=torch.float64)
+        payload[1:head] = torch.tensor(votes, dtype=torch.float64)
+        payload[head:head + len(local)] = torch.from_numpy(local.astype(np.float64))
         payload = payload.to(self.ctx.device)
         payload[0] = loss_sum
         gathered = torch.empty(self.ctx.world_size * payload.numel(), dtype=torch.float64,
                                device=self.ctx.device)
         _all_gather_flat(gathered, payload)
         gathered = gathered.view(self.ctx.world_size, -1).cpu()
-        indices = gathered[:, 1:].flatten()
+        indices = gathered[:, head:].flatten()
         consumed = indices[indices >= 0].to(torch.int64).numpy()
-        return consumed, float(gathered[:, 0].sum())
+        request, busy = gathered[:, 1].max().item(), gathered[:, 2].max().item()
+        return consumed, float(gathered[:, 0].sum()), request, busy
 
 
 def _all_gather_flat(output: torch.Tensor, tensor: torch.Tensor) -> None:

@@ -1,0 +1,1 @@
+"""Sharded, tiered, asynchronous checkpoints of the whole training state (DCP based)."""

@@ -1,0 +1,275 @@
+"""Saving and restoring the whole training state, one instance per rank.
+
+Save protocol (every rank, same step, agreed through the training loop's
+per-step exchange):
+1. In the loop: snapshot the state to host memory (the only stall).
+2. In a background thread, on a dedicated gloo group (an async DCP save on
+   the training group crashes gloo): DCP writes this rank's shards into the
+   staging directory (the local tier's own directory when it is enabled).
+3. Each rank checksums its files; an all-gather gives every rank the file list.
+4. Tier by tier (local, then S3): each rank uploads its files, the ranks agree
+   that all uploads landed, then the manifest is written last (commit) and old
+   checkpoints are pruned.  A tier that fails is alarmed and skipped; the
+   others still commit.
+
+Restore: rank 0 lists committed checkpoints (newest first, local before S3 on
+a tie), every rank fetches and verifies the files, and the first candidate
+that verifies on all ranks is loaded by DCP, resharded onto this world size.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from raytrain_ext.checkpoint import state as ckpt_state
+from raytrain_ext.checkpoint.manifest import (
+    Manifest,
+    checksum_file,
+    parse_step_dir,
+    step_dir_name,
+    verify_dir,
+)
+from raytrain_ext.checkpoint.tier import Tier, prune
+from raytrain_ext.checkpoint.tiers import build_tiers, tier_for_location
+
+log = logging.getLogger(__name__)
+
+REQUEST_NONE, REQUEST_SAVE, REQUEST_EMERGENCY = 0.0, 1.0, 2.0
+
+
+class CheckpointMismatch(RuntimeError):
+    """The checkpoint does not fit the model being trained."""
+
+
+class NoUsableCheckpoint(RuntimeError):
+    """Committed checkpoints exist, but none verifies."""
+
+
+class CheckpointManager:
+    def __init__(self, ckpt_cfg, run_name: str, rank: int, world_size: int, local_rank: int,
+                 config_digest: str):
+        self.cfg = ckpt_cfg
+        self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
+        self.config_digest = config_digest
+        self.tiers: List[Tier] = build_tiers(ckpt_cfg)
+        scratch = Path(tempfile.gettempdir()) / f"raytrain-ext-{run_name}"
+        self.staging = Path(ckpt_cfg.dir) if ckpt_cfg.local else scratch / "staging"
+        self.cache = scratch / f"cache-rank{rank}"
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=ckpt_cfg.timeout_s))
+        self._thread: Optional[threading.Thread] = None
+        self._last_save_time = time.time()
+        self.requested = REQUEST_NONE
+        self.stats: Dict[str, Any] = {"saves": 0, "skipped": 0, "stall_s": 0.0,
+                                      "committed": {t.name: None for t in self.tiers},
+                                      "failed": []}
+
+    # ---- deciding -------------------------------------------------------------------------
+    def request_flag(self) -> float:
+        """This rank's vote for saving after the current step (max over ranks wins)."""
+        flag = self.requested
+        every = self.cfg.every_seconds
+        if self.rank == 0 and every is not None and time.time() - self._last_save_time >= every:
+            flag = max(flag, REQUEST_SAVE)
+        return flag
+
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def is_due(self, step: int, request: float, final: bool) -> bool:
+        every = self.cfg.every_steps
+        return ((final and self.cfg.save_final) or request >= REQUEST_SAVE
+                or (every is not None and step % every == 0))
+
+    def after_step(self, loop, step: int, request: float, any_busy: bool, final: bool) -> float:
+        """Save if due (identically on every rank); returns the training stall in seconds."""
+        if not self.is_due(step, request, final):
+            return 0.0
+        urgent = final or request >= REQUEST_EMERGENCY
+        if any_busy and self.cfg.on_busy == "skip" and not urgent:
+            self.stats["skipped"] += 1
+            if self.rank == 0:
+                log.warning("checkpoint at step %d skipped: the previous save is still "
+                            "persisting (checkpoint.on_busy=skip)", step)
+            return 0.0
+        start = time.perf_counter()
+        self.wait()
+        snap = ckpt_state.snapshot(ckpt_state.capture(loop))
+        if torch.cuda.is_available() and loop.ctx.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+        stall = time.perf_counter() - start
+        self.stats["saves"] += 1
+        self.stats["stall_s"] += stall
+        self._last_save_time = time.time()
+        self.requested = REQUEST_NONE
+        if self.cfg.async_save and not urgent:
+            self._thread = threading.Thread(target=self._persist, args=(step, snap),
+                                            name=f"ckpt-step-{step}", daemon=True)
+            self._thread.start()
+        else:
+            self._persist(step, snap)
+        return stall
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    # ---- saving ---------------------------------------------------------------------------
+    def _persist(self, step: int, snap: Dict[str, Any]) -> None:
+        try:
+            step_dir = self.staging / step_dir_name(step)
+            dcp.save(snap, storage_writer=dcp.FileSystemWriter(step_dir),
+                     process_group=self.group)
+            mine = self._own_files(step_dir)
+            entries = {name: checksum_file(step_dir / name) for name in mine}
+            gathered: List[Any] = [None] * self.world_size
+            dist.all_gather_object(gathered, entries, group=self.group)
+            files = {name: entry for part in gathered for name, entry in part.items()}
+            manifest = Manifest(step=step, world_size=self.world_size, tier="", files=files,
+                                config_digest=self.config_digest, versions=_versions())
+            for tier in self.tiers:
+                self._persist_to(tier, manifest, step_dir, mine)
+            if not self.cfg.local:
+                shutil.rmtree(step_dir, ignore_errors=True)
+        except Exception as e:  # never kill training for a failed save; the log says why
+            self.stats["failed"].append({"step": step, "error": str(e)})
+            log.error("ALARM: checkpoint of step %d failed on rank %d: %s", step, self.rank, e)
+
+    def _own_files(self, step_dir: Path) -> List[str]:
+        names = [p.name for p in step_dir.iterdir() if p.name.startswith(f"__{self.rank}_")]
+        if self.rank == 0:
+            names.append(".metadata")
+        return sorted(names)
+
+    def _persist_to(self, tier: Tier, manifest: Manifest, step_dir: Path, mine: List[str]) -> None:
+        error = None
+        try:
+            tier.upload(manifest.step, step_dir, mine)
+        except Exception as e:
+            error = f"rank {self.rank}: {e}"
+        errors: List[Any] = [None] * self.world_size
+        dist.all_gather_object(errors, error, group=self.group)
+        errors = [e for e in errors if e]
+        if errors:
+            self.stats["failed"].append({"step": manifest.step, "tier": tier.name,
+                                         "error": errors[0]})
+            if self.rank == 0:
+                log.error("ALARM: step %d not committed to tier %s: %s", manifest.step,
+                          tier.name, "; ".join(errors))
+            return
+        if self._commits(tier):
+            tier.commit(manifest.for_tier(tier.name))
+            deleted = prune(tier, self.cfg.keep_last, in_progress=None)
+            if deleted and self.rank == 0:
+                log.info("checkpoint retention (%s): deleted steps %s", tier.name, deleted)
+        self.stats["committed"][tier.name] = manifest.step
+        if self.rank == 0:
+            log.info("checkpoint step %d committed to %s", manifest.step, tier.name)
+
+    def _commits(self, tier: Tier) -> bool:
+        """Node-local tiers are committed by each node's first rank, shared ones by rank 0."""
+        return self.local_rank == 0 if tier.name == "local" else self.rank == 0
+
+    # ---- restoring ------------------------------------------------------------------------
+    def restore(self, loop) -> Optional[Dict[str, Any]]:
+        """Load the newest committed checkpoint that verifies; None when there is none."""
+        if self.cfg.resume == "never":
+            return None
+        plan: List[Any] = [self._plan() if self.rank == 0 else None]
+        dist.broadcast_object_list(plan, src=0, group=self.group)
+        location, candidates = plan[0]
+        tiers = [tier_for_location(self.cfg, location)] if location else self.tiers
+        problems_seen: List[str] = []
+        for step, index in candidates:
+            loaded = self._try_load(loop, tiers[index], step, problems_seen)
+            if loaded is not None:
+                loaded["skipped"] = problems_seen
+                return loaded
+        if problems_seen:
+            raise NoUsableCheckpoint(
+                "no committed checkpoint verifies:\n  " + "\n  ".join(problems_seen) +
+                "\nRepair or delete them, point checkpoint.resume at a good one, or set "
+                "checkpoint.resume=never to start over.")
+        return None
+
+    def _plan(self) -> Tuple[Optional[str], List[Tuple[int, int]]]:
+        """(explicit location or None, [(step, tier index)] newest first, faster tier first)."""
+        if self.cfg.resume != "auto":
+            location, step = split_location(self.cfg.resume)
+            return location, [(step, 0)]
+        found = [(step, index) for index, tier in enumerate(self.tiers)
+                 for step in tier.committed_steps()]
+        return None, sorted(found, key=lambda c: (-c[0], c[1]))
+
+    def _try_load(self, loop, tier: Tier, step: int, problems_seen: List[str]):
+        manifest = tier.read_manifest(step)
+        problem = None if manifest else "manifest unreadable"
+        directory = None
+        if manifest is not None:
+            try:
+                directory = tier.materialize(step, sorted(manifest.files), self.cache)
+                problem = verify_dir(directory, manifest)
+            except Exception as e:
+                problem = f"cannot fetch: {e}"
+        problems: List[Any] = [None] * self.world_size
+        dist.all_gather_object(problems, problem, group=self.group)
+        problems = [p for p in problems if p]
+        if problems:
+            text = f"{tier.name} {step_dir_name(step)}: {problems[0]}"
+            problems_seen.append(text)
+            if self.rank == 0:
+                log.warning("checkpoint %s is unusable; falling back to the previous committed "
+                            "checkpoint", text)
+            return None
+        return self._load(loop, manifest, directory, tier.name)
+
+    def _load(self, loop, manifest: Manifest, directory: Path, tier_name: str) -> Dict[str, Any]:
+        start = time.perf_counter()
+        targets = ckpt_state.load_targets(loop, manifest.world_size)
+        reader = dcp.FileSystemReader(directory)
+        mismatches = ckpt_state.shape_mismatches(reader.read_metadata(), targets)
+        if mismatches:
+            raise CheckpointMismatch(
+                f"checkpoint {directory} was saved from a different model:\n  " +
+                "\n  ".join(mismatches[:20]) + "\nResume with the model config it was saved "
+                "with (model.*), or use a new run.name / checkpoint.dir.")
+        dcp.load(targets, storage_reader=reader, process_group=self.group)
+        items = ckpt_state.apply(loop, targets)
+        self._last_save_time = time.time()
+        info = {"step": items["step"], "tier": tier_name, "path": str(directory),
+                "saved_world_size": manifest.world_size, "seconds": time.perf_counter() - start}
+        if self.rank == 0:
+            log.info("restored step %d from %s (%s), saved by %d workers, into %d workers "
+                     "in %.2f s", info["step"], tier_name, directory, manifest.world_size,
+                     self.world_size, info["seconds"])
+        return info
+
+    def close(self) -> None:
+        self.wait()
+
+
+def split_location(location: str) -> Tuple[str, int]:
+    """``.../step-<N>`` -> (parent location, N)."""
+    parent, _, leaf = location.rstrip("/").rpartition("/")
+    step = parse_step_dir(leaf)
+    if step is None:
+        raise ValueError(f"checkpoint.resume: {location!r} does not end in step-<N>; give "
+                         "auto, never, or the path/URI of one step-<N> directory")
+    return parent, step
+
+
+def _versions() -> Dict[str, str]:
+    import raytrain_ext
+
+    return {"torch": torch.__version__, "raytrain_ext": raytrain_ext.__version__}

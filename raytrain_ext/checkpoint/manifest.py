@@ -1,0 +1,88 @@
+"""The commit record of a checkpoint: ``step-<N>/manifest.json``, written last.
+
+Invariants: a checkpoint without a readable manifest does not exist for the
+loader; the manifest lists every file of the checkpoint with its size and
+xxh3-128 checksum, so a truncated or corrupted file is detected before DCP
+reads it.  Manifests are written atomically (temporary name, then rename or a
+single PUT).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Dict, Optional
+
+import xxhash
+
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+STEP_DIR = re.compile(r"^step-(\d+)$")
+CHUNK = 8 * 1024 * 1024
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def parse_step_dir(name: str) -> Optional[int]:
+    match = STEP_DIR.match(name)
+    return int(match.group(1)) if match else None
+
+
+@dataclass
+class FileEntry:
+    size: int
+    xxh3_128: str
+
+
+@dataclass
+class Manifest:
+    step: int
+    world_size: int
+    tier: str
+    files: Dict[str, FileEntry]
+    created_at: float = field(default_factory=time.time)
+    format_version: int = FORMAT_VERSION
+    config_digest: str = ""
+    versions: Dict[str, str] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Manifest":
+        data = json.loads(text)
+        data["files"] = {k: FileEntry(**v) for k, v in data["files"].items()}
+        return cls(**data)
+
+    def for_tier(self, tier: str) -> "Manifest":
+        return Manifest(**{**asdict(self), "tier": tier,
+                           "files": dict(self.files), "created_at": time.time()})
+
+
+def checksum_file(path: Path) -> FileEntry:
+    h = xxhash.xxh3_128()
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            h.update(chunk)
+            size += len(chunk)
+    return FileEntry(size=size, xxh3_128=h.hexdigest())
+
+
+def verify_dir(directory: Path, manifest: Manifest) -> Optional[str]:
+    """Check every listed file; return a description of the first problem, or None."""
+    for name, entry in sorted(manifest.files.items()):
+        path = directory / name
+        if not path.is_file():
+            return f"{path} is missing"
+        actual = checksum_file(path)
+        if actual.size != entry.size:
+            return f"{path} has {actual.size} bytes, the manifest says {entry.size} (truncated?)"
+        if actual.xxh3_128 != entry.xxh3_128:
+            return f"{path} checksum {actual.xxh3_128} != manifest {entry.xxh3_128} (corrupted)"
+    return None

@@ -1,0 +1,153 @@
+"""The S3 tier: ``s3://bucket/prefix/step-<N>/`` on any S3-compatible endpoint.
+
+Uploads are multipart and multi-threaded (boto3 ``TransferConfig``).  botocore
+retries each request; on top of that every file upload is retried with
+exponential backoff, so an outage of a few minutes delays persistence without
+losing the checkpoint (the local tier already holds it).  The manifest is one
+PUT, so an S3 commit is atomic.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from pathlib import Path
+from typing import Callable, List, Optional, TypeVar
+
+from raytrain_ext.checkpoint.manifest import MANIFEST, Manifest, parse_step_dir, step_dir_name
+from raytrain_ext.checkpoint.tier import TierError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+CREDENTIAL_ERRORS = ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied",
+                     "InvalidToken", "ExpiredToken", "403")
+
+
+def split_uri(uri: str) -> tuple[str, str]:
+    bucket, _, prefix = uri[len("s3://"):].partition("/")
+    return bucket, prefix.strip("/")
+
+
+class S3Tier:
+    name = "s3"
+
+    def __init__(self, uri: str, endpoint_url: Optional[str] = None, region: Optional[str] = None,
+                 part_size_mb: int = 16, max_concurrency: int = 8, max_attempts: int = 5,
+                 retry_backoff_s: float = 1.0):
+        import boto3
+        from boto3.s3.transfer import TransferConfig
+        from botocore.config import Config
+
+        self.uri = uri.rstrip("/")
+        self.bucket, self.prefix = split_uri(self.uri)
+        self.endpoint_url = endpoint_url
+        self.max_attempts = max_attempts
+        self.retry_backoff_s = retry_backoff_s
+        self.client = boto3.client(
+            "s3", endpoint_url=endpoint_url, region_name=region,
+            config=Config(retries={"max_attempts": 3, "mode": "standard"},
+                          connect_timeout=5, read_timeout=60,
+                          max_pool_connections=max(10, max_concurrency * 2)))
+        part = part_size_mb * 1024 * 1024
+        self.transfer = TransferConfig(multipart_threshold=part, multipart_chunksize=part,
+                                       max_concurrency=max_concurrency, use_threads=True)
+
+    def key(self, step: int, name: str = "") -> str:
+        parts = [self.prefix, step_dir_name(step), name]
+        return "/".join(p for p in parts if p)
+
+    def probe(self) -> None:
+        """Fail at start, not after an hour: write, read back and delete a probe object."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        key = "/".join(p for p in (self.prefix, f".probe-{uuid.uuid4().hex}") if p)
+        try:
+            self.client.put_object(Bucket=self.bucket, Key=key, Body=b"ok")
+            self.client.get_object(Bucket=self.bucket, Key=key)["Body"].read()
+            self.client.delete_object(Bucket=self.bucket, Key=key)
+        except ClientError as e:
+            code = e.response.get("Error", {}).get("Code", "")
+            if code == "NoSuchBucket":
+                raise TierError(f"checkpoint.s3.uri: bucket '{self.bucket}' does not exist at "
+                                f"{self.endpoint_url or 'AWS S3'}. Create it or fix the URI.")
+            if code in CREDENTIAL_ERRORS:
+                raise TierError(f"checkpoint.s3.uri: access to s3://{self.bucket} was refused "
+                                f"({code}). Check the credentials (AWS_ACCESS_KEY_ID/"
+                                "AWS_SECRET_ACCESS_KEY, AWS_PROFILE or the instance role).")
+            raise TierError(f"checkpoint.s3.uri: write probe to {self.uri} failed: {code} {e}")
+        except BotoCoreError as e:
+            raise TierError(f"checkpoint.s3.endpoint_url: cannot reach "
+                            f"{self.endpoint_url or 'AWS S3'}: {e}. Check the endpoint URL and "
+                            "the network.")
+
+    def upload(self, step: int, src_dir: Path, names: List[str]) -> None:
+        for name in names:
+            self._retry(f"upload {name} of step {step}",
+                        lambda: self.client.upload_file(str(src_dir / name), self.bucket,
+                                                        self.key(step, name), Config=self.transfer))
+
+    def commit(self, manifest: Manifest) -> None:
+        body = manifest.to_json().encode()
+        self._retry(f"commit step {manifest.step}", lambda: self.client.put_object(
+            Bucket=self.bucket, Key=self.key(manifest.step, MANIFEST), Body=body))
+
+    def committed_steps(self) -> List[int]:
+        return sorted({s for s, name in self._listing() if name == MANIFEST})
+
+    def all_steps(self) -> List[int]:
+        return sorted({s for s, _ in self._listing()})
+
+    def read_manifest(self, step: int) -> Optional[Manifest]:
+        from botocore.exceptions import ClientError
+
+        try:
+            body = self.client.get_object(Bucket=self.bucket, Key=self.key(step, MANIFEST))
+            return Manifest.from_json(body["Body"].read().decode())
+        except (ClientError, ValueError, KeyError, TypeError):
+            return None
+
+    def materialize(self, step: int, names: List[str], cache_dir: Path) -> Path:
+        target = cache_dir / step_dir_name(step)
+        target.mkdir(parents=True, exist_ok=True)
+        for name in names:
+            self._retry(f"download {name} of step {step}", lambda: self.client.download_file(
+                self.bucket, self.key(step, name), str(target / name), Config=self.transfer))
+        return target
+
+    def delete(self, step: int) -> None:
+        keys = [{"Key": k} for k in self._keys(self.key(step) + "/")]
+        for i in range(0, len(keys), 1000):
+            self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": keys[i:i + 1000]})
+
+    def _keys(self, prefix: str) -> List[str]:
+        keys: List[str] = []
+        for page in self.client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=prefix):
+            keys.extend(obj["Key"] for obj in page.get("Contents", []))
+        return keys
+
+    def _listing(self):
+        base = f"{self.prefix}/" if self.prefix else ""
+        for key in self._keys(base):
+            head, _, name = key[len(base):].partition("/")
+            step = parse_step_dir(head)
+            if step is not None:
+                yield step, name
+
+    def _retry(self, what: str, action: Callable[[], T]) -> T:
+        from botocore.exceptions import BotoCoreError, ClientError
+        from boto3.exceptions import S3UploadFailedError
+
+        for attempt in range(1, self.max_attempts + 1):
+            try:
+                return action()
+            except (BotoCoreError, ClientError, S3UploadFailedError, OSError) as e:
+                if attempt == self.max_attempts:
+                    raise TierError(f"S3 {what} failed after {attempt} attempts: {e}") from e
+                delay = self.retry_backoff_s * 2 ** (attempt - 1)
+                log.warning("ALARM: S3 %s failed (attempt %d/%d: %s); retrying in %.1f s",
+                            what, attempt, self.max_attempts, e, delay)
+                time.sleep(delay)
+        raise AssertionError("unreachable")

@@ -1,0 +1,118 @@
+"""What goes into a checkpoint, as one DCP state dict.
+
+- ``model`` and ``optim``: from ``get_state_dict`` (FQN-keyed, sharding-aware),
+  so DCP saves each rank's shards and loads them onto any layout.
+- ``train``: the small replicated items (step, sampler, scheduler, ledger,
+  world size, config digest) as JSON bytes; identical on every rank, so DCP
+  keeps one copy.
+- ``rng/rank<r>``: each rank's Python, NumPy, torch CPU and CUDA RNG states.
+
+``snapshot`` copies the tensors to host memory (pinned on GPU) so training can
+continue while the copy is serialised in the background.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import pickle
+import random
+from typing import Any, Dict, List
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+TRAIN_KEY = "train"
+
+
+def rng_key(rank: int) -> str:
+    return f"rng/rank{rank}"
+
+
+def capture_rng() -> bytes:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(),
+             "torch": torch.get_rng_state().numpy().tobytes()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = [s.numpy().tobytes() for s in torch.cuda.get_rng_state_all()]
+    return pickle.dumps(state)
+
+
+def restore_rng(blob: bytes) -> None:
+    state = pickle.loads(blob)
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(torch.frombuffer(bytearray(state["torch"]), dtype=torch.uint8))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([torch.frombuffer(bytearray(s), dtype=torch.uint8)
+                                      for s in state["cuda"]])
+
+
+def train_items(loop) -> Dict[str, Any]:
+    return {"step": loop.step, "world_size": loop.ctx.world_size,
+            "sampler": loop.sampler.state_dict(), "scheduler": loop.scheduler.state_dict(),
+            "ledger": loop.ledger.state_dict(), "config_digest": loop.config_digest}
+
+
+def capture(loop) -> Dict[str, Any]:
+    """The live state dict (tensors are references to the training tensors)."""
+    model_sd, optim_sd = get_state_dict(loop.model, loop.optimizer)
+    return {"model": model_sd, "optim": optim_sd,
+            TRAIN_KEY: io.BytesIO(json.dumps(train_items(loop)).encode()),
+            rng_key(loop.ctx.rank): io.BytesIO(capture_rng())}
+
+
+def snapshot(state: Any) -> Any:
+    """Deep copy to host memory: CPU tensors are cloned, GPU ones copied into pinned memory."""
+    if isinstance(state, torch.Tensor):
+        if state.device.type == "cuda":
+            host = torch.empty(state.shape, dtype=state.dtype, pin_memory=True)
+            return host.copy_(state, non_blocking=True)
+        return state.detach().clone()
+    if isinstance(state, dict):
+        return {k: snapshot(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [snapshot(v) for v in state]
+    if isinstance(state, io.BytesIO):
+        return io.BytesIO(state.getvalue())
+    return state
+
+
+def load_targets(loop, saved_world_size: int) -> Dict[str, Any]:
+    """The state dict DCP loads into: live model/optimizer tensors plus byte buffers."""
+    model_sd, optim_sd = get_state_dict(loop.model, loop.optimizer)
+    targets: Dict[str, Any] = {"model": model_sd, "optim": optim_sd, TRAIN_KEY: io.BytesIO()}
+    if loop.ctx.rank < saved_world_size:
+        targets[rng_key(loop.ctx.rank)] = io.BytesIO()
+    return targets
+
+
+def apply(loop, loaded: Dict[str, Any]) -> Dict[str, Any]:
+    """Install loaded state into the loop; returns the ``train`` items."""
+    set_state_dict(loop.model, loop.optimizer, model_state_dict=loaded["model"],
+                   optim_state_dict=loaded["optim"])
+    items = json.loads(loaded[TRAIN_KEY].getvalue())
+    loop.step = items["step"]
+    loop.sampler.load_state_dict(items["sampler"])
+    loop.scheduler.load_state_dict(items["scheduler"])
+    loop.ledger.load_state_dict(items["ledger"])
+    key = rng_key(loop.ctx.rank)
+    if key in loaded:
+        restore_rng(loaded[key].getvalue())
+    return items
+
+
+def shape_mismatches(metadata, targets: Dict[str, Any]) -> List[str]:
+    """Model keys whose shapes differ from (or are absent in) the checkpoint's metadata."""
+    problems = []
+    for name, tensor in targets["model"].items():
+        key = f"model.{name}"
+        entry = metadata.state_dict_metadata.get(key)
+        if entry is None:
+            problems.append(f"{key}: not in the checkpoint")
+        elif hasattr(entry, "size") and tuple(entry.size) != tuple(tensor.shape):
+            problems.append(f"{key}: checkpoint {list(entry.size)} vs model {list(tensor.shape)}")
+    saved = {k for k in metadata.state_dict_metadata if k.startswith("model.")}
+    problems += [f"{k}: in the checkpoint but not in the model"
+                 for k in sorted(saved - {f"model.{n}" for n in targets["model"]})]
+    return problems
