@@ -10,6 +10,7 @@ from typing import List, Optional
 
 
 def _train(args: argparse.Namespace) -> int:
+    from raytrain_ext.checkpoint.tier import TierError
     from raytrain_ext.config import ConfigError, load_config
     from raytrain_ext.elastic.controller import TrainingFailed
     from raytrain_ext.trainer import Trainer
@@ -23,6 +24,9 @@ def _train(args: argparse.Namespace) -> int:
     trainer = Trainer(cfg)
     try:
         summary = trainer.fit()
+    except TierError as e:
+        print(f"checkpoint storage error: {e}", file=sys.stderr)
+        return 2
     except TrainingFailed as e:
         print(f"training failed; see {trainer.run_dir / 'summary.json'}\n{e.__cause__ or e}",
               file=sys.stderr)

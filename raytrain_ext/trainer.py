@@ -8,6 +8,7 @@ run succeeded or failed.  A Ray instance that ``fit`` started is stopped again.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -15,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Optional, Sequence
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from raytrain_ext.config import config_digest, load_config, to_yaml
 from raytrain_ext.elastic.controller import Controller, ControllerResult, TrainingFailed
@@ -34,6 +35,7 @@ class Trainer:
             self.cfg = config
         else:
             self.cfg = load_config(config, overrides)
+        self.cfg = absolute_paths(self.cfg)
         self.run_dir = Path(self.cfg.run.output_dir) / self.cfg.run.name
 
     def fit(self) -> Dict[str, Any]:
@@ -41,6 +43,7 @@ class Trainer:
         start = time.time()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(to_yaml(self.cfg))
+        probe_shared_tiers(self.cfg)
         started_ray = connect_ray(self.cfg.scaling.ray_address)
         sinks = [StdoutSink(self.cfg.run.log_every, self.cfg.run.max_steps)]
         if self.cfg.run.tensorboard:
@@ -65,6 +68,27 @@ class Trainer:
         summary = build_summary(self.cfg, result, start, error)
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
+
+
+def absolute_paths(cfg: DictConfig) -> DictConfig:
+    """Workers do not share the driver's working directory: ship absolute local paths."""
+    cfg = copy.deepcopy(cfg)
+    OmegaConf.set_readonly(cfg, False)
+    cfg.run.output_dir = str(Path(cfg.run.output_dir).absolute())
+    if not str(cfg.checkpoint.dir).startswith("s3://"):
+        cfg.checkpoint.dir = str(Path(cfg.checkpoint.dir).absolute())
+    if cfg.data.path != "builtin:corpus" and not cfg.data.path.startswith("s3://"):
+        cfg.data.path = str(Path(cfg.data.path).absolute())
+    OmegaConf.set_readonly(cfg, True)
+    return cfg
+
+
+def probe_shared_tiers(cfg) -> None:
+    """Fail before any worker starts when the S3 tier is unusable (the workers probe again)."""
+    if cfg.checkpoint.enabled and cfg.checkpoint.s3.uri:
+        from raytrain_ext.checkpoint.tiers import s3_tier
+
+        s3_tier(cfg.checkpoint, cfg.checkpoint.s3.uri).probe()
 
 
 def connect_ray(address: Optional[str]) -> bool:
@@ -109,7 +133,7 @@ def build_summary(cfg, result: ControllerResult, start: float,
     summary: Dict[str, Any] = {
         "run_name": cfg.run.name,
         "status": "failed" if error else "finished",
-        "steps_completed": records[-1]["step"] if records else 0,
+        "steps_completed": ranks[0]["steps"] if ranks else (records[-1]["step"] if records else 0),
         "final_loss": records[-1]["loss"] if records else None,
         "first_loss": records[0]["loss"] if records else None,
         **summarize_records(records),
@@ -122,6 +146,9 @@ def build_summary(cfg, result: ControllerResult, start: float,
         "samples_digest": digests[0] if len(digests) == 1 else digests or None,
         "samples_consumed": ranks[0]["samples_consumed"] if ranks else 0,
         "replicas_identical": len(hashes) == 1 if ranks else None,
+        "restored": ranks[0]["restored"] if ranks else None,
+        "checkpoint": ranks[0]["checkpoint"] if ranks else None,
+        "checkpoint_stall_s": sum(r.get("ckpt_stall_s", 0.0) for r in records),
         "backend": result.backend,
         "config_digest": config_digest(cfg),
         "transitions": [t.__dict__ for t in result.transitions],

@@ -57,3 +57,33 @@ def test_positional_config_and_overrides(tmp_path):
     assert split_config_and_overrides(None, ["c.yaml", "a=1"]) == ("c.yaml", ["a=1"])
     assert split_config_and_overrides("d.yaml", ["a=1"]) == ("d.yaml", ["a=1"])
     assert split_config_and_overrides(None, ["a=1"]) == (None, ["a=1"])
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path):
+    """SIGKILL the whole `raytrain-ext train` process group mid-run, rerun, compare."""
+    import signal
+    import time
+
+    common = ["run.max_steps=40", "run.log_every=10", "optim.decay_steps=40",
+              "checkpoint.every_steps=5", f"run.output_dir={tmp_path}", "run.tensorboard=false"]
+    reference = run([*raytrain_ext_cmd(), "train", *common, "run.name=ref"], cwd=tmp_path)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    cmd = [*raytrain_ext_cmd(), "train", *common, "run.name=victim"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    marker = tmp_path / "victim" / "checkpoints" / "step-00000010" / "manifest.json"
+    deadline = time.time() + 120
+    while not marker.exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    assert marker.exists() and proc.poll() is None, "the run ended before it could be killed"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    resumed = run(cmd, cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a = json.loads((tmp_path / "ref" / "summary.json").read_text())
+    b = json.loads((tmp_path / "victim" / "summary.json").read_text())
+    assert b["restored"]["step"] >= 10 and b["steps_completed"] == 40
+    assert b["params_sha256"] == a["params_sha256"] and b["samples_digest"] == a["samples_digest"]
