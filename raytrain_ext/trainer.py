@@ -50,6 +50,7 @@ class Trainer:
             sinks.append(TensorBoardSink(self.run_dir / "tensorboard"))
         sink = FanOut(sinks)
         controller = Controller(self.cfg, sink)
+        self._controller = controller
         try:
             result = controller.run()
         except TrainingFailed as e:
@@ -62,6 +63,11 @@ class Trainer:
 
                 ray.shutdown()
         return self._write_summary(result, start)
+
+    def request_checkpoint(self) -> None:
+        """Checkpoint at the next step boundary; callable from another thread during fit()."""
+        if getattr(self, "_controller", None) is not None:
+            self._controller.request_checkpoint()
 
     def _write_summary(self, result: ControllerResult, start: float,
                        error: Optional[BaseException] = None) -> Dict[str, Any]:
@@ -132,7 +138,7 @@ def build_summary(cfg, result: ControllerResult, start: float,
     digests = sorted({r["samples_digest"] for r in ranks})
     summary: Dict[str, Any] = {
         "run_name": cfg.run.name,
-        "status": "failed" if error else "finished",
+        "status": "failed" if error else result.state.value.lower(),
         "steps_completed": ranks[0]["steps"] if ranks else (records[-1]["step"] if records else 0),
         "final_loss": records[-1]["loss"] if records else None,
         "first_loss": records[0]["loss"] if records else None,

@@ -87,3 +87,46 @@ def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path):
     b = json.loads((tmp_path / "victim" / "summary.json").read_text())
     assert b["restored"]["step"] >= 10 and b["steps_completed"] == 40
     assert b["params_sha256"] == a["params_sha256"] and b["samples_digest"] == a["samples_digest"]
+
+
+def _worker_pids(root_pid):
+    import psutil
+
+    return [p.pid for p in psutil.Process(root_pid).children(recursive=True)
+            if " ".join(p.cmdline()).startswith("ray::TrainWorker")]
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_worker_checkpoints_then_resumes_with_zero_steps_redone(tmp_path):
+    import time
+
+    common = ["run.max_steps=150", "run.log_every=50", "optim.decay_steps=150",
+              "checkpoint.every_seconds=null", f"run.output_dir={tmp_path}",
+              "run.tensorboard=false"]
+    cmd = [*raytrain_ext_cmd(), "train", *common, "run.name=spot"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while len(_worker_pids(proc.pid)) < 2 and time.time() < deadline:
+        time.sleep(0.1)
+    time.sleep(2.0)  # well into training
+    os.kill(_worker_pids(proc.pid)[1], 15)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 3, stderr[-3000:]
+    assert "preempted: emergency checkpoint at step" in stderr
+    summary = json.loads((tmp_path / "spot" / "summary.json").read_text())
+    stopped = summary["steps_completed"]
+    assert summary["status"] == "preempted" and 0 < stopped < 150
+    assert (tmp_path / "spot" / "checkpoints" / f"step-{stopped:08d}" / "manifest.json").exists()
+    resumed = run(cmd, cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    after = json.loads((tmp_path / "spot" / "summary.json").read_text())
+    assert after["restored"]["step"] == stopped  # zero steps redone
+    reference = run([*raytrain_ext_cmd(), "train", *common, "run.name=ref",
+                     "checkpoint.enabled=false"], cwd=tmp_path)
+    assert reference.returncode == 0
+    ref = json.loads((tmp_path / "ref" / "summary.json").read_text())
+    assert after["params_sha256"] == ref["params_sha256"]
+    assert after["samples_digest"] == ref["samples_digest"]

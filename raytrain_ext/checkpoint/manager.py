@@ -48,6 +48,31 @@ log = logging.getLogger(__name__)
 REQUEST_NONE, REQUEST_SAVE, REQUEST_EMERGENCY = 0.0, 1.0, 2.0
 
 
+class SaveRequests:
+    """Save requests from outside the loop: the API (on demand) and SIGTERM (preemption).
+
+    Set from another thread or a signal handler; the loop folds ``vote()`` into
+    its per-step exchange, so a request on any rank makes every rank save.
+    """
+
+    def __init__(self) -> None:
+        self.flag = REQUEST_NONE
+        self.deadline: Optional[float] = None
+
+    def on_demand(self) -> None:
+        self.flag = max(self.flag, REQUEST_SAVE)
+
+    def preempt(self, grace_s: float) -> None:
+        self.flag = REQUEST_EMERGENCY
+        self.deadline = time.time() + grace_s
+
+    def vote(self) -> float:
+        flag = self.flag
+        if flag == REQUEST_SAVE:
+            self.flag = REQUEST_NONE
+        return flag
+
+
 class CheckpointMismatch(RuntimeError):
     """The checkpoint does not fit the model being trained."""
 
@@ -69,7 +94,6 @@ class CheckpointManager:
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=ckpt_cfg.timeout_s))
         self._thread: Optional[threading.Thread] = None
         self._last_save_time = time.time()
-        self.requested = REQUEST_NONE
         self.stats: Dict[str, Any] = {"saves": 0, "skipped": 0, "stall_s": 0.0,
                                       "committed": {t.name: None for t in self.tiers},
                                       "failed": []}
@@ -77,7 +101,7 @@ class CheckpointManager:
     # ---- deciding -------------------------------------------------------------------------
     def request_flag(self) -> float:
         """This rank's vote for saving after the current step (max over ranks wins)."""
-        flag = self.requested
+        flag = REQUEST_NONE
         every = self.cfg.every_seconds
         if self.rank == 0 and every is not None and time.time() - self._last_save_time >= every:
             flag = max(flag, REQUEST_SAVE)
@@ -91,8 +115,13 @@ class CheckpointManager:
         return ((final and self.cfg.save_final) or request >= REQUEST_SAVE
                 or (every is not None and step % every == 0))
 
-    def after_step(self, loop, step: int, request: float, any_busy: bool, final: bool) -> float:
-        """Save if due (identically on every rank); returns the training stall in seconds."""
+    def after_step(self, loop, step: int, request: float, any_busy: bool, final: bool,
+                   deadline: Optional[float] = None) -> float:
+        """Save if due (identically on every rank); returns the training stall in seconds.
+
+        Final and emergency saves are synchronous: they are committed (to every
+        tier that fits before ``deadline``) when this returns.
+        """
         if not self.is_due(step, request, final):
             return 0.0
         urgent = final or request >= REQUEST_EMERGENCY
@@ -111,13 +140,12 @@ class CheckpointManager:
         self.stats["saves"] += 1
         self.stats["stall_s"] += stall
         self._last_save_time = time.time()
-        self.requested = REQUEST_NONE
         if self.cfg.async_save and not urgent:
             self._thread = threading.Thread(target=self._persist, args=(step, snap),
                                             name=f"ckpt-step-{step}", daemon=True)
             self._thread.start()
         else:
-            self._persist(step, snap)
+            self._persist(step, snap, deadline if request >= REQUEST_EMERGENCY else None)
         return stall
 
     def wait(self) -> None:
@@ -126,7 +154,7 @@ class CheckpointManager:
             self._thread = None
 
     # ---- saving ---------------------------------------------------------------------------
-    def _persist(self, step: int, snap: Dict[str, Any]) -> None:
+    def _persist(self, step: int, snap: Dict[str, Any], deadline: Optional[float] = None) -> None:
         try:
             step_dir = self.staging / step_dir_name(step)
             dcp.save(snap, storage_writer=dcp.FileSystemWriter(step_dir),
@@ -138,13 +166,28 @@ class CheckpointManager:
             files = {name: entry for part in gathered for name, entry in part.items()}
             manifest = Manifest(step=step, world_size=self.world_size, tier="", files=files,
                                 config_digest=self.config_digest, versions=_versions())
-            for tier in self.tiers:
+            for index, tier in enumerate(self.tiers):
+                if index and self._agree_past(deadline):
+                    self.stats["failed"].append({"step": step, "tier": tier.name,
+                                                 "error": "preemption grace period ran out"})
+                    if self.rank == 0:
+                        log.error("ALARM: preemption grace period ran out before step %d "
+                                  "reached tier %s", step, tier.name)
+                    continue
                 self._persist_to(tier, manifest, step_dir, mine)
             if not self.cfg.local:
                 shutil.rmtree(step_dir, ignore_errors=True)
         except Exception as e:  # never kill training for a failed save; the log says why
             self.stats["failed"].append({"step": step, "error": str(e)})
             log.error("ALARM: checkpoint of step %d failed on rank %d: %s", step, self.rank, e)
+
+    def _agree_past(self, deadline: Optional[float]) -> bool:
+        """True on every rank when any rank is past ``deadline`` (one all-gather)."""
+        if deadline is None:
+            return False
+        votes: List[Any] = [None] * self.world_size
+        dist.all_gather_object(votes, time.time() > deadline, group=self.group)
+        return any(votes)
 
     def _own_files(self, step_dir: Path) -> List[str]:
         names = [p.name for p in step_dir.iterdir() if p.name.startswith(f"__{self.rank}_")]

@@ -145,6 +145,7 @@ class CheckpointConfig:
     on_busy: str = "skip"  # skip | wait: when a save is due while the previous one persists
     keep_last: int = 3
     resume: str = "auto"  # auto (newest committed, if any) | never | a step-<N> path or URI
+    preemption_grace_s: float = 30.0  # SIGTERM -> emergency checkpoint within this budget
     timeout_s: float = 600.0
 
 

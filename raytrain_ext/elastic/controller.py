@@ -1,6 +1,7 @@
 """The run controller: an explicit state machine on the driver.
 
-States: SCHEDULING -> RUNNING -> FINISHED, or FAILED from either.  Each state
+States: SCHEDULING -> RUNNING -> FINISHED (or PREEMPTED after an emergency
+checkpoint), or FAILED from either.  Each state
 has one handler that does the state's work and returns the next state and the
 reason; ``run`` loops until a terminal state and logs every transition.  The
 controller owns the worker group's lifetime: whatever happens, the group is
@@ -28,10 +29,11 @@ class RunState(enum.Enum):
     SCHEDULING = "SCHEDULING"
     RUNNING = "RUNNING"
     FINISHED = "FINISHED"
+    PREEMPTED = "PREEMPTED"
     FAILED = "FAILED"
 
 
-TERMINAL = (RunState.FINISHED, RunState.FAILED)
+TERMINAL = (RunState.FINISHED, RunState.PREEMPTED, RunState.FAILED)
 
 
 class TrainingFailed(RuntimeError):
@@ -120,7 +122,16 @@ class Controller:
             self._drain_events()
         self.result.worker_results = ray.get(self._fit_refs)
         self._drain_events()
+        preempted = self.result.worker_results[0].get("preempted_at")
+        if preempted is not None:
+            return RunState.PREEMPTED, (f"preemption notice (SIGTERM); emergency checkpoint "
+                                        f"at step {preempted}")
         return RunState.FINISHED, f"{self.cfg.run.max_steps} steps completed"
+
+    def request_checkpoint(self) -> None:
+        """Ask for a checkpoint at the next step boundary (thread-safe, on-demand API)."""
+        if self.group.actors:
+            self.group.actors[0].request_checkpoint.remote()
 
     def _first_error(self, done: List[ray.ObjectRef]) -> Optional[Tuple[int, BaseException]]:
         for ref in done:

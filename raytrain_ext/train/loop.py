@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from raytrain_ext.checkpoint.manager import CheckpointManager
+from raytrain_ext.checkpoint.manager import REQUEST_EMERGENCY, CheckpointManager, SaveRequests
 from raytrain_ext.config import config_digest
 from raytrain_ext.data import GlobalSampler, open_token_dataset, rank_slice
 from raytrain_ext.models import build_model
@@ -52,7 +52,7 @@ class TrainLoop:
     """Owns model, optimizer, schedule, sampler and ledger for one rank."""
 
     def __init__(self, cfg, rank: int, world_size: int, local_rank: int, device: torch.device,
-                 report: Report):
+                 report: Report, requests: Optional[SaveRequests] = None):
         self.cfg = cfg
         self.report = report
         self.ctx = DistContext(rank, world_size, local_rank, device,
@@ -75,6 +75,8 @@ class TrainLoop:
         self.global_tokens = cfg.data.global_batch_size * cfg.model.seq_len
         self.max_local = math.ceil(cfg.data.global_batch_size / world_size)
         self.config_digest = config_digest(cfg)
+        self.requests = requests or SaveRequests()
+        self.preempted_at: Optional[int] = None
         self.ckpt: Optional[CheckpointManager] = None
         self.restored: Optional[Dict[str, Any]] = None
         if cfg.checkpoint.enabled:
@@ -88,7 +90,7 @@ class TrainLoop:
         """Train until ``run.max_steps``; return this rank's final digests."""
         last_loss = float("nan")
         try:
-            while self.step < self.cfg.run.max_steps:
+            while self.step < self.cfg.run.max_steps and self.preempted_at is None:
                 last_loss = self.train_step()
         finally:
             if self.ckpt is not None:
@@ -97,6 +99,7 @@ class TrainLoop:
         return {"rank": self.ctx.rank, "steps": self.step, "final_loss": last_loss,
                 "params_sha256": params_sha256(params), "samples_digest": self.ledger.digest,
                 "samples_consumed": self.ledger.samples, "restored": self.restored,
+                "preempted_at": self.preempted_at,
                 "checkpoint": self.ckpt.stats if self.ckpt else None}
 
     def train_step(self) -> float:
@@ -109,14 +112,20 @@ class TrainLoop:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        votes = (self.ckpt.request_flag(), float(self.ckpt.busy())) if self.ckpt else (0.0, 0.0)
-        consumed, total_loss, request, any_busy = self._exchange(local, loss_sum, votes)
+        vote = self.requests.vote()
+        if self.ckpt is not None:
+            vote = max(vote, self.ckpt.request_flag())
+        busy = float(self.ckpt is not None and self.ckpt.busy())
+        consumed, total_loss, request, any_busy = self._exchange(local, loss_sum, (vote, busy))
         self.ledger.record(step, consumed)
         self.step += 1
         stall = 0.0
         if self.ckpt is not None:
             stall = self.ckpt.after_step(self, self.step, request, any_busy > 0,
-                                         final=self.step == self.cfg.run.max_steps)
+                                         final=self.step == self.cfg.run.max_steps,
+                                         deadline=self.requests.deadline)
+        if request >= REQUEST_EMERGENCY:
+            self.preempted_at = self.step
         step_time = time.perf_counter() - start
         loss = total_loss / self.global_tokens
         self.report({"step": self.step, "loss": loss, "lr": lr, "grad_norm": float(grad_norm),

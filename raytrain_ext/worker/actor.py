@@ -8,6 +8,7 @@ heartbeats and rank 0's metrics without waiting for the loop.
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 from collections import deque
@@ -50,10 +51,23 @@ class TrainWorker:
     """Remote methods are called by :class:`raytrain_ext.worker.group.WorkerGroup`."""
 
     def __init__(self) -> None:
+        from raytrain_ext.checkpoint.manager import SaveRequests
+
         self.events = EventBuffer()
         self.env: WorkerEnv | None = None
         self.device = None
         self.metrics_sink = None
+        self.requests = SaveRequests()
+        self.grace_s = 30.0
+        # Actor __init__ runs on the process's main thread, where handlers can be installed.
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum, frame) -> None:
+        """Preemption notice: checkpoint at the next step boundary, then stop."""
+        self.requests.preempt(self.grace_s)
+
+    def request_checkpoint(self) -> None:
+        self.requests.on_demand()
 
     def node_info(self) -> Dict[str, Any]:
         ctx = ray.get_runtime_context()
@@ -79,6 +93,7 @@ class TrainWorker:
 
         cfg = config_from_dict(cfg_dict)
         assert self.env is not None, "setup() must run before fit()"
+        self.grace_s = cfg.checkpoint.preemption_grace_s
         is_rank0 = self.env.rank == 0
         if is_rank0:
             self.metrics_sink = RayMetricsSink(cfg.run.name)
@@ -89,7 +104,7 @@ class TrainWorker:
                 self.metrics_sink.write(record["step"], record)
 
         loop = TrainLoop(cfg, self.env.rank, self.env.world_size, self.env.local_rank,
-                         self.device, report)
+                         self.device, report, self.requests)
         return loop.fit()
 
     def poll(self) -> Dict[str, Any]:
