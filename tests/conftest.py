@@ -28,13 +28,18 @@ def tiny_overrides(tmp_path, *extra):
 
 
 @pytest.fixture(scope="session")
-def s3_endpoint():
-    """moto's standalone S3 server on loopback, spoken to through real boto3/pyarrow HTTP calls."""
-    from moto.server import ThreadedMotoServer
-
+def aws_env():
+    """Dummy credentials for the local S3 server (never real ones)."""
     for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                        "AWS_DEFAULT_REGION": "us-east-1"}.items():
         os.environ.setdefault(key, value)
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint(aws_env):
+    """moto's standalone S3 server on loopback, spoken to through real boto3/pyarrow HTTP calls."""
+    from moto.server import ThreadedMotoServer
+
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()

@@ -84,3 +84,48 @@ def test_dual_write_survives_the_loss_of_local_disk(s3_endpoint, bucket, tmp_pat
     resumed = train_processes(2, BASE + dual + ["run.max_steps=10"], tmp_path / "b")
     assert resumed[0]["result"]["restored"]["tier"] == "s3"
     assert resumed[0]["result"]["restored"]["step"] == 8
+
+
+@pytest.mark.slow
+@pytest.mark.chaos
+def test_s3_outage_during_training_delays_uploads_but_loses_nothing(aws_env, tmp_path):
+    """The S3 server goes away for a few seconds mid-run and comes back on the same port."""
+    import threading
+    import time
+
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="outage")
+    servers = [server]
+
+    def outage():  # starts once training has committed its step-20 checkpoint locally
+        marker = tmp_path / "local" / "step-00000020" / "manifest.json"
+        deadline = time.time() + 120
+        while not marker.exists() and time.time() < deadline:
+            time.sleep(0.02)
+        servers[0].stop()
+        time.sleep(4.0)
+        servers.append(ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False))
+        servers[-1].start()
+
+    chaos = threading.Thread(target=outage)
+    chaos.start()
+    try:
+        ranks = train_processes(2, BASE + [
+            "run.max_steps=80", "optim.decay_steps=80", "checkpoint.every_steps=10",
+            "checkpoint.s3.uri=s3://outage/run", f"checkpoint.s3.endpoint_url={endpoint}",
+            "checkpoint.s3.retry_backoff_s=0.5", "checkpoint.s3.max_attempts=7",
+            f"checkpoint.dir={tmp_path / 'local'}"], tmp_path / "out")
+    finally:
+        chaos.join()
+        servers[-1].stop()
+    stats = ranks[0]["result"]["checkpoint"]
+    assert ranks[0]["result"]["steps"] == 80  # training never stopped
+    assert stats["committed"] == {"local": 80, "s3": 80}  # the final state reached S3
+    retried = sum(r["result"]["checkpoint"]["retries"]["s3"] for r in ranks)
+    assert retried > 0, "the outage was not noticed"
+    assert stats["failed"] == []

@@ -299,7 +299,9 @@ class CheckpointManager:
         return info
 
     def close(self) -> None:
+        """Wait for the save in flight; record per-tier retry counts in ``stats``."""
         self.wait()
+        self.stats["retries"] = {t.name: getattr(t, "retries", 0) for t in self.tiers}
 
 
 def split_location(location: str) -> Tuple[str, int]:

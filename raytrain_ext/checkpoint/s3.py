@@ -45,6 +45,7 @@ class S3Tier:
         self.endpoint_url = endpoint_url
         self.max_attempts = max_attempts
         self.retry_backoff_s = retry_backoff_s
+        self.retries = 0  # failed attempts that were retried (an outage shows up here)
         self.client = boto3.client(
             "s3", endpoint_url=endpoint_url, region_name=region,
             config=Config(retries={"max_attempts": 3, "mode": "standard"},
@@ -147,6 +148,7 @@ class S3Tier:
                 if attempt == self.max_attempts:
                     raise TierError(f"S3 {what} failed after {attempt} attempts: {e}") from e
                 delay = self.retry_backoff_s * 2 ** (attempt - 1)
+                self.retries += 1
                 log.warning("ALARM: S3 %s failed (attempt %d/%d: %s); retrying in %.1f s",
                             what, attempt, self.max_attempts, e, delay)
                 time.sleep(delay)
