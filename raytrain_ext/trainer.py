@@ -18,6 +18,7 @@ from typing import Any, Dict, Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
+from raytrain_ext.checkpoint.memory import start_memory_tier, stop_memory_tier
 from raytrain_ext.config import config_digest, load_config, to_yaml
 from raytrain_ext.elastic.controller import Controller, ControllerResult, TrainingFailed
 from raytrain_ext.metrics import FanOut, StdoutSink, TensorBoardSink, summarize_records
@@ -45,6 +46,8 @@ class Trainer:
         (self.run_dir / "config.yaml").write_text(to_yaml(self.cfg))
         probe_shared_tiers(self.cfg)
         started_ray = connect_ray(self.cfg.scaling.ray_address)
+        self.cfg = resolve_cluster_defaults(self.cfg)
+        memory_actors = self._start_memory_tier()
         sinks = [StdoutSink(self.cfg.run.log_every, self.cfg.run.max_steps)]
         if self.cfg.run.tensorboard:
             sinks.append(TensorBoardSink(self.run_dir / "tensorboard"))
@@ -58,11 +61,18 @@ class Trainer:
             raise
         finally:
             sink.close()
+            stop_memory_tier(memory_actors)
             if started_ray:
                 import ray
 
                 ray.shutdown()
         return self._write_summary(result, start)
+
+    def _start_memory_tier(self) -> list:
+        """The registry and per-node holders live for this fit(); it removes them at the end."""
+        if not (self.cfg.checkpoint.enabled and self.cfg.checkpoint.memory):
+            return []
+        return start_memory_tier(self.cfg.run.name)
 
     def request_checkpoint(self) -> None:
         """Checkpoint at the next step boundary; callable from another thread during fit()."""
@@ -85,6 +95,19 @@ def absolute_paths(cfg: DictConfig) -> DictConfig:
         cfg.checkpoint.dir = str(Path(cfg.checkpoint.dir).absolute())
     if cfg.data.path != "builtin:corpus" and not cfg.data.path.startswith("s3://"):
         cfg.data.path = str(Path(cfg.data.path).absolute())
+    OmegaConf.set_readonly(cfg, True)
+    return cfg
+
+
+def resolve_cluster_defaults(cfg: DictConfig) -> DictConfig:
+    """Settings whose default depends on the cluster: the memory tier is on with >1 node."""
+    if cfg.checkpoint.memory is not None:
+        return cfg
+    import ray
+
+    cfg = copy.deepcopy(cfg)
+    OmegaConf.set_readonly(cfg, False)
+    cfg.checkpoint.memory = sum(1 for n in ray.nodes() if n["Alive"]) > 1
     OmegaConf.set_readonly(cfg, True)
     return cfg
 
@@ -148,6 +171,7 @@ def build_summary(cfg, result: ControllerResult, start: float,
         "first_step_at": records[0]["time"] if records else None,
         "time_to_first_step_s": records[0]["time"] - start if records else None,
         "world_size_history": result.world_size_history,
+        "workers": result.workers,
         "params_sha256": hashes[0] if len(hashes) == 1 else hashes or None,
         "samples_digest": digests[0] if len(digests) == 1 else digests or None,
         "samples_consumed": ranks[0]["samples_consumed"] if ranks else 0,

@@ -10,15 +10,50 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 import pytest  # noqa: E402
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture()
 def ray_local():
-    """One single-node Ray for the tests that need it (4 logical CPUs on 2 cores)."""
+    """A single-node Ray (4 logical CPUs on 2 cores), started once and reused.
+
+    Multi-node tests shut it down to connect to their own cluster; the next test
+    that needs it starts it again.
+    """
     import ray
 
-    ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1",
-             object_store_memory=200 * 1024**2, log_to_driver=False)
+    if not ray.is_initialized():
+        ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1",
+                 object_store_memory=200 * 1024**2, log_to_driver=False)
     yield ray
+
+
+@pytest.fixture()
+def ray_cluster():
+    """A real multi-node Ray cluster on this machine: a CPU-less head and nodes the test adds.
+
+    Health checks are tightened (before the head starts) so a removed node is
+    declared dead in about 2 s instead of about 14 s.
+    """
+    import ray
+    from ray.cluster_utils import Cluster
+
     ray.shutdown()
+    fast = {"RAY_health_check_period_ms": "500", "RAY_health_check_timeout_ms": "500",
+            "RAY_health_check_failure_threshold": "3"}
+    saved = {k: os.environ.get(k) for k in fast}
+    os.environ.update(fast)
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 0, "object_store_memory": 150 * 1024**2, "include_dashboard": False,
+        "node_ip_address": "127.0.0.1"})
+    ray.init(address=cluster.address, log_to_driver=False)
+    try:
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def tiny_overrides(tmp_path, *extra):

@@ -38,6 +38,8 @@ def train_processes(world: int, overrides: List[str], out_dir: Path) -> List[Dic
     """
     if not any(o.startswith("scaling.num_workers=") for o in overrides):
         overrides = [f"scaling.num_workers={world}", *overrides]
+    if not any(o.startswith("checkpoint.dir=") for o in overrides):
+        overrides = [f"checkpoint.dir={out_dir / 'checkpoints'}", *overrides]
     cfg = load_config(None, overrides)
     out_dir.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")

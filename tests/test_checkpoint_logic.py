@@ -70,7 +70,7 @@ def test_retention_keeps_last_k_and_never_the_newest_committed(tmp_path):
         make_step(tier, step)
     make_step(tier, 5, commit=False)  # in progress
     make_step(tier, 0, commit=False)  # stale partial, older than the newest committed
-    assert prune(tier, keep_last=2, in_progress=5) == [0, 1, 2]
+    assert prune(tier, keep_last=2) == [0, 1, 2]
     assert tier.all_steps() == [3, 4, 5]
     assert prune(tier, keep_last=1) == [3]  # step 5 is partial but newer: left alone
     assert tier.committed_steps() == [4]

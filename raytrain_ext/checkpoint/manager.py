@@ -87,7 +87,7 @@ class CheckpointManager:
         self.cfg = ckpt_cfg
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
         self.config_digest = config_digest
-        self.tiers: List[Tier] = build_tiers(ckpt_cfg)
+        self.tiers: List[Tier] = build_tiers(ckpt_cfg, run_name)
         scratch = Path(tempfile.gettempdir()) / f"raytrain-ext-{run_name}"
         self.staging = Path(ckpt_cfg.dir) if ckpt_cfg.local else scratch / "staging"
         self.cache = scratch / f"cache-rank{rank}"
@@ -213,7 +213,8 @@ class CheckpointManager:
             return
         if self._commits(tier):
             tier.commit(manifest.for_tier(tier.name))
-            deleted = prune(tier, self.cfg.keep_last, in_progress=None)
+            keep = self.cfg.keep_in_memory if tier.name == "memory" else self.cfg.keep_last
+            deleted = prune(tier, keep)
             if deleted and self.rank == 0:
                 log.info("checkpoint retention (%s): deleted steps %s", tier.name, deleted)
         self.stats["committed"][tier.name] = manifest.step

@@ -40,18 +40,18 @@ class Tier(Protocol):
     def delete(self, step: int) -> None: ...
 
 
-def prune(tier: Tier, keep_last: int, in_progress: Optional[int] = None) -> List[int]:
+def prune(tier: Tier, keep_last: int) -> List[int]:
     """Keep the newest ``keep_last`` committed steps; delete older ones and stale partial ones.
 
-    The newest committed checkpoint is never deleted, and neither is the step
-    being written now (``in_progress``).  Returns the deleted steps.
+    The newest committed checkpoint is never deleted, and neither is a partial
+    step newer than it (it may be a save in progress).  Returns the deleted steps.
     """
     committed = sorted(tier.committed_steps())
     keep = set(committed[-keep_last:]) if committed else set()
     newest = committed[-1] if committed else -1
     doomed = []
     for step in tier.all_steps():
-        if step in keep or step == in_progress:
+        if step in keep:
             continue
         if step in committed or step < newest:  # old committed, or a partial one left behind
             tier.delete(step)

@@ -1,10 +1,11 @@
-"""Build the configured tiers, fastest first: local disk, then S3."""
+"""Build the configured tiers, fastest first: memory, local disk, then S3."""
 
 from __future__ import annotations
 
 from typing import List
 
 from raytrain_ext.checkpoint.disk import DiskTier
+from raytrain_ext.checkpoint.memory import MemoryTier
 from raytrain_ext.checkpoint.s3 import S3Tier
 from raytrain_ext.checkpoint.tier import Tier
 
@@ -16,8 +17,11 @@ def s3_tier(ckpt_cfg, uri: str) -> S3Tier:
                   max_attempts=s3.max_attempts, retry_backoff_s=s3.retry_backoff_s)
 
 
-def build_tiers(ckpt_cfg) -> List[Tier]:
+def build_tiers(ckpt_cfg, run_name: str) -> List[Tier]:
+    """Fastest first: memory (when resolved on), local disk, S3."""
     tiers: List[Tier] = []
+    if ckpt_cfg.memory:
+        tiers.append(MemoryTier(run_name))
     if ckpt_cfg.local:
         tiers.append(DiskTier(ckpt_cfg.dir))
     if ckpt_cfg.s3.uri:

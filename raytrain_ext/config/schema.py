@@ -129,12 +129,15 @@ class CheckpointConfig:
     """When and where checkpoints are written, and how a run resumes.
 
     A checkpoint is written to the fastest tier, then persisted down the others
-    in the background: local disk (``dir``, on each node) and S3 (``s3.uri``).
+    in the background: the Ray object store (``memory``, replicated on a second
+    node), local disk (``dir``, on each node) and S3 (``s3.uri``).
     Saves trigger every ``every_steps`` steps and/or every ``every_seconds``
     seconds (``null`` disables either), on demand, and on preemption.
     """
 
     enabled: bool = True
+    memory: Optional[bool] = None  # Ray object store tier; null = on when >1 node
+    keep_in_memory: int = 2
     dir: str = "${run.output_dir}/${run.name}/checkpoints"
     local: bool = True
     s3: S3Config = field(default_factory=S3Config)

@@ -55,6 +55,7 @@ class ControllerResult:
     worker_results: List[Dict[str, Any]] = field(default_factory=list)
     world_size_history: List[Dict[str, int]] = field(default_factory=list)
     transitions: List[Transition] = field(default_factory=list)
+    workers: List[Dict[str, Any]] = field(default_factory=list)
     backend: Optional[str] = None
     error: Optional[BaseException] = None
 
@@ -103,6 +104,9 @@ class Controller:
             return RunState.FAILED, f"could not form the worker group: {type(e).__name__}"
         self.result.backend = self.group.backend
         self.result.world_size_history.append({"step": 0, "world_size": self.group.world_size})
+        self.result.workers = [{"rank": r, "node_id": i["node_id"], "node_ip": i["node_ip"],
+                                "pid": i["pid"], "gpu_ids": i["gpu_ids"]}
+                               for r, i in enumerate(self.group.infos)]
         self._fit_refs = self.group.call_async("fit", to_dict(self.cfg))
         return RunState.RUNNING, f"{self.group.world_size} workers formed a {self.group.backend} group"
 

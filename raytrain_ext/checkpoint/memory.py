@@ -1,0 +1,211 @@
+"""The memory tier: checkpoint files held in the Ray object store, on two nodes.
+
+An object dies with the process that put it, so the training workers cannot
+own the only copy.  One ``ShardHolder`` actor per node (detached, zero CPUs)
+pulls each file and puts it again itself; every file is held by the holder on
+the writer's node and by a holder on another node, so losing any one node (or
+every training worker) loses no committed file.  A named, detached
+``CheckpointRegistry`` records which steps are committed, their manifests and
+where each file is held, and releases steps beyond ``keep_in_memory``.
+
+Invariant: a step is listed by ``committed_steps`` only after every rank's
+files have been replicated and rank 0 committed its manifest.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from raytrain_ext.checkpoint.manifest import Manifest, step_dir_name
+from raytrain_ext.checkpoint.tier import TierError
+
+log = logging.getLogger(__name__)
+NAMESPACE = "raytrain_ext"
+
+
+def registry_name(run: str) -> str:
+    return f"ckpt-registry-{run}"
+
+
+def holder_name(run: str, node_id: str) -> str:
+    return f"ckpt-holder-{run}-{node_id[:16]}"
+
+
+class ShardHolder:
+    """Owns copies of checkpoint files on its node."""
+
+    def __init__(self) -> None:
+        self.objects: Dict[tuple, ray.ObjectRef] = {}
+
+    def hold(self, step: int, name: str, wrapped: List[ray.ObjectRef]) -> int:
+        data = ray.get(wrapped[0])  # pulls the bytes to this node
+        self.objects[(step, name)] = ray.put(data)  # this process now owns a copy
+        return len(data)
+
+    def fetch(self, step: int, name: str) -> Optional[List[ray.ObjectRef]]:
+        ref = self.objects.get((step, name))
+        return None if ref is None else [ref]
+
+    def release(self, step: int) -> None:
+        for key in [k for k in self.objects if k[0] == step]:
+            del self.objects[key]
+
+
+class CheckpointRegistry:
+    """Which steps are committed in memory, their manifests, and who holds each file.
+
+    Retention is the manager's ``prune`` with ``keep_in_memory``, like any tier.
+    """
+
+    def __init__(self) -> None:
+        self.manifests: Dict[int, str] = {}
+        self.locations: Dict[int, Dict[str, List[str]]] = {}
+
+    def add_locations(self, step: int, name: str, holders: List[str]) -> None:
+        self.locations.setdefault(step, {})[name] = holders
+
+    def commit(self, step: int, manifest_json: str) -> None:
+        self.manifests[step] = manifest_json
+
+    def committed_steps(self) -> List[int]:
+        return sorted(self.manifests)
+
+    def all_steps(self) -> List[int]:
+        return sorted(set(self.locations) | set(self.manifests))
+
+    def manifest(self, step: int) -> Optional[str]:
+        return self.manifests.get(step)
+
+    def where(self, step: int) -> Dict[str, List[str]]:
+        return self.locations.get(step, {})
+
+    def release(self, step: int) -> None:
+        self.manifests.pop(step, None)
+        for holder in {h for names in self.locations.pop(step, {}).values() for h in names}:
+            try:
+                ray.get_actor(holder, namespace=NAMESPACE).release.remote(step)
+            except ValueError:
+                pass  # that node is gone, and its copies with it
+
+
+def start_memory_tier(run: str) -> List[ray.actor.ActorHandle]:
+    """Create the registry and one holder per alive node; returns the handles created.
+
+    A registry that already exists (a memory tier that outlives one fit, e.g.
+    held by the elastic controller or a test) is reused and not returned, so
+    its owner stays responsible for stopping it.
+    """
+    try:
+        ray.get_actor(registry_name(run), namespace=NAMESPACE)
+        return []
+    except ValueError:
+        pass
+    options = dict(namespace=NAMESPACE, lifetime="detached", get_if_exists=True, num_cpus=0)
+    # The registry lives on the head node, whose loss ends the Ray cluster anyway.
+    actors = [ray.remote(CheckpointRegistry).options(
+        name=registry_name(run), **options,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(_head_node_id(), soft=False),
+    ).remote()]
+    for node in ray.nodes():
+        if node["Alive"]:
+            actors.append(ray.remote(ShardHolder).options(
+                name=holder_name(run, node["NodeID"]), **options,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False),
+            ).remote())
+    ray.get([a.__ray_ready__.remote() for a in actors])
+    return actors
+
+
+def _head_node_id() -> str:
+    for node in ray.nodes():
+        if node["Alive"] and "node:__internal_head__" in node.get("Resources", {}):
+            return node["NodeID"]
+    return ray.get_runtime_context().get_node_id()
+
+
+def stop_memory_tier(actors: List[ray.actor.ActorHandle]) -> None:
+    for actor in actors:
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception:
+            pass
+
+
+class MemoryTier:
+    name = "memory"
+
+    def __init__(self, run: str):
+        self.run = run
+        self._registry = None
+
+    @property
+    def registry(self):
+        if self._registry is None:
+            self._registry = ray.get_actor(registry_name(self.run), namespace=NAMESPACE)
+        return self._registry
+
+    def probe(self) -> None:
+        try:
+            ray.get(self.registry.committed_steps.remote(), timeout=30)
+        except Exception as e:
+            raise TierError(f"checkpoint.memory: the checkpoint registry of run '{self.run}' "
+                            f"is not reachable ({e}); the driver starts it before the workers.")
+
+    def _holders(self) -> List[str]:
+        """This node's holder first, then one on another node (when there is one)."""
+        here = ray.get_runtime_context().get_node_id()
+        alive = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+        others = [n for n in alive if n != here]
+        return [holder_name(self.run, n) for n in [here] + others[:1]]
+
+    def upload(self, step: int, src_dir: Path, names: List[str]) -> None:
+        holders = self._holders()
+        pending = []
+        for name in names:
+            ref = ray.put((src_dir / name).read_bytes())
+            for holder in holders:
+                actor = ray.get_actor(holder, namespace=NAMESPACE)
+                pending.append(actor.hold.remote(step, name, [ref]))
+            pending.append(self.registry.add_locations.remote(step, name, holders))
+        ray.get(pending)
+
+    def commit(self, manifest: Manifest) -> None:
+        ray.get(self.registry.commit.remote(manifest.step, manifest.to_json()))
+
+    def committed_steps(self) -> List[int]:
+        return ray.get(self.registry.committed_steps.remote())
+
+    def all_steps(self) -> List[int]:
+        return ray.get(self.registry.all_steps.remote())
+
+    def read_manifest(self, step: int) -> Optional[Manifest]:
+        text = ray.get(self.registry.manifest.remote(step))
+        return Manifest.from_json(text) if text else None
+
+    def materialize(self, step: int, names: List[str], cache_dir: Path) -> Path:
+        target = cache_dir / step_dir_name(step)
+        target.mkdir(parents=True, exist_ok=True)
+        where = ray.get(self.registry.where.remote(step))
+        for name in names:
+            (target / name).write_bytes(self._fetch(step, name, where.get(name, [])))
+        return target
+
+    def _fetch(self, step: int, name: str, holders: List[str]) -> bytes:
+        for holder in holders:
+            try:
+                wrapped = ray.get(ray.get_actor(holder, namespace=NAMESPACE)
+                                  .fetch.remote(step, name), timeout=60)
+                if wrapped:
+                    return ray.get(wrapped[0], timeout=300)
+            except Exception as e:  # that holder's node is gone: try the replica
+                log.warning("memory tier: %s of step %d not available from %s (%s)",
+                            name, step, holder, type(e).__name__)
+        raise FileNotFoundError(f"{name} of step {step} is held by no live node")
+
+    def delete(self, step: int) -> None:
+        ray.get(self.registry.release.remote(step))

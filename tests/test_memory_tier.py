@@ -1,0 +1,86 @@
+"""The Ray object store tier on a real multi-node cluster, with a node removed for real."""
+
+import os
+
+import pytest
+import ray
+
+from raytrain_ext import Trainer, load_config
+from raytrain_ext.checkpoint.manifest import Manifest, checksum_file, verify_dir
+from raytrain_ext.checkpoint.memory import MemoryTier, start_memory_tier, stop_memory_tier
+from raytrain_ext.checkpoint.tier import prune
+from tests.conftest import tiny_overrides
+from tests.leaks import assert_nothing_left
+
+pytestmark = [pytest.mark.slow, pytest.mark.chaos]
+
+
+@ray.remote(num_cpus=1)
+class ShardWriter:
+    """Stands in for a training rank: writes files on its node and uploads them."""
+
+    def write(self, run, step, directory, name, payload):
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, name), "wb") as f:
+            f.write(payload)
+        MemoryTier(run).upload(step, __import__("pathlib").Path(directory), [name])
+        return ray.get_runtime_context().get_node_id()
+
+    def read_back(self, run, step, names, cache):
+        return str(MemoryTier(run).materialize(step, names, __import__("pathlib").Path(cache)))
+
+
+def test_losing_any_one_node_loses_no_committed_file(ray_cluster, tmp_path):
+    node_b = ray_cluster.add_node(num_cpus=1, resources={"b": 1}, object_store_memory=100 * 2**20)
+    ray_cluster.add_node(num_cpus=1, resources={"c": 1}, object_store_memory=100 * 2**20)
+    ray_cluster.wait_for_nodes()
+    actors = start_memory_tier("mt")
+    assert len(actors) == 4  # the registry and one holder per node
+    tier = MemoryTier("mt")
+    on_b = ShardWriter.options(resources={"b": 1}).remote()
+    on_c = ShardWriter.options(resources={"c": 1}).remote()
+    payloads = {"__0_0.distcp": os.urandom(3 * 2**20), "__1_0.distcp": os.urandom(2**20)}
+    for step in (1, 2, 3):
+        ray.get([on_b.write.remote("mt", step, str(tmp_path / "b"), "__0_0.distcp",
+                                   payloads["__0_0.distcp"]),
+                 on_c.write.remote("mt", step, str(tmp_path / "c"), "__1_0.distcp",
+                                   payloads["__1_0.distcp"])])
+        files = {"__0_0.distcp": checksum_file(tmp_path / "b" / "__0_0.distcp"),
+                 "__1_0.distcp": checksum_file(tmp_path / "c" / "__1_0.distcp")}
+        tier.commit(Manifest(step=step, world_size=2, tier="memory", files=files))
+        prune(tier, keep_last=2)
+    assert tier.committed_steps() == [2, 3] and tier.all_steps() == [2, 3]
+
+    ray_cluster.remove_node(node_b, allow_graceful=False)  # SIGKILL: the writer and its holder
+    ray.kill(on_c)  # and every "training" process is gone too
+    reader = ShardWriter.options(resources={"c": 1}).remote()
+    directory = ray.get(reader.read_back.remote("mt", 3, sorted(payloads), str(tmp_path / "r")))
+    manifest = tier.read_manifest(3)
+    assert verify_dir(__import__("pathlib").Path(directory), manifest) is None
+    for name, payload in payloads.items():
+        assert (tmp_path / "r" / "step-00000003" / name).read_bytes() == payload
+    stop_memory_tier(actors)
+
+
+def test_training_resumes_from_peer_memory_after_a_node_loss(ray_cluster, tmp_path):
+    node_b = ray_cluster.add_node(num_cpus=1, object_store_memory=100 * 2**20)
+    node_c = ray_cluster.add_node(num_cpus=2, object_store_memory=100 * 2**20)
+    ray_cluster.wait_for_nodes()
+    actors = start_memory_tier("tiny")  # outlives both fits, like the elastic controller's
+    common = tiny_overrides(tmp_path, "run.max_steps=8", "optim.decay_steps=8",
+                            "checkpoint.every_steps=4", "checkpoint.memory=true",
+                            "scaling.placement_strategy=SPREAD")
+    first = Trainer(load_config(None, [*common, "run.max_steps=4"])).fit()
+    assert first["checkpoint"]["committed"]["memory"] == 4
+    assert {w["node_id"] for w in first["workers"]} == {node_b.node_id, node_c.node_id}
+    ray_cluster.remove_node(node_b, allow_graceful=False)
+    second = Trainer(load_config(None, [*common, "checkpoint.local=true"])).fit()
+    assert second["restored"]["tier"] == "memory" and second["restored"]["step"] == 4
+    assert {w["node_id"] for w in second["workers"]} == {node_c.node_id}
+    reference = Trainer(load_config(None, tiny_overrides(
+        tmp_path, "run.max_steps=8", "optim.decay_steps=8", "checkpoint.enabled=false",
+        "run.name=ref"))).fit()
+    assert second["params_sha256"] == reference["params_sha256"]
+    assert second["samples_digest"] == reference["samples_digest"]
+    stop_memory_tier(actors)
+    assert_nothing_left()
