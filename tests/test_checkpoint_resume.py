@@ -109,3 +109,17 @@ def test_safetensors_export_through_the_cli(uninterrupted, tmp_path, capsys):
     params = uninterrupted["ranks"][0]["params"]
     assert exported.keys() == params.keys()
     assert all(torch.equal(exported[k], params[k]) for k in params)
+
+
+def test_time_based_saves(tmp_path):
+    """every_seconds alone (rank 0's clock, agreed through the step exchange)."""
+    ranks = train_processes(2, ["data.global_batch_size=8", "run.max_steps=30",
+                                "checkpoint.every_seconds=0.4", "checkpoint.save_final=false",
+                                "checkpoint.keep_last=100", f"checkpoint.dir={tmp_path / 'c'}"],
+                            tmp_path / "out")
+    from raytrain_ext.checkpoint.disk import DiskTier
+
+    committed = DiskTier(tmp_path / "c").committed_steps()
+    assert ranks[0]["result"]["checkpoint"]["saves"] == len(committed) >= 2
+    created = [DiskTier(tmp_path / "c").read_manifest(s).created_at for s in committed]
+    assert all(b - a >= 0.3 for a, b in zip(created, created[1:]))

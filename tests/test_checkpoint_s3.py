@@ -2,6 +2,7 @@
 
 import contextlib
 import shutil
+import uuid
 
 import boto3
 import pytest
@@ -15,8 +16,8 @@ BASE = ["data.global_batch_size=8", "data.micro_batch_size=2", "optim.decay_step
 
 
 @pytest.fixture()
-def bucket(s3_endpoint, request):
-    name = "ckpt-" + request.node.name.lower().replace("_", "-")[:40].strip("-")
+def bucket(s3_endpoint):
+    name = f"ckpt-{uuid.uuid4().hex[:16]}"
     boto3.client("s3", endpoint_url=s3_endpoint).create_bucket(Bucket=name)
     return name
 
@@ -129,3 +130,24 @@ def test_s3_outage_during_training_delays_uploads_but_loses_nothing(aws_env, tmp
     retried = sum(r["result"]["checkpoint"]["retries"]["s3"] for r in ranks)
     assert retried > 0, "the outage was not noticed"
     assert stats["failed"] == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("on_busy", ["skip", "wait"])
+def test_saves_due_while_one_persists_are_skipped_or_waited_for(s3_endpoint, bucket, tmp_path,
+                                                                on_busy):
+    """Every step is due; S3 persistence is slower than a step, so saves overlap."""
+    ranks = train_processes(2, BASE + [
+        "run.max_steps=12", "checkpoint.every_steps=1", f"checkpoint.on_busy={on_busy}",
+        f"checkpoint.s3.uri=s3://{bucket}/busy", f"checkpoint.s3.endpoint_url={s3_endpoint}",
+        "checkpoint.local=false", "checkpoint.keep_last=20"], tmp_path)
+    stats = [r["result"]["checkpoint"] for r in ranks]
+    assert stats[0]["saves"] + stats[0]["skipped"] == 12  # every due save is accounted for
+    assert [(s["saves"], s["skipped"], s["committed"]) for s in stats] == [
+        (stats[0]["saves"], stats[0]["skipped"], stats[0]["committed"])] * 2  # ranks agreed
+    committed = S3Tier(f"s3://{bucket}/busy", endpoint_url=s3_endpoint).committed_steps()
+    if on_busy == "wait":
+        assert stats[0]["skipped"] == 0 and committed == list(range(1, 13))
+    else:
+        assert stats[0]["skipped"] > 0 and committed[-1] == 12  # the final save is never skipped
+        assert len(committed) == stats[0]["saves"]

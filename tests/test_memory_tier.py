@@ -84,3 +84,43 @@ def test_training_resumes_from_peer_memory_after_a_node_loss(ray_cluster, tmp_pa
     assert second["samples_digest"] == reference["samples_digest"]
     stop_memory_tier(actors)
     assert_nothing_left()
+
+
+def test_node_lost_during_a_save_never_loads_the_half_written_step(ray_cluster, tmp_path):
+    import time
+
+    from raytrain_ext import TrainingFailed
+
+    node_b = ray_cluster.add_node(num_cpus=1, object_store_memory=100 * 2**20)
+    node_c = ray_cluster.add_node(num_cpus=2, object_store_memory=100 * 2**20)
+    ray_cluster.wait_for_nodes()
+    common = tiny_overrides(tmp_path, "run.max_steps=20", "optim.decay_steps=20",
+                            "checkpoint.every_steps=5", "scaling.placement_strategy=SPREAD",
+                            "parallel.timeout_s=15", "checkpoint.on_busy=wait")
+    ckpt = tmp_path / "tiny" / "checkpoints"
+    partial = ckpt / "step-00000010"
+    import threading
+
+    errors = []
+
+    def run_until_node_loss():
+        try:
+            Trainer(load_config(None, [*common, "chaos.stall_save_s=3"])).fit()
+        except TrainingFailed as e:
+            errors.append(e)
+
+    runner = threading.Thread(target=run_until_node_loss)
+    runner.start()
+    deadline = time.time() + 120
+    while not (partial / ".metadata").exists() and time.time() < deadline:
+        time.sleep(0.02)
+    assert (partial / ".metadata").exists() and not (partial / "manifest.json").exists()
+    ray_cluster.remove_node(node_b, allow_graceful=False)  # mid-save: files written, no commit
+    runner.join(timeout=120)
+    assert errors and "ActorDiedError" in str(errors[0]) + str(errors[0].__cause__)
+    assert not (partial / "manifest.json").exists()
+    resumed = Trainer(load_config(None, common)).fit()
+    assert resumed["restored"]["step"] == 5 and resumed["restored"]["tier"] == "local"
+    assert {w["node_id"] for w in resumed["workers"]} == {node_c.node_id}
+    assert resumed["steps_completed"] == 20
+    assert_nothing_left()

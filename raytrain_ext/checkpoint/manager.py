@@ -83,8 +83,9 @@ class NoUsableCheckpoint(RuntimeError):
 
 class CheckpointManager:
     def __init__(self, ckpt_cfg, run_name: str, rank: int, world_size: int, local_rank: int,
-                 config_digest: str):
+                 config_digest: str, stall_s: float = 0.0):
         self.cfg = ckpt_cfg
+        self.stall_s = stall_s  # chaos: hold saves open between write and commit
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
         self.config_digest = config_digest
         self.tiers: List[Tier] = build_tiers(ckpt_cfg, run_name)
@@ -96,7 +97,7 @@ class CheckpointManager:
         self._last_save_time = time.time()
         self.stats: Dict[str, Any] = {"saves": 0, "skipped": 0, "stall_s": 0.0,
                                       "committed": {t.name: None for t in self.tiers},
-                                      "failed": []}
+                                      "failed": [], "timings": []}
 
     # ---- deciding -------------------------------------------------------------------------
     def request_flag(self) -> float:
@@ -157,15 +158,20 @@ class CheckpointManager:
     def _persist(self, step: int, snap: Dict[str, Any], deadline: Optional[float] = None) -> None:
         try:
             step_dir = self.staging / step_dir_name(step)
+            started = time.perf_counter()
             dcp.save(snap, storage_writer=dcp.FileSystemWriter(step_dir),
                      process_group=self.group)
+            timing: Dict[str, Any] = {"step": step, "write_s": time.perf_counter() - started,
+                                      "tiers_s": {}}
             mine = self._own_files(step_dir)
             entries = {name: checksum_file(step_dir / name) for name in mine}
             gathered: List[Any] = [None] * self.world_size
             dist.all_gather_object(gathered, entries, group=self.group)
             files = {name: entry for part in gathered for name, entry in part.items()}
+            timing["bytes"] = sum(entry.size for entry in files.values())
             manifest = Manifest(step=step, world_size=self.world_size, tier="", files=files,
                                 config_digest=self.config_digest, versions=_versions())
+            time.sleep(self.stall_s)
             for index, tier in enumerate(self.tiers):
                 if index and self._agree_past(deadline):
                     self.stats["failed"].append({"step": step, "tier": tier.name,
@@ -174,7 +180,10 @@ class CheckpointManager:
                         log.error("ALARM: preemption grace period ran out before step %d "
                                   "reached tier %s", step, tier.name)
                     continue
+                tier_start = time.perf_counter()
                 self._persist_to(tier, manifest, step_dir, mine)
+                timing["tiers_s"][tier.name] = time.perf_counter() - tier_start
+            self.stats["timings"].append(timing)
             if not self.cfg.local:
                 shutil.rmtree(step_dir, ignore_errors=True)
         except Exception as e:  # never kill training for a failed save; the log says why
@@ -257,6 +266,7 @@ class CheckpointManager:
         return None, sorted(found, key=lambda c: (-c[0], c[1]))
 
     def _try_load(self, loop, tier: Tier, step: int, problems_seen: List[str]):
+        started = time.perf_counter()
         manifest = tier.read_manifest(step)
         problem = None if manifest else "manifest unreadable"
         directory = None
@@ -276,7 +286,10 @@ class CheckpointManager:
                 log.warning("checkpoint %s is unusable; falling back to the previous committed "
                             "checkpoint", text)
             return None
-        return self._load(loop, manifest, directory, tier.name)
+        fetched = time.perf_counter() - started
+        info = self._load(loop, manifest, directory, tier.name)
+        info["fetch_verify_s"] = fetched
+        return info
 
     def _load(self, loop, manifest: Manifest, directory: Path, tier_name: str) -> Dict[str, Any]:
         start = time.perf_counter()

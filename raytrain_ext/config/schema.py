@@ -160,6 +160,13 @@ class ElasticConfig:
 
 
 @dataclass
+class ChaosConfig:
+    """Fault injection for rehearsals and tests; everything is off by default."""
+
+    stall_save_s: float = 0.0  # hold each checkpoint between writing and committing it
+
+
+@dataclass
 class TrainConfig:
     """The whole run configuration: every section a run needs."""
 
@@ -171,3 +178,4 @@ class TrainConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    chaos: ChaosConfig = field(default_factory=ChaosConfig)

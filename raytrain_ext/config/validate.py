@@ -36,7 +36,7 @@ POSITIVE_FLOATS = ("optim.lr", "optim.eps", "scaling.placement_timeout_s",
                    "parallel.timeout_s", "elastic.poll_interval_s", "checkpoint.timeout_s",
                    "checkpoint.preemption_grace_s")
 
-NON_NEGATIVE = ("run.seed", "data.seed", "optim.min_lr", "optim.weight_decay", "optim.warmup_steps", "optim.grad_clip",
+NON_NEGATIVE = ("chaos.stall_save_s", "run.seed", "data.seed", "optim.min_lr", "optim.weight_decay", "optim.warmup_steps", "optim.grad_clip",
                 "model.moe.num_experts", "model.moe.aux_loss_weight")
 
 

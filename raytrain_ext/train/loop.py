@@ -81,7 +81,8 @@ class TrainLoop:
         self.restored: Optional[Dict[str, Any]] = None
         if cfg.checkpoint.enabled:
             self.ckpt = CheckpointManager(cfg.checkpoint, cfg.run.name, rank, world_size,
-                                          local_rank, self.config_digest)
+                                          local_rank, self.config_digest,
+                                          stall_s=cfg.chaos.stall_save_s)
             for tier in self.ckpt.tiers:
                 tier.probe()
             self.restored = self.ckpt.restore(self)
