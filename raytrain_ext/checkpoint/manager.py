@@ -94,10 +94,11 @@ class CheckpointManager:
         self.cache = scratch / f"cache-rank{rank}"
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=ckpt_cfg.timeout_s))
         self._thread: Optional[threading.Thread] = None
+        self._buffers: Any = None  # host copy of the last snapshot, reused by the next
         self._last_save_time = time.time()
         self.stats: Dict[str, Any] = {"saves": 0, "skipped": 0, "stall_s": 0.0,
                                       "committed": {t.name: None for t in self.tiers},
-                                      "failed": [], "timings": []}
+                                      "failed": [], "timings": [], "stalls_s": []}
 
     # ---- deciding -------------------------------------------------------------------------
     def request_flag(self) -> float:
@@ -133,13 +134,15 @@ class CheckpointManager:
                             "persisting (checkpoint.on_busy=skip)", step)
             return 0.0
         start = time.perf_counter()
-        self.wait()
-        snap = ckpt_state.snapshot(ckpt_state.capture(loop))
+        self.wait()  # the previous snapshot's buffers are free again
+        snap = ckpt_state.snapshot(ckpt_state.capture(loop), reuse=self._buffers)
+        self._buffers = snap
         if torch.cuda.is_available() and loop.ctx.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
         stall = time.perf_counter() - start
         self.stats["saves"] += 1
         self.stats["stall_s"] += stall
+        self.stats["stalls_s"].append(round(stall, 6))
         self._last_save_time = time.time()
         if self.cfg.async_save and not urgent:
             self._thread = threading.Thread(target=self._persist, args=(step, snap),
@@ -159,8 +162,8 @@ class CheckpointManager:
         try:
             step_dir = self.staging / step_dir_name(step)
             started = time.perf_counter()
-            dcp.save(snap, storage_writer=dcp.FileSystemWriter(step_dir),
-                     process_group=self.group)
+            writer = dcp.FileSystemWriter(step_dir, thread_count=self.cfg.write_threads)
+            dcp.save(snap, storage_writer=writer, process_group=self.group)
             timing: Dict[str, Any] = {"step": step, "write_s": time.perf_counter() - started,
                                       "tiers_s": {}}
             mine = self._own_files(step_dir)

@@ -18,6 +18,7 @@ import logging
 from pathlib import Path
 from typing import Dict, List, Optional
 
+import numpy as np
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -43,9 +44,9 @@ class ShardHolder:
         self.objects: Dict[tuple, ray.ObjectRef] = {}
 
     def hold(self, step: int, name: str, wrapped: List[ray.ObjectRef]) -> int:
-        data = ray.get(wrapped[0])  # pulls the bytes to this node
+        data = ray.get(wrapped[0])  # a zero-copy view once the bytes are on this node
         self.objects[(step, name)] = ray.put(data)  # this process now owns a copy
-        return len(data)
+        return data.nbytes
 
     def fetch(self, step: int, name: str) -> Optional[List[ray.ObjectRef]]:
         ref = self.objects.get((step, name))
@@ -167,7 +168,8 @@ class MemoryTier:
         holders = self._holders()
         pending = []
         for name in names:
-            ref = ray.put((src_dir / name).read_bytes())
+            # uint8 arrays travel through the object store without pickling copies
+            ref = ray.put(np.fromfile(src_dir / name, dtype=np.uint8))
             for holder in holders:
                 actor = ray.get_actor(holder, namespace=NAMESPACE)
                 pending.append(actor.hold.remote(step, name, [ref]))
@@ -192,10 +194,10 @@ class MemoryTier:
         target.mkdir(parents=True, exist_ok=True)
         where = ray.get(self.registry.where.remote(step))
         for name in names:
-            (target / name).write_bytes(self._fetch(step, name, where.get(name, [])))
+            self._fetch(step, name, where.get(name, [])).tofile(target / name)
         return target
 
-    def _fetch(self, step: int, name: str, holders: List[str]) -> bytes:
+    def _fetch(self, step: int, name: str, holders: List[str]) -> np.ndarray:
         for holder in holders:
             try:
                 wrapped = ray.get(ray.get_actor(holder, namespace=NAMESPACE)

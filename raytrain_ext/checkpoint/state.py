@@ -62,20 +62,31 @@ def capture(loop) -> Dict[str, Any]:
             rng_key(loop.ctx.rank): io.BytesIO(capture_rng())}
 
 
-def snapshot(state: Any) -> Any:
-    """Deep copy to host memory: CPU tensors are cloned, GPU ones copied into pinned memory."""
+def snapshot(state: Any, reuse: Any = None) -> Any:
+    """Deep copy to host memory (pinned for GPU tensors, copied without blocking).
+
+    ``reuse`` is the previous snapshot, whose persistence has finished: its host
+    buffers are overwritten in place when shapes match, so a save costs one
+    memory copy and no fresh allocation or page faults.
+    """
     if isinstance(state, torch.Tensor):
-        if state.device.type == "cuda":
-            host = torch.empty(state.shape, dtype=state.dtype, pin_memory=True)
-            return host.copy_(state, non_blocking=True)
-        return state.detach().clone()
+        host = reuse if _same_layout(reuse, state) else torch.empty(
+            state.shape, dtype=state.dtype, pin_memory=state.device.type == "cuda")
+        return host.copy_(state.detach(), non_blocking=state.device.type == "cuda")
     if isinstance(state, dict):
-        return {k: snapshot(v) for k, v in state.items()}
+        old = reuse if isinstance(reuse, dict) else {}
+        return {k: snapshot(v, old.get(k)) for k, v in state.items()}
     if isinstance(state, list):
-        return [snapshot(v) for v in state]
+        old = reuse if isinstance(reuse, list) and len(reuse) == len(state) else [None] * len(state)
+        return [snapshot(v, o) for v, o in zip(state, old)]
     if isinstance(state, io.BytesIO):
         return io.BytesIO(state.getvalue())
     return state
+
+
+def _same_layout(host: Any, tensor: torch.Tensor) -> bool:
+    return (isinstance(host, torch.Tensor) and host.shape == tensor.shape
+            and host.dtype == tensor.dtype and host.device.type == "cpu")
 
 
 def load_targets(loop, saved_world_size: int) -> Dict[str, Any]:

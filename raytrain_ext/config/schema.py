@@ -145,6 +145,7 @@ class CheckpointConfig:
     every_seconds: Optional[float] = 600.0
     save_final: bool = True
     async_save: bool = True
+    write_threads: int = 2  # DCP writer threads per rank (2 doubles write bandwidth here)
     on_busy: str = "skip"  # skip | wait: when a save is due while the previous one persists
     keep_last: int = 3
     resume: str = "auto"  # auto (newest committed, if any) | never | a step-<N> path or URI

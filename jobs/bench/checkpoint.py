@@ -1,0 +1,258 @@
+"""Checkpoint benchmark: stall per save, bandwidth per tier vs a physical reference, restore time.
+
+One run on this machine, everything measured in the same process tree:
+- references: a plain tensor copy of the same state (memory), a raw write+fsync of the same
+  bytes (disk), a raw boto3 multipart upload of the same bytes (S3, moto on 127.0.0.1);
+- raytrain-ext: a training run saving to memory + local + S3, then restores from each tier;
+- Ray Train: the same model in `TorchTrainer`, `ray.train.report(checkpoint=...)` every
+  `--every` steps, timing how long each report blocks the training loop.
+
+Usage: python jobs/bench/checkpoint.py [--d-model 512 --layers 8] [--skip-ray-train]
+"""
+
+import argparse
+import io
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.update({"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
+                   "AWS_DEFAULT_REGION": "us-east-1", "GLOO_SOCKET_IFNAME": "lo"})
+
+import torch  # noqa: E402
+
+from raytrain_ext.config import load_config  # noqa: E402
+from raytrain_ext.models import build_model  # noqa: E402
+
+MB = 1024 * 1024
+
+
+def model_overrides(args):
+    return [f"model.d_model={args.d_model}", f"model.n_layers={args.layers}",
+            f"model.n_heads={args.d_model // 64}", "data.global_batch_size=4",
+            "data.micro_batch_size=2", f"scaling.num_workers={args.workers}"]
+
+
+def state_tensors(args):
+    """The model + AdamW moments, as the framework checkpoints them."""
+    cfg = load_config(None, model_overrides(args))
+    model = build_model(cfg.model, 0)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randint(0, 256, (1, 16))).sum().backward()
+    opt.step()
+    tensors = list(model.state_dict().values())
+    for state in opt.state.values():
+        tensors += [v for v in state.values() if v.dim() > 0]
+    return tensors
+
+
+def best_of(n, fn):
+    times = []
+    for _ in range(n):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def concurrent_copy_s(args, tensors):
+    """A plain copy of the state into warm buffers by `workers` threads at once.
+
+    Each Ray worker copies with one intra-op thread (Ray sets OMP_NUM_THREADS=1),
+    so the reference does too; torch releases the GIL while copying.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    torch.set_num_threads(1)
+    buffers = [[torch.empty_like(t) for t in tensors] for _ in range(args.workers)]
+
+    def copy_all(i):
+        for b, t in zip(buffers[i], tensors):
+            b.copy_(t)
+
+    with ThreadPoolExecutor(args.workers) as pool:
+        list(pool.map(copy_all, range(args.workers)))  # first touch
+        return best_of(5, lambda: list(pool.map(copy_all, range(args.workers))))
+
+
+def references(args, endpoint, bucket):
+    tensors = state_tensors(args)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    copy_s = concurrent_copy_s(args, tensors)
+    blob = b"".join(t.numpy().tobytes() for t in tensors)
+    path = Path(tempfile.mkdtemp()) / "raw.bin"
+
+    def raw_write():
+        with open(path, "wb") as f:
+            f.write(blob)
+            f.flush()
+            os.fsync(f.fileno())
+
+    write_s = best_of(2, raw_write)
+    import boto3
+    from boto3.s3.transfer import TransferConfig
+
+    client = boto3.client("s3", endpoint_url=endpoint)
+    config = TransferConfig(multipart_threshold=16 * MB, multipart_chunksize=16 * MB,
+                            max_concurrency=8)
+    upload_s = best_of(2, lambda: client.upload_fileobj(io.BytesIO(blob), bucket, "raw.bin",
+                                                        Config=config))
+    path.unlink()
+    return {"bytes": nbytes, "workers": args.workers, "copy_s": copy_s, "disk_write_s": write_s, "s3_upload_s": upload_s}
+
+
+def run_framework(args, endpoint, bucket, workdir):
+    from raytrain_ext import Trainer
+    from raytrain_ext.checkpoint.memory import start_memory_tier, stop_memory_tier
+    from raytrain_ext.trainer import connect_ray
+
+    import ray
+
+    connect_ray(None)
+    memory = start_memory_tier("bench")
+    common = model_overrides(args) + [
+        f"run.output_dir={workdir}", "run.name=bench", "run.tensorboard=false",
+        f"run.max_steps={args.steps}", f"optim.decay_steps={args.steps}",
+        f"checkpoint.every_steps={args.every}", "checkpoint.every_seconds=null",
+        f"checkpoint.s3.uri=s3://{bucket}/${{run.name}}", f"checkpoint.s3.endpoint_url={endpoint}",
+        "checkpoint.keep_last=2", "parallel.timeout_s=600"]
+    try:
+        saved = Trainer(load_config(None, common + ["checkpoint.memory=true"])).fit()
+        paused = Trainer(load_config(None, common + [
+            "checkpoint.memory=true", "checkpoint.async_save=false", "run.name=bench-sync",
+            f"run.max_steps={args.steps + args.every}"])).fit()
+        restores = {}
+        for tier, extra in (("memory", ["checkpoint.memory=true"]),
+                            ("local", ["checkpoint.memory=false"]),
+                            ("s3", ["checkpoint.memory=false", "checkpoint.local=false"])):
+            summary = Trainer(load_config(None, common + extra)).fit()
+            restored = summary["restored"]
+            assert restored["tier"] == tier, restored
+            restores[tier] = restored["fetch_verify_s"] + restored["seconds"]
+    finally:
+        stop_memory_tier(memory)
+        ray.shutdown()
+    return saved, paused, restores
+
+
+def ray_train_report_blocking(args, workdir):
+    """Ray Train's TorchTrainer, same model: how long report(checkpoint=...) blocks."""
+    import ray
+    from ray.train import Checkpoint, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    overrides = model_overrides(args)
+
+    def loop(config):
+        import ray.train as train
+        import torch.nn.functional as F
+
+        cfg = load_config(None, config["overrides"])
+        model = train.torch.prepare_model(build_model(cfg.model, 0))
+        opt = torch.optim.AdamW(model.parameters())
+        for step in range(1, config["steps"] + 1):
+            start = time.perf_counter()
+            x = torch.randint(0, 256, (2, cfg.model.seq_len))
+            F.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
+            opt.step()
+            opt.zero_grad()
+            compute = time.perf_counter() - start
+            if step % config["every"] == 0:
+                with tempfile.TemporaryDirectory() as tmp:
+                    torch.save({"model": model.state_dict(), "optim": opt.state_dict()},
+                               os.path.join(tmp, "state.pt"))
+                    train.report({"step": step, "compute_s": compute,
+                                  "blocked_s": time.perf_counter() - start - compute},
+                                 checkpoint=Checkpoint.from_directory(tmp))
+            else:
+                train.report({"step": step, "compute_s": compute,
+                              "blocked_s": time.perf_counter() - start - compute})
+
+    ray.init(num_cpus=args.workers, include_dashboard=False, _node_ip_address="127.0.0.1",
+             log_to_driver=False)
+    try:
+        trainer = TorchTrainer(loop, train_loop_config={"overrides": overrides, "steps": args.steps,
+                                                        "every": args.every},
+                               scaling_config=ScalingConfig(num_workers=args.workers),
+                               run_config=RunConfig(storage_path=str(workdir / "ray_train"),
+                                                    name="bench"))
+        result = trainer.fit()
+        history = result.metrics_dataframe
+    finally:
+        ray.shutdown()
+    saves = history[history["step"] % args.every == 0]
+    return {"compute_s": float(history["compute_s"].median()),
+            "report_with_ckpt_s": float(saves["blocked_s"].median())}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--d-model", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--every", type=int, default=4)
+    parser.add_argument("--skip-ray-train", action="store_true")
+    args = parser.parse_args()
+
+    from moto.server import ThreadedMotoServer
+    import boto3
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    endpoint = "http://%s:%d" % server.get_host_and_port()
+    boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="bench")
+    workdir = Path(tempfile.mkdtemp(prefix="ckpt-bench-"))
+    try:
+        ref = references(args, endpoint, "bench")
+        saved, paused, restores = run_framework(args, endpoint, "bench", workdir)
+        peer = None if args.skip_ray_train else ray_train_report_blocking(args, workdir)
+    finally:
+        server.stop()
+    report(args, ref, saved, paused, restores, peer)
+
+
+def bandwidth_rows(ref, timings):
+    gb = ref["bytes"] / 1e9
+    saved_bytes = statistics.median(t["bytes"] for t in timings) / 1e9
+    write_s = statistics.median(t["write_s"] for t in timings)
+    rows = [("local disk (DCP write)", saved_bytes / write_s, gb / ref["disk_write_s"])]
+    for tier, ref_s in (("memory", ref["copy_s"] / ref["workers"]), ("s3", ref["s3_upload_s"])):
+        tier_s = statistics.median(t["tiers_s"][tier] for t in timings)
+        rows.append((f"{tier} (persist)", saved_bytes / tier_s, gb / ref_s))
+    return rows
+
+
+def report(args, ref, saved, paused, restores, peer):
+    timings = saved["checkpoint"]["timings"]
+    print(f"state: {ref['bytes'] / MB:.0f} MB (model + AdamW moments), {args.workers} workers")
+    step_s = statistics.median(saved["step_times"])
+    stalls = saved["checkpoint"]["stalls_s"]
+    print(f"stalls per save (ms): {[round(s * 1e3, 1) for s in stalls]}")
+    stall_s = statistics.median(stalls)
+    print(f"median stall        {stall_s * 1e3:8.1f} ms  = {stall_s / step_s:.3f} x step time "
+          f"({step_s * 1e3:.0f} ms); plain copy {ref['copy_s'] * 1e3:.1f} ms -> ratio "
+          f"{stall_s / ref['copy_s']:.2f}")
+    for label, run in (("async, during training", saved), ("training paused", paused)):
+        print(f"{'save bandwidth, ' + label:38}{'raytrain-ext':>14}{'reference':>12}{'ratio':>8}")
+        for name, ours, theirs in bandwidth_rows(ref, run["checkpoint"]["timings"]):
+            print(f"  {name:36}{ours:11.2f} GB/s{theirs:9.2f} GB/s{ours / theirs:8.2f}")
+    saved_bytes = statistics.median(t["bytes"] for t in timings) / 1e9
+    for tier, seconds in restores.items():
+        print(f"restore from {tier:8} {seconds:7.2f} s  ({saved_bytes / seconds:.2f} GB/s)")
+    if peer:
+        print(f"Ray Train report(checkpoint) blocks {peer['report_with_ckpt_s']:.2f} s per save "
+              f"({peer['report_with_ckpt_s'] / peer['compute_s']:.1f} x its step compute "
+              f"{peer['compute_s'] * 1e3:.0f} ms); "
+              f"raytrain-ext stall {stall_s:.3f} s -> "
+              f"{peer['report_with_ckpt_s'] / stall_s:.0f}x less blocking")
+
+
+if __name__ == "__main__":
+    main()
