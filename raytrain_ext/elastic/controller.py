@@ -70,6 +70,8 @@ class Controller:
                                  cfg.scaling.placement_strategy)
         self.result = ControllerResult(state=self.state)
         self._fit_refs: List[ray.ObjectRef] = []
+        self._last_drain_check = 0.0
+        self._drain_forwarded = False
 
     def run(self) -> ControllerResult:
         handlers = {RunState.SCHEDULING: self._schedule, RunState.RUNNING: self._running}
@@ -124,13 +126,36 @@ class Controller:
                 return RunState.FAILED, (f"worker rank {rank} (node {info['node_ip']}, pid "
                                          f"{info['pid']}) raised {_error_name(error)}")
             self._drain_events()
+            self._forward_drain_notices()
         self.result.worker_results = ray.get(self._fit_refs)
         self._drain_events()
         preempted = self.result.worker_results[0].get("preempted_at")
         if preempted is not None:
-            return RunState.PREEMPTED, (f"preemption notice (SIGTERM); emergency checkpoint "
-                                        f"at step {preempted}")
+            return RunState.PREEMPTED, (f"preemption notice (SIGTERM or node drain); emergency "
+                                        f"checkpoint at step {preempted}")
         return RunState.FINISHED, f"{self.cfg.run.max_steps} steps completed"
+
+    def _forward_drain_notices(self, every_s: float = 1.0) -> None:
+        """A node being drained (spot reclaim, autoscaler) preempts the run like SIGTERM."""
+        now = self.clock()
+        if self._drain_forwarded or now - self._last_drain_check < every_s:
+            return
+        self._last_drain_check = now
+        try:
+            draining = ray._private.worker.global_worker.gcs_client.get_draining_nodes(timeout=5)
+        except Exception as e:  # an older Ray or a GCS hiccup: SIGTERM still works
+            log.debug("cannot read draining nodes: %s", e)
+            return
+        ranks = [r for r, info in enumerate(self.group.infos) if info["node_id"] in draining]
+        if not ranks:
+            return
+        deadline_s = min(draining[self.group.infos[r]["node_id"]] for r in ranks) / 1000.0
+        grace = max(1.0, min(self.cfg.checkpoint.preemption_grace_s, deadline_s - time.time()))
+        log.warning("controller: node(s) of ranks %s are draining (deadline in %.0f s); "
+                    "emergency checkpoint within %.0f s", ranks, deadline_s - time.time(), grace)
+        for rank in ranks:
+            self.group.actors[rank].preempt.remote(grace)
+        self._drain_forwarded = True
 
     def request_checkpoint(self) -> None:
         """Ask for a checkpoint at the next step boundary (thread-safe, on-demand API)."""

@@ -1,8 +1,8 @@
 """The worker actor: one per device slot, hosting one rank's training loop.
 
-The actor is threaded (``max_concurrency=2``): ``fit`` runs the training loop
-in one thread while the controller calls ``poll`` from another to collect
-heartbeats and rank 0's metrics without waiting for the loop.
+The actor is threaded: ``fit`` runs the training loop in one thread while the
+controller calls ``poll`` (heartbeats, rank 0's metrics), ``request_checkpoint``
+and ``preempt`` from others without waiting for the loop.
 """
 
 from __future__ import annotations
@@ -69,6 +69,10 @@ class TrainWorker:
     def request_checkpoint(self) -> None:
         self.requests.on_demand()
 
+    def preempt(self, grace_s: float) -> None:
+        """A drain notice for this worker's node, forwarded by the controller."""
+        self.requests.preempt(grace_s)
+
     def node_info(self) -> Dict[str, Any]:
         ctx = ray.get_runtime_context()
         return {"node_id": ctx.get_node_id(), "node_ip": ray.util.get_node_ip_address(),
@@ -114,5 +118,5 @@ class TrainWorker:
         destroy_distributed()
 
 
-def remote_worker_class(max_concurrency: int = 2):
+def remote_worker_class(max_concurrency: int = 4):
     return ray.remote(max_concurrency=max_concurrency)(TrainWorker)

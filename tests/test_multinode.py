@@ -1,4 +1,4 @@
-"""The Ray object store tier on a real multi-node cluster, with a node removed for real."""
+"""Real multi-node Ray clusters: the memory tier, node loss during a save, drain notices."""
 
 import os
 
@@ -123,4 +123,43 @@ def test_node_lost_during_a_save_never_loads_the_half_written_step(ray_cluster, 
     assert resumed["restored"]["step"] == 5 and resumed["restored"]["tier"] == "local"
     assert {w["node_id"] for w in resumed["workers"]} == {node_c.node_id}
     assert resumed["steps_completed"] == 20
+    assert_nothing_left()
+
+
+def test_ray_drain_notice_triggers_an_emergency_checkpoint(ray_cluster, tmp_path):
+    import threading
+    import time
+
+    from ray.core.generated import autoscaler_pb2
+
+    node_b = ray_cluster.add_node(num_cpus=1, object_store_memory=100 * 2**20)
+    node_c = ray_cluster.add_node(num_cpus=2, object_store_memory=100 * 2**20)
+    ray_cluster.wait_for_nodes()
+    common = tiny_overrides(tmp_path, "run.max_steps=400", "optim.decay_steps=400",
+                            "scaling.placement_strategy=SPREAD", "checkpoint.every_seconds=null",
+                            "checkpoint.memory=false")
+    summaries = []
+    runner = threading.Thread(target=lambda: summaries.append(
+        Trainer(load_config(None, common)).fit()))
+    runner.start()
+    run_dir = tmp_path / "tiny"
+    deadline = time.time() + 60
+    while time.time() < deadline and not any(
+            "ray::TrainWorker" in " ".join(p.cmdline()) for p in __import__("psutil").process_iter()):
+        time.sleep(0.1)
+    time.sleep(3.0)  # training is under way
+    gcs = ray._private.worker.global_worker.gcs_client
+    accepted, why = gcs.drain_node(
+        node_b.node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+        "spot reclaim rehearsal", int((time.time() + 30) * 1000))
+    assert accepted, why
+    runner.join(timeout=120)
+    summary = summaries[0]
+    assert summary["status"] == "preempted" and 0 < summary["steps_completed"] < 400
+    stopped = summary["steps_completed"]
+    assert (run_dir / "checkpoints" / f"step-{stopped:08d}" / "manifest.json").exists()
+    assert "node drain" in summary["transitions"][-1]["reason"]
+    resumed = Trainer(load_config(None, [*common, "run.max_steps=" + str(stopped + 2)])).fit()
+    assert resumed["restored"]["step"] == stopped  # zero steps redone
+    assert {w["node_id"] for w in resumed["workers"]} == {node_c.node_id}
     assert_nothing_left()
