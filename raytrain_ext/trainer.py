@@ -37,6 +37,7 @@ class Trainer:
         else:
             self.cfg = load_config(config, overrides)
         self.cfg = absolute_paths(self.cfg)
+        self._controller: Optional[Controller] = None
         self.run_dir = Path(self.cfg.run.output_dir) / self.cfg.run.name
 
     def fit(self) -> Dict[str, Any]:
@@ -76,7 +77,7 @@ class Trainer:
 
     def request_checkpoint(self) -> None:
         """Checkpoint at the next step boundary; callable from another thread during fit()."""
-        if getattr(self, "_controller", None) is not None:
+        if self._controller is not None:
             self._controller.request_checkpoint()
 
     def _write_summary(self, result: ControllerResult, start: float,

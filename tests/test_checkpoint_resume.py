@@ -123,3 +123,12 @@ def test_time_based_saves(tmp_path):
     assert ranks[0]["result"]["checkpoint"]["saves"] == len(committed) >= 2
     created = [DiskTier(tmp_path / "c").read_manifest(s).created_at for s in committed]
     assert all(b - a >= 0.3 for a, b in zip(created, created[1:]))
+
+
+def test_resume_from_an_explicit_checkpoint_path(uninterrupted, tmp_path):
+    source = uninterrupted["ckpt"] / "step-00000004"
+    resumed = train(2, tmp_path, "r", tmp_path / "fresh", "run.max_steps=8",
+                    f"checkpoint.resume={source}")
+    assert resumed[0]["result"]["restored"]["step"] == 4
+    assert resumed[0]["result"]["restored"]["path"] == str(source)
+    assert resumed[0]["result"]["params_sha256"] == uninterrupted["ranks"][0]["result"]["params_sha256"]

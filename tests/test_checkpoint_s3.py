@@ -2,6 +2,8 @@
 
 import contextlib
 import shutil
+import threading
+import time
 import uuid
 
 import boto3
@@ -91,9 +93,6 @@ def test_dual_write_survives_the_loss_of_local_disk(s3_endpoint, bucket, tmp_pat
 @pytest.mark.chaos
 def test_s3_outage_during_training_delays_uploads_but_loses_nothing(aws_env, tmp_path):
     """The S3 server goes away for a few seconds mid-run and comes back on the same port."""
-    import threading
-    import time
-
     from moto.server import ThreadedMotoServer
 
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)

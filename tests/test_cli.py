@@ -3,10 +3,13 @@
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -62,9 +65,6 @@ def test_positional_config_and_overrides(tmp_path):
 @pytest.mark.slow
 def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path):
     """SIGKILL the whole `raytrain-ext train` process group mid-run, rerun, compare."""
-    import signal
-    import time
-
     common = ["run.max_steps=40", "run.log_every=10", "optim.decay_steps=40",
               "checkpoint.every_steps=5", f"run.output_dir={tmp_path}", "run.tensorboard=false"]
     reference = run([*raytrain_ext_cmd(), "train", *common, "run.name=ref"], cwd=tmp_path)
@@ -90,16 +90,12 @@ def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path):
 
 
 def _worker_pids(root_pid):
-    import psutil
-
     return [p.pid for p in psutil.Process(root_pid).children(recursive=True)
             if " ".join(p.cmdline()).startswith("ray::TrainWorker")]
 
 
 @pytest.mark.slow
 def test_sigterm_to_a_worker_checkpoints_then_resumes_with_zero_steps_redone(tmp_path):
-    import time
-
     common = ["run.max_steps=150", "run.log_every=50", "optim.decay_steps=150",
               "checkpoint.every_seconds=null", f"run.output_dir={tmp_path}",
               "run.tensorboard=false"]
@@ -112,7 +108,7 @@ def test_sigterm_to_a_worker_checkpoints_then_resumes_with_zero_steps_redone(tmp
     while len(_worker_pids(proc.pid)) < 2 and time.time() < deadline:
         time.sleep(0.1)
     time.sleep(2.0)  # well into training
-    os.kill(_worker_pids(proc.pid)[1], 15)
+    os.kill(_worker_pids(proc.pid)[1], signal.SIGTERM)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 3, stderr[-3000:]
     assert "preempted: emergency checkpoint at step" in stderr

@@ -2,6 +2,7 @@
 
 import io
 
+import boto3
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -54,8 +55,6 @@ def test_bad_token_files_are_named(tmp_path):
 
 
 def test_s3_prefix_through_a_real_s3_server(s3_endpoint):
-    import boto3
-
     s3 = boto3.client("s3", endpoint_url=s3_endpoint)
     s3.create_bucket(Bucket="tokens-test")
     for i in range(2):

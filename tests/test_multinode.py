@@ -1,18 +1,33 @@
 """Real multi-node Ray clusters: the memory tier, node loss during a save, drain notices."""
 
 import os
+import threading
+import time
+from pathlib import Path
 
+import psutil
 import pytest
 import ray
+from ray.core.generated import autoscaler_pb2
 
 from raytrain_ext import Trainer, load_config
 from raytrain_ext.checkpoint.manifest import Manifest, checksum_file, verify_dir
 from raytrain_ext.checkpoint.memory import MemoryTier, start_memory_tier, stop_memory_tier
 from raytrain_ext.checkpoint.tier import prune
 from tests.conftest import tiny_overrides
+from raytrain_ext import TrainingFailed
 from tests.leaks import assert_nothing_left
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos]
+
+
+def add_two_worker_nodes(cluster):
+    """Node B (1 CPU) and node C (2 CPUs): with SPREAD one worker lands on each, and
+    after B is gone, both fit on C."""
+    node_b = cluster.add_node(num_cpus=1, object_store_memory=100 * 2**20)
+    node_c = cluster.add_node(num_cpus=2, object_store_memory=100 * 2**20)
+    cluster.wait_for_nodes()
+    return node_b, node_c
 
 
 @ray.remote(num_cpus=1)
@@ -23,11 +38,11 @@ class ShardWriter:
         os.makedirs(directory, exist_ok=True)
         with open(os.path.join(directory, name), "wb") as f:
             f.write(payload)
-        MemoryTier(run).upload(step, __import__("pathlib").Path(directory), [name])
+        MemoryTier(run).upload(step, Path(directory), [name])
         return ray.get_runtime_context().get_node_id()
 
     def read_back(self, run, step, names, cache):
-        return str(MemoryTier(run).materialize(step, names, __import__("pathlib").Path(cache)))
+        return str(MemoryTier(run).materialize(step, names, Path(cache)))
 
 
 def test_losing_any_one_node_loses_no_committed_file(ray_cluster, tmp_path):
@@ -56,16 +71,14 @@ def test_losing_any_one_node_loses_no_committed_file(ray_cluster, tmp_path):
     reader = ShardWriter.options(resources={"c": 1}).remote()
     directory = ray.get(reader.read_back.remote("mt", 3, sorted(payloads), str(tmp_path / "r")))
     manifest = tier.read_manifest(3)
-    assert verify_dir(__import__("pathlib").Path(directory), manifest) is None
+    assert verify_dir(Path(directory), manifest) is None
     for name, payload in payloads.items():
         assert (tmp_path / "r" / "step-00000003" / name).read_bytes() == payload
     stop_memory_tier(actors)
 
 
 def test_training_resumes_from_peer_memory_after_a_node_loss(ray_cluster, tmp_path):
-    node_b = ray_cluster.add_node(num_cpus=1, object_store_memory=100 * 2**20)
-    node_c = ray_cluster.add_node(num_cpus=2, object_store_memory=100 * 2**20)
-    ray_cluster.wait_for_nodes()
+    node_b, node_c = add_two_worker_nodes(ray_cluster)
     actors = start_memory_tier("tiny")  # outlives both fits, like the elastic controller's
     common = tiny_overrides(tmp_path, "run.max_steps=8", "optim.decay_steps=8",
                             "checkpoint.every_steps=4", "checkpoint.memory=true",
@@ -87,20 +100,12 @@ def test_training_resumes_from_peer_memory_after_a_node_loss(ray_cluster, tmp_pa
 
 
 def test_node_lost_during_a_save_never_loads_the_half_written_step(ray_cluster, tmp_path):
-    import time
-
-    from raytrain_ext import TrainingFailed
-
-    node_b = ray_cluster.add_node(num_cpus=1, object_store_memory=100 * 2**20)
-    node_c = ray_cluster.add_node(num_cpus=2, object_store_memory=100 * 2**20)
-    ray_cluster.wait_for_nodes()
+    node_b, node_c = add_two_worker_nodes(ray_cluster)
     common = tiny_overrides(tmp_path, "run.max_steps=20", "optim.decay_steps=20",
                             "checkpoint.every_steps=5", "scaling.placement_strategy=SPREAD",
                             "parallel.timeout_s=15", "checkpoint.on_busy=wait")
     ckpt = tmp_path / "tiny" / "checkpoints"
     partial = ckpt / "step-00000010"
-    import threading
-
     errors = []
 
     def run_until_node_loss():
@@ -127,14 +132,7 @@ def test_node_lost_during_a_save_never_loads_the_half_written_step(ray_cluster, 
 
 
 def test_ray_drain_notice_triggers_an_emergency_checkpoint(ray_cluster, tmp_path):
-    import threading
-    import time
-
-    from ray.core.generated import autoscaler_pb2
-
-    node_b = ray_cluster.add_node(num_cpus=1, object_store_memory=100 * 2**20)
-    node_c = ray_cluster.add_node(num_cpus=2, object_store_memory=100 * 2**20)
-    ray_cluster.wait_for_nodes()
+    node_b, node_c = add_two_worker_nodes(ray_cluster)
     common = tiny_overrides(tmp_path, "run.max_steps=400", "optim.decay_steps=400",
                             "scaling.placement_strategy=SPREAD", "checkpoint.every_seconds=null",
                             "checkpoint.memory=false")
@@ -145,7 +143,7 @@ def test_ray_drain_notice_triggers_an_emergency_checkpoint(ray_cluster, tmp_path
     run_dir = tmp_path / "tiny"
     deadline = time.time() + 60
     while time.time() < deadline and not any(
-            "ray::TrainWorker" in " ".join(p.cmdline()) for p in __import__("psutil").process_iter()):
+            "ray::TrainWorker" in " ".join(p.cmdline()) for p in psutil.process_iter()):
         time.sleep(0.1)
     time.sleep(3.0)  # training is under way
     gcs = ray._private.worker.global_worker.gcs_client

@@ -22,13 +22,14 @@ sys.path.insert(0, str(REPO))
 from raytrain_ext.worker.dist_env import free_port  # noqa: E402
 
 
-def run_raytrain_ext(workdir: Path, workers: int, overrides: list) -> dict:
+def run_raytrain_ext(workdir: Path, workers: int, overrides: list, name: str) -> dict:
+    """The default user path (checkpointing on, every 600 s and at the end)."""
     cmd = [sys.executable, str(REPO / "jobs" / "train.py"), f"run.output_dir={workdir}",
-           "run.name=bench", f"scaling.num_workers={workers}", "run.tensorboard=false",
+           f"run.name={name}", f"scaling.num_workers={workers}", "run.tensorboard=false",
            *overrides]
     start = time.time()
     subprocess.run(cmd, check=True, capture_output=True, cwd=workdir, timeout=600)
-    summary = json.loads((workdir / "bench" / "summary.json").read_text())
+    summary = json.loads((workdir / name / "summary.json").read_text())
     return {"median_step_s": statistics.median(summary["step_times"][2:]), "first_step_s":
             summary["first_step_at"] - start, "final_loss": summary["final_loss"]}
 
@@ -58,8 +59,8 @@ def main() -> None:
     ours, theirs = [], []
     workdir = Path(tempfile.mkdtemp(prefix="overhead-"))
     try:
-        for _ in range(args.repeats):
-            ours.append(run_raytrain_ext(workdir, args.workers, overrides))
+        for repeat in range(args.repeats):
+            ours.append(run_raytrain_ext(workdir, args.workers, overrides, f"bench-{repeat}"))
             theirs.append(run_torchrun(workdir, args.workers, overrides))
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

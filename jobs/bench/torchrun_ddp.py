@@ -8,7 +8,6 @@ the model and token file code, which are not framework overhead). Run with
 import argparse
 import datetime
 import json
-import os
 import sys
 import time
 from pathlib import Path

@@ -168,9 +168,8 @@ class CheckpointManager:
                                       "tiers_s": {}}
             mine = self._own_files(step_dir)
             entries = {name: checksum_file(step_dir / name) for name in mine}
-            gathered: List[Any] = [None] * self.world_size
-            dist.all_gather_object(gathered, entries, group=self.group)
-            files = {name: entry for part in gathered for name, entry in part.items()}
+            files = {name: entry for part in self._all_gather(entries)
+                     for name, entry in part.items()}
             timing["bytes"] = sum(entry.size for entry in files.values())
             manifest = Manifest(step=step, world_size=self.world_size, tier="", files=files,
                                 config_digest=self.config_digest, versions=_versions())
@@ -193,13 +192,17 @@ class CheckpointManager:
             self.stats["failed"].append({"step": step, "error": str(e)})
             log.error("ALARM: checkpoint of step %d failed on rank %d: %s", step, self.rank, e)
 
+    def _all_gather(self, value: Any) -> List[Any]:
+        """Every rank's ``value``, in rank order, over the checkpoint group."""
+        gathered: List[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, value, group=self.group)
+        return gathered
+
     def _agree_past(self, deadline: Optional[float]) -> bool:
         """True on every rank when any rank is past ``deadline`` (one all-gather)."""
         if deadline is None:
             return False
-        votes: List[Any] = [None] * self.world_size
-        dist.all_gather_object(votes, time.time() > deadline, group=self.group)
-        return any(votes)
+        return any(self._all_gather(time.time() > deadline))
 
     def _own_files(self, step_dir: Path) -> List[str]:
         names = [p.name for p in step_dir.iterdir() if p.name.startswith(f"__{self.rank}_")]
@@ -213,9 +216,7 @@ class CheckpointManager:
             tier.upload(manifest.step, step_dir, mine)
         except Exception as e:
             error = f"rank {self.rank}: {e}"
-        errors: List[Any] = [None] * self.world_size
-        dist.all_gather_object(errors, error, group=self.group)
-        errors = [e for e in errors if e]
+        errors = [e for e in self._all_gather(error) if e]
         if errors:
             self.stats["failed"].append({"step": manifest.step, "tier": tier.name,
                                          "error": errors[0]})
@@ -279,9 +280,7 @@ class CheckpointManager:
                 problem = verify_dir(directory, manifest)
             except Exception as e:
                 problem = f"cannot fetch: {e}"
-        problems: List[Any] = [None] * self.world_size
-        dist.all_gather_object(problems, problem, group=self.group)
-        problems = [p for p in problems if p]
+        problems = [p for p in self._all_gather(problem) if p]
         if problems:
             text = f"{tier.name} {step_dir_name(step)}: {problems[0]}"
             problems_seen.append(text)

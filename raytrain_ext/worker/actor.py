@@ -12,7 +12,7 @@ import signal
 import threading
 import time
 from collections import deque
-from typing import Any, Dict, List
+from typing import Any, Dict
 
 import ray
 
