@@ -14,8 +14,11 @@ normalisation amplifies that noise on parameters whose gradients are near
 """
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
+import torch.multiprocessing as mp
 
 from tests.dist_helpers import train_processes
 
@@ -79,3 +82,12 @@ def test_identical_runs_are_bit_identical(one_worker, tmp_path):
     assert again[0]["result"]["params_sha256"] == one_worker[0]["result"]["params_sha256"]
     a, b = again[0]["params"], one_worker[0]["params"]
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_token_ids_beyond_the_vocabulary_are_refused(tmp_path):
+    pq.write_table(pa.table({"tokens": pa.array(np.arange(4000) % 300, pa.uint16())}),
+                   tmp_path / "tokens.parquet")
+    with pytest.raises(mp.ProcessRaisedException, match=r"holds token id 299, but "
+                                                         r"model\.vocab_size is 256"):
+        train_processes(1, [f"data.path={tmp_path / 'tokens.parquet'}", "run.max_steps=1",
+                            "data.global_batch_size=4"], tmp_path / "out")

@@ -43,8 +43,9 @@ class TokenDataset:
         rows = torch.from_numpy(self.tokens[starts[:, None] + offsets].astype(np.int64))
         return rows[:, :-1], rows[:, 1:]
 
-    def max_token(self) -> int:
-        return int(self.tokens.max())
+    def max_token(self, prefix: int = 1 << 26) -> int:
+        """Largest token id in the first ``prefix`` tokens (a cheap sanity check on huge data)."""
+        return int(self.tokens[:prefix].max())
 
 
 def open_token_dataset(path: str, seq_len: int, *, s3_endpoint_url: Optional[str] = None,

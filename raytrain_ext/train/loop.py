@@ -61,9 +61,10 @@ class TrainLoop:
         self.dataset = open_token_dataset(cfg.data.path, cfg.model.seq_len,
                                           s3_endpoint_url=cfg.data.s3_endpoint_url,
                                           s3_region=cfg.data.s3_region)
-        if self.dataset.max_token() >= cfg.model.vocab_size:
-            raise ValueError(f"data.path {cfg.data.path} holds token id {self.dataset.max_token()}, "
-                             f"but model.vocab_size is {cfg.model.vocab_size}; raise vocab_size")
+        max_token = self.dataset.max_token()
+        if max_token >= cfg.model.vocab_size:
+            raise ValueError(f"data.path {cfg.data.path} holds token id {max_token}, but "
+                             f"model.vocab_size is {cfg.model.vocab_size}; raise model.vocab_size")
         self.sampler = GlobalSampler(self.dataset.num_samples, cfg.data.global_batch_size,
                                      cfg.data.seed, cfg.data.shuffle)
         self.strategy = build_strategy(cfg.parallel.strategy)
