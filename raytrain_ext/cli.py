@@ -52,7 +52,9 @@ def _ckpt_export(args: argparse.Namespace) -> int:
         print(f"export failed: {e}", file=sys.stderr)
         return 1
     print(f"exported step {info['step']}: {info['tensors']} tensors, "
-          f"{info['parameters']:,} parameters -> {info['out']}")
+          f"{info['parameters']:,} parameters -> {info['out']} (read "
+          f"{info['fetched_bytes'] / 2**20:.1f} of {info['total_bytes'] / 2**20:.1f} MiB"
+          f"{', ranged' if info['ranged'] else ''})")
     return 0
 
 

@@ -86,3 +86,14 @@ def test_retention_keeps_last_k_and_never_the_newest_committed(tmp_path):
 def test_checkpoint_config_errors(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, [override])
+
+
+def test_chunk_checksums_cover_the_file_in_order(tmp_path):
+    from raytrain_ext.checkpoint.manifest import checksum_bytes
+
+    data = bytes(range(256)) * 5
+    (tmp_path / "f").write_bytes(data)
+    entry = checksum_file(tmp_path / "f", chunk_size=300)
+    assert entry.size == 1280 and entry.chunk_size == 300 and len(entry.chunk_xxh3) == 5
+    assert entry.chunk_xxh3 == [checksum_bytes(data[i:i + 300]) for i in range(0, 1280, 300)]
+    assert entry.xxh3_128 == checksum_bytes(data)

@@ -8,6 +8,7 @@ import uuid
 
 import boto3
 import pytest
+import torch
 
 from raytrain_ext.checkpoint.s3 import S3Tier
 from raytrain_ext.checkpoint.tier import TierError
@@ -150,3 +151,34 @@ def test_saves_due_while_one_persists_are_skipped_or_waited_for(s3_endpoint, buc
     else:
         assert stats[0]["skipped"] > 0 and committed[-1] == 12  # the final save is never skipped
         assert len(committed) == stats[0]["saves"]
+
+
+@pytest.mark.slow
+def test_export_from_s3_reads_only_the_verified_model_ranges(s3_endpoint, bucket, tmp_path):
+    from safetensors.torch import load_file
+
+    from raytrain_ext.checkpoint.export import export_safetensors
+
+    s3 = [f"checkpoint.s3.uri=s3://{bucket}/big", f"checkpoint.s3.endpoint_url={s3_endpoint}",
+          "checkpoint.local=false", "checkpoint.checksum_chunk_kb=256", "model.d_model=256"]
+    ranks = train_processes(2, BASE + s3 + ["run.max_steps=2"], tmp_path / "a")
+    info = export_safetensors(f"s3://{bucket}/big", tmp_path / "m.safetensors", s3_endpoint)
+    assert info["ranged"] and info["fetched_bytes"] < 0.6 * info["total_bytes"]
+    exported = load_file(str(tmp_path / "m.safetensors"))
+    params = ranks[0]["params"]
+    assert exported.keys() == params.keys()
+    assert all(torch.equal(exported[k], params[k]) for k in params)
+
+    # flip one byte in every 256 KiB chunk of the data files: whichever chunk the ranged
+    # read fetches first fails its checksum, and nothing is exported
+    client = boto3.client("s3", endpoint_url=s3_endpoint)
+    for key in keys(s3_endpoint, bucket):
+        if key.endswith(".distcp"):
+            data = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
+            for offset in range(100, len(data), 256 * 1024):
+                data[offset] ^= 0xFF
+            client.put_object(Bucket=bucket, Key=key, Body=bytes(data))
+    with pytest.raises(ValueError, match=r"damaged checkpoint: __\d_\d\.distcp bytes \d+-\d+ "
+                                         r"fail their checksum \(corrupted\)"):
+        export_safetensors(f"s3://{bucket}/big", tmp_path / "m2.safetensors", s3_endpoint)
+    assert not (tmp_path / "m2.safetensors").exists()

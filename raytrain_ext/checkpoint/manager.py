@@ -40,6 +40,8 @@ from raytrain_ext.checkpoint.manifest import (
     step_dir_name,
     verify_dir,
 )
+from raytrain_ext.checkpoint.ranged import ChunkReader, PlannedS3Fetch
+from raytrain_ext.checkpoint.s3 import S3Tier
 from raytrain_ext.checkpoint.tier import Tier, prune
 from raytrain_ext.checkpoint.tiers import build_tiers, tier_for_location
 
@@ -167,7 +169,8 @@ class CheckpointManager:
             timing: Dict[str, Any] = {"step": step, "write_s": time.perf_counter() - started,
                                       "tiers_s": {}}
             mine = self._own_files(step_dir)
-            entries = {name: checksum_file(step_dir / name) for name in mine}
+            chunk = self.cfg.checksum_chunk_kb * 1024
+            entries = {name: checksum_file(step_dir / name, chunk) for name in mine}
             files = {name: entry for part in self._all_gather(entries)
                      for name, entry in part.items()}
             timing["bytes"] = sum(entry.size for entry in files.values())
@@ -272,12 +275,13 @@ class CheckpointManager:
     def _try_load(self, loop, tier: Tier, step: int, problems_seen: List[str]):
         started = time.perf_counter()
         manifest = tier.read_manifest(step)
-        problem = None if manifest else "manifest unreadable"
-        directory = None
+        problem, reader, targets = "manifest unreadable", None, None
         if manifest is not None:
+            targets = ckpt_state.load_targets(loop, manifest.world_size)
             try:
-                directory = tier.materialize(step, sorted(manifest.files), self.cache)
-                problem = verify_dir(directory, manifest)
+                reader, problem = self._fetch(tier, step, manifest, targets)
+            except CheckpointMismatch:
+                raise
             except Exception as e:
                 problem = f"cannot fetch: {e}"
         problems = [p for p in self._all_gather(problem) if p]
@@ -289,28 +293,51 @@ class CheckpointManager:
                             "checkpoint", text)
             return None
         fetched = time.perf_counter() - started
-        info = self._load(loop, manifest, directory, tier.name)
+        info = self._load(loop, manifest, reader, targets, tier.name)
         info["fetch_verify_s"] = fetched
         return info
 
-    def _load(self, loop, manifest: Manifest, directory: Path, tier_name: str) -> Dict[str, Any]:
-        start = time.perf_counter()
-        targets = ckpt_state.load_targets(loop, manifest.world_size)
+    def _fetch(self, tier: Tier, step: int, manifest: Manifest, targets: Dict[str, Any]):
+        """Bring what this rank will read to it, verified; returns (reader, problem or None).
+
+        From S3 only the byte ranges of this rank's load plan are fetched when that
+        is less than half the bytes; other tiers hand over whole verified files.
+        """
+        if isinstance(tier, S3Tier):
+            fetch = PlannedS3Fetch(tier, step, manifest, self.cache, tier.max_concurrency)
+            problem = fetch.fetch_metadata()
+            if problem is None:
+                self._check_shapes(fetch.metadata, targets, tier.key(step))
+                problem = fetch.prepare(targets, self.rank == 0)
+            return fetch.reader(), problem
+        directory = tier.materialize(step, sorted(manifest.files), self.cache)
+        problem = verify_dir(directory, manifest)
         reader = dcp.FileSystemReader(directory)
-        mismatches = ckpt_state.shape_mismatches(reader.read_metadata(), targets)
+        if problem is None:
+            self._check_shapes(reader.read_metadata(), targets, str(directory))
+        return reader, problem
+
+    @staticmethod
+    def _check_shapes(metadata, targets: Dict[str, Any], where: str) -> None:
+        mismatches = ckpt_state.shape_mismatches(metadata, targets)
         if mismatches:
             raise CheckpointMismatch(
-                f"checkpoint {directory} was saved from a different model:\n  " +
+                f"checkpoint {where} was saved from a different model:\n  " +
                 "\n  ".join(mismatches[:20]) + "\nResume with the model config it was saved "
                 "with (model.*), or use a new run.name / checkpoint.dir.")
+
+    def _load(self, loop, manifest: Manifest, reader, targets: Dict[str, Any],
+              tier_name: str) -> Dict[str, Any]:
+        start = time.perf_counter()
         dcp.load(targets, storage_reader=reader, process_group=self.group)
         items = ckpt_state.apply(loop, targets)
         self._last_save_time = time.time()
-        info = {"step": items["step"], "tier": tier_name, "path": str(directory),
-                "saved_world_size": manifest.world_size, "seconds": time.perf_counter() - start}
+        info = {"step": items["step"], "tier": tier_name, "path": str(reader.path),
+                "saved_world_size": manifest.world_size, "seconds": time.perf_counter() - start,
+                "ranged": isinstance(reader, ChunkReader)}
         if self.rank == 0:
             log.info("restored step %d from %s (%s), saved by %d workers, into %d workers "
-                     "in %.2f s", info["step"], tier_name, directory, manifest.world_size,
+                     "in %.2f s", info["step"], tier_name, reader.path, manifest.world_size,
                      self.world_size, info["seconds"])
         return info
 

@@ -44,6 +44,7 @@ class S3Tier:
         self.bucket, self.prefix = split_uri(self.uri)
         self.endpoint_url = endpoint_url
         self.max_attempts = max_attempts
+        self.max_concurrency = max_concurrency
         self.retry_backoff_s = retry_backoff_s
         self.retries = 0  # failed attempts that were retried (an outage shows up here)
         self.client = boto3.client(
@@ -116,6 +117,12 @@ class S3Tier:
             self._retry(f"download {name} of step {step}", lambda: self.client.download_file(
                 self.bucket, self.key(step, name), str(target / name), Config=self.transfer))
         return target
+
+    def read_range(self, step: int, name: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of one file: a single ranged GET, retried."""
+        return self._retry(f"read {name}[{start}:{end}] of step {step}", lambda: self.client.get_object(
+            Bucket=self.bucket, Key=self.key(step, name), Range=f"bytes={start}-{end - 1}",
+        )["Body"].read())
 
     def delete(self, step: int) -> None:
         keys = [{"Key": k} for k in self._keys(self.key(step) + "/")]
