@@ -151,6 +151,14 @@ def _pin_local_ray_to_loopback() -> None:
         ray_constants.ENABLE_RAY_CLUSTER = False
 
 
+def goodput(records, wall_time_s: float) -> Optional[float]:
+    """Time spent on steps that were kept (the last run of each step) / wall time."""
+    if not records or wall_time_s <= 0:
+        return None
+    kept = {r["step"]: r["step_time_s"] for r in records}  # a redone step overwrites its first run
+    return sum(kept.values()) / wall_time_s
+
+
 def build_summary(cfg, result: ControllerResult, start: float,
                   error: Optional[BaseException]) -> Dict[str, Any]:
     import ray
@@ -173,6 +181,8 @@ def build_summary(cfg, result: ControllerResult, start: float,
         "time_to_first_step_s": records[0]["time"] - start if records else None,
         "world_size_history": result.world_size_history,
         "workers": result.workers,
+        "recoveries": result.recoveries,
+        "goodput": goodput(records, time.time() - start),
         "params_sha256": hashes[0] if len(hashes) == 1 else hashes or None,
         "samples_digest": digests[0] if len(digests) == 1 else digests or None,
         "samples_consumed": ranks[0]["samples_consumed"] if ranks else 0,

@@ -93,3 +93,27 @@ def test_worker_error_reaches_the_user_and_nothing_is_left(ray_local, tmp_path):
     summary = json.loads((tmp_path / "tiny" / "summary.json").read_text())
     assert summary["status"] == "failed" and "does not exist" in summary["error"]
     assert_nothing_left()
+
+
+@pytest.mark.slow
+@pytest.mark.chaos
+def test_killed_worker_is_replaced_and_the_run_ends_as_if_nothing_happened(ray_local, tmp_path):
+    common = ["run.max_steps=12", "optim.decay_steps=12", "checkpoint.every_steps=4"]
+    reference = Trainer(load_config(None, tiny_overrides(tmp_path, *common, "run.name=ref"))).fit()
+    cfg = load_config(None, tiny_overrides(
+        tmp_path, *common, "run.name=chaos", "chaos.kill_rank=1", "chaos.kill_at_step=7",
+        "elastic.max_failures=1", "checkpoint.memory=true"))
+    summary = Trainer(cfg).fit()
+    assert summary["status"] == "finished" and summary["steps_completed"] == 12
+    assert summary["params_sha256"] == reference["params_sha256"]
+    assert summary["samples_digest"] == reference["samples_digest"]
+    (recovery,) = summary["recoveries"]
+    assert recovery["world_size"] == 2 and recovery["restored_from"] == "memory"
+    assert recovery["restored_step"] == 4 and recovery["steps_redone"] == 3
+    assert 0 < recovery["first_step_after_s"] < 60
+    assert [t["target"] for t in summary["transitions"]] == [
+        "RUNNING", "RECOVERING", "SCHEDULING", "RUNNING", "FINISHED"]
+    assert summary["world_size_history"] == [{"step": 0, "world_size": 2},
+                                             {"step": 7, "world_size": 2}]
+    assert 0 < summary["goodput"] < 1
+    assert_nothing_left()

@@ -156,9 +156,15 @@ class CheckpointConfig:
 
 @dataclass
 class ElasticConfig:
-    """Controller loop settings; the controller polls workers for heartbeats."""
+    """How the controller watches and recovers the run.
+
+    After a worker or node failure the group is re-formed with as many workers
+    as fit within ``scaling.min_workers..max_workers`` and resumes from the
+    newest committed checkpoint, up to ``max_failures`` times (-1: unlimited).
+    """
 
     poll_interval_s: float = 0.2
+    max_failures: int = 0
 
 
 @dataclass
@@ -166,6 +172,8 @@ class ChaosConfig:
     """Fault injection for rehearsals and tests; everything is off by default."""
 
     stall_save_s: float = 0.0  # hold each checkpoint between writing and committing it
+    kill_rank: int = -1  # this rank's process exits abruptly ...
+    kill_at_step: int = 0  # ... right after this step (first attempt only)
 
 
 @dataclass

@@ -36,7 +36,7 @@ POSITIVE_FLOATS = ("optim.lr", "optim.eps", "scaling.placement_timeout_s",
                    "parallel.timeout_s", "elastic.poll_interval_s", "checkpoint.timeout_s",
                    "checkpoint.preemption_grace_s")
 
-NON_NEGATIVE = ("chaos.stall_save_s", "run.seed", "data.seed", "optim.min_lr", "optim.weight_decay", "optim.warmup_steps", "optim.grad_clip",
+NON_NEGATIVE = ("chaos.stall_save_s", "chaos.kill_at_step", "run.seed", "data.seed", "optim.min_lr", "optim.weight_decay", "optim.warmup_steps", "optim.grad_clip",
                 "model.moe.num_experts", "model.moe.aux_loss_weight")
 
 
@@ -156,6 +156,15 @@ def _check_scaling(cfg: DictConfig) -> None:
                           "each worker a GPU.")
 
 
+def _check_elastic(cfg: DictConfig) -> None:
+    for key in ("elastic.max_failures", "chaos.kill_rank"):
+        if _get(cfg, key) < -1:
+            raise ConfigError(f"{key}: must be -1 (none/unlimited) or >= 0, got {_get(cfg, key)}.")
+    if cfg.chaos.kill_rank >= cfg.scaling.max_workers:
+        raise ConfigError(f"chaos.kill_rank: {cfg.chaos.kill_rank} is not a rank below "
+                          f"scaling.max_workers={cfg.scaling.max_workers}.")
+
+
 def _check_checkpoint(cfg: DictConfig) -> None:
     c = cfg.checkpoint
     for key in ("every_steps", "every_seconds"):
@@ -176,5 +185,5 @@ def _check_checkpoint(cfg: DictConfig) -> None:
 
 _CHECKS: List[Callable[[DictConfig], None]] = [
     _check_choices, _check_ranges, _check_model, _check_batch, _check_optim, _check_scaling,
-    _check_checkpoint,
+    _check_checkpoint, _check_elastic,
 ]

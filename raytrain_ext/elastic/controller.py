@@ -1,11 +1,14 @@
 """The run controller: an explicit state machine on the driver.
 
 States: SCHEDULING -> RUNNING -> FINISHED (or PREEMPTED after an emergency
-checkpoint), or FAILED from either.  Each state
-has one handler that does the state's work and returns the next state and the
-reason; ``run`` loops until a terminal state and logs every transition.  The
-controller owns the worker group's lifetime: whatever happens, the group is
-shut down before ``run`` returns or raises.
+checkpoint); RUNNING -> RECOVERING -> SCHEDULING after a worker or node
+failure while ``elastic.max_failures`` allows (the survivors are stopped and
+the group re-formed with as many workers as fit, within min..max, restoring
+the newest committed checkpoint); FAILED otherwise.  Each state has one handler
+that does the state's work and returns the next state and the reason; policies
+decide, the controller executes; every transition is logged.  The controller
+owns the worker group's lifetime: whatever happens, the group is shut down
+before ``run`` returns or raises.
 """
 
 from __future__ import annotations
@@ -19,6 +22,13 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import ray
 
 from raytrain_ext.config import to_dict
+from raytrain_ext.elastic.policy import (
+    FailurePolicy,
+    ScalingPolicy,
+    free_resources_per_node,
+    recovery_decision,
+    workers_that_fit,
+)
 from raytrain_ext.metrics import MetricsSink
 from raytrain_ext.worker.group import WorkerGroup
 
@@ -28,6 +38,7 @@ log = logging.getLogger(__name__)
 class RunState(enum.Enum):
     SCHEDULING = "SCHEDULING"
     RUNNING = "RUNNING"
+    RECOVERING = "RECOVERING"
     FINISHED = "FINISHED"
     PREEMPTED = "PREEMPTED"
     FAILED = "FAILED"
@@ -56,6 +67,7 @@ class ControllerResult:
     world_size_history: List[Dict[str, int]] = field(default_factory=list)
     transitions: List[Transition] = field(default_factory=list)
     workers: List[Dict[str, Any]] = field(default_factory=list)
+    recoveries: List[Dict[str, Any]] = field(default_factory=list)
     backend: Optional[str] = None
     error: Optional[BaseException] = None
 
@@ -72,9 +84,15 @@ class Controller:
         self._fit_refs: List[ray.ObjectRef] = []
         self._last_drain_check = 0.0
         self._drain_forwarded = False
+        self.world_size = cfg.scaling.num_workers
+        self.failures = 0
+        self.attempt = 0
+        self.failure_policy = FailurePolicy(cfg.elastic.max_failures)
+        self.scaling_policy = ScalingPolicy(cfg.scaling.min_workers, cfg.scaling.max_workers)
 
     def run(self) -> ControllerResult:
-        handlers = {RunState.SCHEDULING: self._schedule, RunState.RUNNING: self._running}
+        handlers = {RunState.SCHEDULING: self._schedule, RunState.RUNNING: self._running,
+                    RunState.RECOVERING: self._recover}
         try:
             while self.state not in TERMINAL:
                 target, reason = handlers[self.state]()
@@ -99,17 +117,19 @@ class Controller:
     def _schedule(self) -> Tuple[RunState, str]:
         s, p = self.cfg.scaling, self.cfg.parallel
         try:
-            self.group.start(s.num_workers, backend=p.backend, timeout_s=p.timeout_s,
+            self.group.start(self.world_size, backend=p.backend, timeout_s=p.timeout_s,
                              placement_timeout_s=s.placement_timeout_s)
         except Exception as e:  # placement timeout, rendezvous failure
             self.result.error = e
-            return RunState.FAILED, f"could not form the worker group: {type(e).__name__}"
+            reason = f"could not form the worker group: {type(e).__name__}"
+            return self._after_failure(reason) if self.attempt else (RunState.FAILED, reason)
         self.result.backend = self.group.backend
-        self.result.world_size_history.append({"step": 0, "world_size": self.group.world_size})
+        self.result.world_size_history.append({"step": self._last_step(),
+                                               "world_size": self.group.world_size})
         self.result.workers = [{"rank": r, "node_id": i["node_id"], "node_ip": i["node_ip"],
                                 "pid": i["pid"], "gpu_ids": i["gpu_ids"]}
                                for r, i in enumerate(self.group.infos)]
-        self._fit_refs = self.group.call_async("fit", to_dict(self.cfg))
+        self._fit_refs = self.group.call_async("fit", to_dict(self.cfg), self.attempt)
         return RunState.RUNNING, f"{self.group.world_size} workers formed a {self.group.backend} group"
 
     def _running(self) -> Tuple[RunState, str]:
@@ -123,8 +143,8 @@ class Controller:
                 rank, error = failed
                 info = self.group.infos[rank]
                 self.result.error = error
-                return RunState.FAILED, (f"worker rank {rank} (node {info['node_ip']}, pid "
-                                         f"{info['pid']}) raised {_error_name(error)}")
+                return self._after_failure(f"worker rank {rank} (node {info['node_ip']}, pid "
+                                           f"{info['pid']}) raised {_error_name(error)}")
             self._drain_events()
             self._forward_drain_notices()
         self.result.worker_results = ray.get(self._fit_refs)
@@ -134,6 +154,61 @@ class Controller:
             return RunState.PREEMPTED, (f"preemption notice (SIGTERM or node drain); emergency "
                                         f"checkpoint at step {preempted}")
         return RunState.FINISHED, f"{self.cfg.run.max_steps} steps completed"
+
+    def _after_failure(self, reason: str) -> Tuple[RunState, str]:
+        """Count the failure; recover if the failure policy allows it, else fail."""
+        self.failures += 1
+        if not self.failure_policy.allows(self.failures):
+            return RunState.FAILED, reason
+        detected_at = self.clock()
+        self._drain_events()
+        self.result.recoveries.append({"failure": self.failures, "reason": reason,
+                                       "detected_at": detected_at,
+                                       "last_step": self._survivors_last_step()})
+        return RunState.RECOVERING, reason
+
+    def _survivors_last_step(self) -> int:
+        """The furthest step any surviving rank completed (its heartbeat)."""
+        polls = [actor.poll.remote() for actor in self.group.actors]
+        steps = [self._last_step()]
+        for ref in polls:
+            try:
+                events = ray.get(ref, timeout=5)
+            except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+                continue  # a dead rank
+            steps.append(events["step"])
+            self._forward(events["records"])  # rank 0's records not yet forwarded
+        return max(steps)
+
+    def _recover(self) -> Tuple[RunState, str]:
+        """Stop the survivors, see what fits now, and re-form (restoring the newest checkpoint)."""
+        recovery = self.result.recoveries[-1]
+        self.group.shutdown()
+        capacity = self._settled_capacity()
+        decision = recovery_decision(self.failures, capacity, self.failure_policy,
+                                     self.scaling_policy)
+        recovery.update(decided_s=self.clock() - recovery["detected_at"],
+                        decision=decision.action, world_size=decision.world_size)
+        if decision.action == "fail":
+            return RunState.FAILED, decision.reason
+        self.world_size = decision.world_size
+        self.attempt += 1
+        return RunState.SCHEDULING, decision.reason
+
+    def _settled_capacity(self, settle_s: float = 3.0) -> int:
+        """Workers that fit once the stopped group's resources are back (or ``settle_s``)."""
+        per_worker = dict(self.cfg.scaling.resources_per_worker)
+        deadline = self.clock() + settle_s
+        capacity = 0
+        while True:
+            capacity = max(capacity, workers_that_fit(free_resources_per_node().values(),
+                                                      per_worker))
+            if capacity >= self.scaling_policy.max_workers or self.clock() > deadline:
+                return capacity
+            time.sleep(0.1)
+
+    def _last_step(self) -> int:
+        return self.result.records[-1]["step"] if self.result.records else 0
 
     def _forward_drain_notices(self, every_s: float = 1.0) -> None:
         """A node being drained (spot reclaim, autoscaler) preempts the run like SIGTERM."""
@@ -176,9 +251,28 @@ class Controller:
             events = ray.get(self.group.actors[0].poll.remote(), timeout=30)
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
             return  # rank 0 is gone; its fit() ref reports the error
-        for record in events["records"]:
+        self._forward(events["records"])
+
+    def _forward(self, records: List[Dict[str, Any]]) -> None:
+        for record in records:
+            if "restored" in record and self.result.recoveries:
+                self._account_recovery(record)
             self.result.records.append(record)
             self.sink.write(record["step"], record)
+
+    def _account_recovery(self, record: Dict[str, Any]) -> None:
+        """The first step after a re-form closes the books on the recovery."""
+        recovery = self.result.recoveries[-1]
+        restored = record["restored"] or {}
+        restored_step = restored.get("step", 0)
+        recovery.update(
+            restore_s=restored.get("fetch_verify_s", 0.0) + restored.get("seconds", 0.0),
+            restored_from=restored.get("tier"), restored_step=restored_step,
+            steps_redone=max(0, recovery["last_step"] - restored_step),
+            first_step_after_s=record["time"] - recovery["detected_at"])
+        log.info("controller: recovered from failure %d in %.2f s (restored step %d from %s, "
+                 "%d steps redone)", recovery["failure"], recovery["first_step_after_s"],
+                 restored_step, recovery["restored_from"], recovery["steps_redone"])
 
 
 def _error_name(error: BaseException) -> str:

@@ -15,7 +15,9 @@ identical for any world size up to float summation order.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
+import os
 import random
 import time
 from typing import Any, Callable, Dict, Optional
@@ -52,7 +54,8 @@ class TrainLoop:
     """Owns model, optimizer, schedule, sampler and ledger for one rank."""
 
     def __init__(self, cfg, rank: int, world_size: int, local_rank: int, device: torch.device,
-                 report: Report, requests: Optional[SaveRequests] = None):
+                 report: Report, requests: Optional[SaveRequests] = None,
+                 chaos_armed: bool = False):
         self.cfg = cfg
         self.report = report
         self.ctx = DistContext(rank, world_size, local_rank, device,
@@ -78,6 +81,8 @@ class TrainLoop:
         self.config_digest = config_digest(cfg)
         self.requests = requests or SaveRequests()
         self.preempted_at: Optional[int] = None
+        self.chaos_armed = chaos_armed
+        self._first_report = True
         self.ckpt: Optional[CheckpointManager] = None
         self.restored: Optional[Dict[str, Any]] = None
         if cfg.checkpoint.enabled:
@@ -130,10 +135,22 @@ class TrainLoop:
             self.preempted_at = self.step
         step_time = time.perf_counter() - start
         loss = total_loss / self.global_tokens
-        self.report({"step": self.step, "loss": loss, "lr": lr, "grad_norm": float(grad_norm),
-                     "step_time_s": step_time, "tokens_per_s": self.global_tokens / step_time,
-                     "ckpt_stall_s": stall, "world_size": ctx.world_size, "time": time.time()})
+        record = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": float(grad_norm),
+                  "step_time_s": step_time, "tokens_per_s": self.global_tokens / step_time,
+                  "ckpt_stall_s": stall, "world_size": ctx.world_size, "time": time.time()}
+        if self._first_report:  # tells the controller where this group resumed from
+            record["restored"], self._first_report = self.restored, False
+        self.report(record)
+        self._maybe_inject_fault()
         return loss
+
+    def _maybe_inject_fault(self) -> None:
+        """``chaos.kill_rank`` at ``chaos.kill_at_step``: the process dies as on a crash."""
+        chaos = self.cfg.chaos
+        if self.chaos_armed and self.ctx.rank == chaos.kill_rank and self.step == chaos.kill_at_step:
+            logging.getLogger(__name__).warning("chaos: killing rank %d after step %d",
+                                                self.ctx.rank, self.step)
+            os._exit(1)
 
     def _forward_backward(self, local: np.ndarray) -> torch.Tensor:
         """Accumulate gradients over this rank's micro-batches; return its token-loss sum."""

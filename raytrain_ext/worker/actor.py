@@ -90,7 +90,8 @@ class TrainWorker:
         self.device = init_distributed(self.env, chosen, timeout_s)
         return chosen
 
-    def fit(self, cfg_dict: Dict[str, Any]) -> Dict[str, Any]:
+    def fit(self, cfg_dict: Dict[str, Any], attempt: int = 0) -> Dict[str, Any]:
+        """Run this rank's loop; ``attempt`` counts re-forms (chaos fires on attempt 0 only)."""
         from raytrain_ext.config import config_from_dict
         from raytrain_ext.metrics.sinks import RayMetricsSink
         from raytrain_ext.train.loop import TrainLoop
@@ -108,7 +109,7 @@ class TrainWorker:
                 self.metrics_sink.write(record["step"], record)
 
         loop = TrainLoop(cfg, self.env.rank, self.env.world_size, self.env.local_rank,
-                         self.device, report, self.requests)
+                         self.device, report, self.requests, chaos_armed=attempt == 0)
         return loop.fit()
 
     def poll(self) -> Dict[str, Any]:
