@@ -16,7 +16,10 @@ from raytrain_ext.checkpoint.memory import MemoryTier, start_memory_tier, stop_m
 from raytrain_ext.checkpoint.tier import prune
 from tests.conftest import tiny_overrides
 from raytrain_ext import TrainingFailed
+from raytrain_ext.checkpoint.disk import DiskTier
+from raytrain_ext.checkpoint.export import load_model_state
 from tests.leaks import assert_nothing_left
+from tests.test_training_math import ATOL_UNEVEN
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 
@@ -160,4 +163,40 @@ def test_ray_drain_notice_triggers_an_emergency_checkpoint(ray_cluster, tmp_path
     resumed = Trainer(load_config(None, [*common, "run.max_steps=" + str(stopped + 2)])).fit()
     assert resumed["restored"]["step"] == stopped  # zero steps redone
     assert {w["node_id"] for w in resumed["workers"]} == {node_c.node_id}
+    assert_nothing_left()
+
+
+def test_node_loss_shrinks_the_run_and_every_sample_is_still_seen_once(ray_cluster, tmp_path):
+    node_b = ray_cluster.add_node(num_cpus=1, object_store_memory=100 * 2**20)
+    node_c = ray_cluster.add_node(num_cpus=1, object_store_memory=100 * 2**20)
+    ray_cluster.wait_for_nodes()
+    common = tiny_overrides(tmp_path, "run.max_steps=24", "optim.decay_steps=24",
+                            "checkpoint.every_steps=4", "scaling.placement_strategy=SPREAD",
+                            "scaling.min_workers=1", "parallel.timeout_s=15",
+                            "scaling.placement_timeout_s=30")
+    reference = Trainer(load_config(None, [*common, "run.name=ref"])).fit()
+    summaries = []
+    runner = threading.Thread(target=lambda: summaries.append(Trainer(load_config(
+        None, [*common, "elastic.max_failures=1", "checkpoint.memory=true"])).fit()))
+    runner.start()
+    marker = tmp_path / "tiny" / "checkpoints" / "step-00000008" / "manifest.json"
+    deadline = time.time() + 120
+    while not marker.exists() and time.time() < deadline:
+        time.sleep(0.02)
+    ray_cluster.remove_node(node_b, allow_graceful=False)
+    runner.join(timeout=180)
+    summary = summaries[0]
+    assert summary["status"] == "finished" and summary["steps_completed"] == 24
+    (recovery,) = summary["recoveries"]
+    assert recovery["world_size"] == 1 and recovery["restored_from"] == "memory"
+    assert recovery["restored_step"] >= 8
+    assert summary["world_size_history"][0]["world_size"] == 2
+    assert summary["world_size_history"][-1]["world_size"] == 1
+    assert {w["node_id"] for w in summary["workers"]} <= {node_b.node_id, node_c.node_id}
+    assert summary["samples_digest"] == reference["samples_digest"]  # exactly once, same order
+    assert summary["final_loss"] == pytest.approx(reference["final_loss"], abs=1e-5)
+    # parameters: the 2- and 1-worker segments differ only in float summation order
+    ours, _ = load_model_state(DiskTier(tmp_path / "tiny" / "checkpoints"), 24, tmp_path / "c1")
+    ref, _ = load_model_state(DiskTier(tmp_path / "ref" / "checkpoints"), 24, tmp_path / "c2")
+    assert max((ours[k] - ref[k]).abs().max().item() for k in ref) < ATOL_UNEVEN
     assert_nothing_left()

@@ -25,7 +25,7 @@ from raytrain_ext.config import to_dict
 from raytrain_ext.elastic.policy import (
     FailurePolicy,
     ScalingPolicy,
-    free_resources_per_node,
+    free_resources_on_live_nodes,
     recovery_decision,
     workers_that_fit,
 )
@@ -201,7 +201,7 @@ class Controller:
         deadline = self.clock() + settle_s
         capacity = 0
         while True:
-            capacity = max(capacity, workers_that_fit(free_resources_per_node().values(),
+            capacity = max(capacity, workers_that_fit(free_resources_on_live_nodes(),
                                                       per_worker))
             if capacity >= self.scaling_policy.max_workers or self.clock() > deadline:
                 return capacity

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, Iterable, Mapping, Optional
+from typing import Dict, Iterable, List, Mapping, Optional
 
 
 @dataclass(frozen=True)
@@ -66,9 +66,24 @@ def recovery_decision(failures: int, capacity: int, failure_policy: FailurePolic
     return scaling_policy.decide(capacity)
 
 
-def free_resources_per_node() -> Dict[str, Dict[str, float]]:
-    """Free resources of every alive node, from Ray's global state."""
-    import ray
+def free_resources_on_live_nodes(probe_timeout_s: float = 2.0) -> List[Dict[str, float]]:
+    """Free resources of the nodes that answer a ping now.
 
-    return {node: dict(free) for node, free in
+    Ray keeps listing a node that died abruptly until its health checks fail
+    (seconds to tens of seconds); a zero-CPU task pinned to each node tells the
+    live ones apart immediately, so recovery does not count a dead node's CPUs.
+    """
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    free = {node: dict(res) for node, res in
             ray._private.state.state.available_resources_per_node().items()}
+    ping = ray.remote(num_cpus=0)(_pong)
+    probes = {node: ping.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+        node, soft=False)).remote() for node in free}
+    ready, _ = ray.wait(list(probes.values()), num_returns=len(probes), timeout=probe_timeout_s)
+    return [free[node] for node, ref in probes.items() if ref in ready]
+
+
+def _pong() -> bool:
+    return True
