@@ -117,3 +117,23 @@ def test_killed_worker_is_replaced_and_the_run_ends_as_if_nothing_happened(ray_l
                                              {"step": 7, "world_size": 2}]
     assert 0 < summary["goodput"] < 1
     assert_nothing_left()
+
+
+@pytest.mark.slow
+@pytest.mark.chaos
+def test_hung_rank_is_detected_named_and_replaced(ray_local, tmp_path):
+    common = ["run.max_steps=12", "optim.decay_steps=12", "checkpoint.every_steps=4",
+              "parallel.timeout_s=60"]
+    reference = Trainer(load_config(None, tiny_overrides(tmp_path, *common, "run.name=ref"))).fit()
+    cfg = load_config(None, tiny_overrides(
+        tmp_path, *common, "run.name=hang", "chaos.hang_rank=1", "chaos.hang_at_step=6",
+        "elastic.max_failures=1", "elastic.hang_floor_s=3", "elastic.hang_factor=10"))
+    summary = Trainer(cfg).fit()
+    assert summary["status"] == "finished"
+    (recovery,) = summary["recoveries"]
+    assert re.match(r"hang: rank 1 \(node 127\.0\.0\.1, pid \d+\) made no progress for "
+                    r"[\d.]+ s \(deadline [\d.]+ s", recovery["reason"])
+    assert recovery["restored_step"] == 4 and recovery["steps_redone"] == 2
+    assert summary["params_sha256"] == reference["params_sha256"]
+    assert summary["samples_digest"] == reference["samples_digest"]
+    assert_nothing_left()

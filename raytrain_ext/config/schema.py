@@ -165,6 +165,8 @@ class ElasticConfig:
 
     poll_interval_s: float = 0.2
     max_failures: int = 0
+    hang_factor: float = 20.0  # hung: no step for max(hang_factor x median step, hang_floor_s)
+    hang_floor_s: float = 120.0
 
 
 @dataclass
@@ -174,6 +176,8 @@ class ChaosConfig:
     stall_save_s: float = 0.0  # hold each checkpoint between writing and committing it
     kill_rank: int = -1  # this rank's process exits abruptly ...
     kill_at_step: int = 0  # ... right after this step (first attempt only)
+    hang_rank: int = -1  # this rank stops making progress ...
+    hang_at_step: int = 0  # ... right after this step (first attempt only)
 
 
 @dataclass

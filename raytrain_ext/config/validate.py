@@ -34,9 +34,10 @@ POSITIVE_INTS = (
 
 POSITIVE_FLOATS = ("optim.lr", "optim.eps", "scaling.placement_timeout_s",
                    "parallel.timeout_s", "elastic.poll_interval_s", "checkpoint.timeout_s",
+                   "elastic.hang_factor", "elastic.hang_floor_s",
                    "checkpoint.preemption_grace_s")
 
-NON_NEGATIVE = ("chaos.stall_save_s", "chaos.kill_at_step", "run.seed", "data.seed", "optim.min_lr", "optim.weight_decay", "optim.warmup_steps", "optim.grad_clip",
+NON_NEGATIVE = ("chaos.stall_save_s", "chaos.kill_at_step", "chaos.hang_at_step", "run.seed", "data.seed", "optim.min_lr", "optim.weight_decay", "optim.warmup_steps", "optim.grad_clip",
                 "model.moe.num_experts", "model.moe.aux_loss_weight")
 
 
@@ -157,12 +158,13 @@ def _check_scaling(cfg: DictConfig) -> None:
 
 
 def _check_elastic(cfg: DictConfig) -> None:
-    for key in ("elastic.max_failures", "chaos.kill_rank"):
+    for key in ("elastic.max_failures", "chaos.kill_rank", "chaos.hang_rank"):
         if _get(cfg, key) < -1:
             raise ConfigError(f"{key}: must be -1 (none/unlimited) or >= 0, got {_get(cfg, key)}.")
-    if cfg.chaos.kill_rank >= cfg.scaling.max_workers:
-        raise ConfigError(f"chaos.kill_rank: {cfg.chaos.kill_rank} is not a rank below "
-                          f"scaling.max_workers={cfg.scaling.max_workers}.")
+    for key in ("chaos.kill_rank", "chaos.hang_rank"):
+        if _get(cfg, key) >= cfg.scaling.max_workers:
+            raise ConfigError(f"{key}: {_get(cfg, key)} is not a rank below "
+                              f"scaling.max_workers={cfg.scaling.max_workers}.")
 
 
 def _check_checkpoint(cfg: DictConfig) -> None:

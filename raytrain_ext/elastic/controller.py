@@ -29,6 +29,7 @@ from raytrain_ext.elastic.policy import (
     recovery_decision,
     workers_that_fit,
 )
+from raytrain_ext.elastic.watchdog import HangWatchdog
 from raytrain_ext.metrics import MetricsSink
 from raytrain_ext.worker.group import WorkerGroup
 
@@ -87,6 +88,8 @@ class Controller:
         self.world_size = cfg.scaling.num_workers
         self.failures = 0
         self.attempt = 0
+        self.watchdog = HangWatchdog(cfg.elastic.hang_factor, cfg.elastic.hang_floor_s)
+        self._last_heartbeat_check = 0.0
         self.failure_policy = FailurePolicy(cfg.elastic.max_failures)
         self.scaling_policy = ScalingPolicy(cfg.scaling.min_workers, cfg.scaling.max_workers)
 
@@ -136,6 +139,7 @@ class Controller:
         """Wait for the workers, forwarding metrics every poll interval."""
         interval = self.cfg.elastic.poll_interval_s
         pending = list(self._fit_refs)
+        self.watchdog = HangWatchdog(self.cfg.elastic.hang_factor, self.cfg.elastic.hang_floor_s)
         while pending:
             done, pending = ray.wait(pending, num_returns=len(pending), timeout=interval)
             failed = self._first_error(done)
@@ -147,6 +151,9 @@ class Controller:
                                            f"{info['pid']}) raised {_error_name(error)}")
             self._drain_events()
             self._forward_drain_notices()
+            hung = self._check_heartbeats()
+            if hung is not None:
+                return self._after_failure(hung)
         self.result.worker_results = ray.get(self._fit_refs)
         self._drain_events()
         preempted = self.result.worker_results[0].get("preempted_at")
@@ -154,6 +161,30 @@ class Controller:
             return RunState.PREEMPTED, (f"preemption notice (SIGTERM or node drain); emergency "
                                         f"checkpoint at step {preempted}")
         return RunState.FINISHED, f"{self.cfg.run.max_steps} steps completed"
+
+    def _check_heartbeats(self, every_s: float = 1.0) -> Optional[str]:
+        """Feed every rank's heartbeat to the watchdog; a reason string when the group hangs."""
+        now = self.clock()
+        if now - self._last_heartbeat_check < every_s:
+            return None
+        self._last_heartbeat_check = now
+        refs = [actor.heartbeat.remote() for actor in self.group.actors]
+        for rank, ref in enumerate(refs):
+            try:
+                beat = ray.get(ref, timeout=5)
+            except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+                continue  # a dead rank: its fit() ref reports it
+            self.watchdog.observe(rank, beat["step"], beat["phase"], now)
+        verdict = self.watchdog.check(now)
+        if verdict is None:
+            return None
+        names = ", ".join(f"rank {r} (node {self.group.infos[r]['node_ip']}, pid "
+                          f"{self.group.infos[r]['pid']})" for r in verdict.ranks)
+        reason = (f"hang: {names} made no progress for {verdict.stalled_s:.1f} s (deadline "
+                  f"{verdict.deadline_s:.1f} s = max(elastic.hang_factor x median step, "
+                  f"elastic.hang_floor_s))")
+        log.error("controller: %s", reason)
+        return reason
 
     def _after_failure(self, reason: str) -> Tuple[RunState, str]:
         """Count the failure; recover if the failure policy allows it, else fail."""
@@ -255,6 +286,7 @@ class Controller:
 
     def _forward(self, records: List[Dict[str, Any]]) -> None:
         for record in records:
+            self.watchdog.record_step_time(record["step_time_s"])
             if "restored" in record and self.result.recoveries:
                 self._account_recovery(record)
             self.result.records.append(record)

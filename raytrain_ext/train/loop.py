@@ -19,6 +19,7 @@ import logging
 import math
 import os
 import random
+import threading
 import time
 from typing import Any, Callable, Dict, Optional
 
@@ -55,9 +56,10 @@ class TrainLoop:
 
     def __init__(self, cfg, rank: int, world_size: int, local_rank: int, device: torch.device,
                  report: Report, requests: Optional[SaveRequests] = None,
-                 chaos_armed: bool = False):
+                 chaos_armed: bool = False, mark: Callable[[str], None] = lambda phase: None):
         self.cfg = cfg
         self.report = report
+        self.mark = mark  # phase marks let the controller tell a hung rank from its waiting peers
         self.ctx = DistContext(rank, world_size, local_rank, device,
                                autocast_dtype(cfg.parallel.mixed_precision, device))
         seed_everything(cfg.run.seed + rank)
@@ -112,9 +114,11 @@ class TrainLoop:
     def train_step(self) -> float:
         start = time.perf_counter()
         step, ctx = self.step, self.ctx
+        self.mark("compute")
         local = rank_slice(self.sampler.next_global_batch(), ctx.rank, ctx.world_size)
         lr = self.scheduler.get_last_lr()[0]
         loss_sum = self._forward_backward(local)
+        self.mark("compute")
         grad_norm = self.strategy.clip_grad_norm(self.model, self.cfg.optim.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
@@ -123,6 +127,7 @@ class TrainLoop:
         if self.ckpt is not None:
             vote = max(vote, self.ckpt.request_flag())
         busy = float(self.ckpt is not None and self.ckpt.busy())
+        self.mark("exchange")
         consumed, total_loss, request, any_busy = self._exchange(local, loss_sum, (vote, busy))
         self.ledger.record(step, consumed)
         self.step += 1
@@ -145,12 +150,17 @@ class TrainLoop:
         return loss
 
     def _maybe_inject_fault(self) -> None:
-        """``chaos.kill_rank`` at ``chaos.kill_at_step``: the process dies as on a crash."""
+        """``chaos.kill_rank`` dies as on a crash, ``chaos.hang_rank`` stops forever."""
         chaos = self.cfg.chaos
         if self.chaos_armed and self.ctx.rank == chaos.kill_rank and self.step == chaos.kill_at_step:
             logging.getLogger(__name__).warning("chaos: killing rank %d after step %d",
                                                 self.ctx.rank, self.step)
             os._exit(1)
+        if self.chaos_armed and self.ctx.rank == chaos.hang_rank and self.step == chaos.hang_at_step:
+            logging.getLogger(__name__).warning("chaos: hanging rank %d after step %d",
+                                                self.ctx.rank, self.step)
+            self.mark("hung")
+            threading.Event().wait()
 
     def _forward_backward(self, local: np.ndarray) -> torch.Tensor:
         """Accumulate gradients over this rank's micro-batches; return its token-loss sum."""
@@ -161,7 +171,8 @@ class TrainLoop:
         loss_sum = torch.zeros((), device=ctx.device, dtype=torch.float64)
         for j, indices in enumerate(chunks):
             inputs, targets = (t.to(ctx.device, non_blocking=True) for t in self.dataset.batch(indices))
-            with self.strategy.accumulate(self.model, sync=j == len(chunks) - 1):
+            sync = j == len(chunks) - 1
+            with self.strategy.accumulate(self.model, sync=sync):
                 with self._autocast():
                     logits = self.model(inputs)
                 token_loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
@@ -170,6 +181,8 @@ class TrainLoop:
                 aux = self.strategy.unwrap(self.model).aux_loss()
                 if aux is not None:
                     loss = loss + aux_weight * aux * (targets.numel() * scale)
+                if sync:  # the gradient all-reduce: from here on this rank waits for its peers
+                    self.mark("exchange")
                 loss.backward()
             loss_sum += token_loss.detach()
         return loss_sum

@@ -33,12 +33,19 @@ class EventBuffer:
         self._lock = threading.Lock()
         self.last_step = 0
         self.last_beat = time.time()
+        self.phase = "setup"  # what the loop is doing: setup | compute | exchange
 
     def push(self, record: Dict[str, Any], keep: bool) -> None:
         with self._lock:
             self.last_step, self.last_beat = record["step"], time.time()
             if keep:
                 self._records.append(record)
+
+    def mark(self, phase: str) -> None:
+        self.phase = phase
+
+    def heartbeat(self) -> Dict[str, Any]:
+        return {"step": self.last_step, "beat": self.last_beat, "phase": self.phase}
 
     def drain(self) -> Dict[str, Any]:
         with self._lock:
@@ -109,11 +116,15 @@ class TrainWorker:
                 self.metrics_sink.write(record["step"], record)
 
         loop = TrainLoop(cfg, self.env.rank, self.env.world_size, self.env.local_rank,
-                         self.device, report, self.requests, chaos_armed=attempt == 0)
+                         self.device, report, self.requests, chaos_armed=attempt == 0,
+                         mark=self.events.mark)
         return loop.fit()
 
     def poll(self) -> Dict[str, Any]:
         return self.events.drain()
+
+    def heartbeat(self) -> Dict[str, Any]:
+        return self.events.heartbeat()
 
     def shutdown(self) -> None:
         destroy_distributed()
