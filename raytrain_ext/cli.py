@@ -35,7 +35,7 @@ def _train(args: argparse.Namespace) -> int:
         print(f"preempted: emergency checkpoint at step {summary['steps_completed']} committed; "
               "rerun the same command to resume", file=sys.stderr)
         return 3
-    shown = {k: v for k, v in summary.items() if k not in ("loss_history", "step_times", "transitions")}
+    shown = {k: v for k, v in summary.items() if k not in ("loss_history", "step_times", "step_end_times", "transitions")}
     print(f"run summary ({trainer.run_dir / 'summary.json'}):")
     print(json.dumps(shown, indent=2))
     return 0

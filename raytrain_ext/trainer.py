@@ -196,6 +196,7 @@ def build_summary(cfg, result: ControllerResult, start: float,
         "versions": {"torch": torch.__version__, "ray": ray.__version__},
         "loss_history": [[r["step"], r["loss"]] for r in records],
         "step_times": [r["step_time_s"] for r in records],
+        "step_end_times": [[r["step"], r["time"]] for r in records],
     }
     if error is not None:
         summary["error"] = str(error.__cause__ or error)
