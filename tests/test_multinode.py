@@ -200,3 +200,30 @@ def test_node_loss_shrinks_the_run_and_every_sample_is_still_seen_once(ray_clust
     ref, _ = load_model_state(DiskTier(tmp_path / "ref" / "checkpoints"), 24, tmp_path / "c2")
     assert max((ours[k] - ref[k]).abs().max().item() for k in ref) < ATOL_UNEVEN
     assert_nothing_left()
+
+
+def test_losing_the_rank0_node_elects_a_new_master(ray_cluster, tmp_path):
+    nodes = {n.node_id: n for n in (ray_cluster.add_node(num_cpus=1),
+                                    ray_cluster.add_node(num_cpus=1))}
+    ray_cluster.wait_for_nodes()
+    common = tiny_overrides(tmp_path, "run.max_steps=16", "optim.decay_steps=16",
+                            "checkpoint.every_steps=2", "scaling.placement_strategy=SPREAD",
+                            "scaling.min_workers=1", "parallel.timeout_s=15",
+                            "elastic.max_failures=1", "checkpoint.memory=true")
+    trainer = Trainer(load_config(None, common))
+    summaries = []
+    runner = threading.Thread(target=lambda: summaries.append(trainer.fit()))
+    runner.start()
+    marker = tmp_path / "tiny" / "checkpoints" / "step-00000004" / "manifest.json"
+    deadline = time.time() + 120
+    while not marker.exists() and time.time() < deadline:
+        time.sleep(0.02)
+    rank0_node = trainer._controller.group.infos[0]["node_id"]
+    ray_cluster.remove_node(nodes[rank0_node], allow_graceful=False)
+    runner.join(timeout=180)
+    summary = summaries[0]
+    assert summary["status"] == "finished" and summary["steps_completed"] == 16
+    assert summary["recoveries"][0]["world_size"] == 1
+    # the re-formed group's rank 0, and so its rendezvous, is on the surviving node
+    assert [w["node_id"] for w in summary["workers"]] == list(set(nodes) - {rank0_node})
+    assert_nothing_left()
