@@ -227,3 +227,31 @@ def test_losing_the_rank0_node_elects_a_new_master(ray_cluster, tmp_path):
     # the re-formed group's rank 0, and so its rendezvous, is on the surviving node
     assert [w["node_id"] for w in summary["workers"]] == list(set(nodes) - {rank0_node})
     assert_nothing_left()
+
+
+def test_below_min_workers_waits_for_a_replacement_node(ray_cluster, tmp_path):
+    node_b, node_c = (ray_cluster.add_node(num_cpus=1), ray_cluster.add_node(num_cpus=1))
+    ray_cluster.wait_for_nodes()
+    common = tiny_overrides(tmp_path, "run.max_steps=16", "optim.decay_steps=16",
+                            "checkpoint.every_steps=2", "scaling.placement_strategy=SPREAD",
+                            "parallel.timeout_s=15", "elastic.max_failures=1",
+                            "checkpoint.memory=true", "elastic.wait_for_capacity_s=60")
+    summaries = []
+    runner = threading.Thread(target=lambda: summaries.append(
+        Trainer(load_config(None, common)).fit()))
+    runner.start()
+    marker = tmp_path / "tiny" / "checkpoints" / "step-00000004" / "manifest.json"
+    deadline = time.time() + 120
+    while not marker.exists() and time.time() < deadline:
+        time.sleep(0.02)
+    ray_cluster.remove_node(node_b, allow_graceful=False)  # 1 worker fits, min_workers is 2
+    time.sleep(4.0)
+    node_d = ray_cluster.add_node(num_cpus=1)  # capacity comes back
+    runner.join(timeout=180)
+    summary = summaries[0]
+    assert summary["status"] == "finished" and summary["steps_completed"] == 16
+    (recovery,) = summary["recoveries"]
+    assert recovery["world_size"] == 2 and recovery["decided_s"] > 3.0
+    assert recovery["restored_from"] == "memory"
+    assert {w["node_id"] for w in summary["workers"]} == {node_c.node_id, node_d.node_id}
+    assert_nothing_left()

@@ -167,6 +167,7 @@ class ElasticConfig:
     max_failures: int = 0
     hang_factor: float = 20.0  # hung: no step for max(hang_factor x median step, hang_floor_s)
     hang_floor_s: float = 120.0
+    wait_for_capacity_s: float = 300.0  # below min_workers: wait this long for nodes, then fail
 
 
 @dataclass

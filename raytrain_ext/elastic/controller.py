@@ -23,6 +23,7 @@ import ray
 
 from raytrain_ext.config import to_dict
 from raytrain_ext.elastic.policy import (
+    Decision,
     FailurePolicy,
     ScalingPolicy,
     free_resources_on_live_nodes,
@@ -215,9 +216,7 @@ class Controller:
         """Stop the survivors, see what fits now, and re-form (restoring the newest checkpoint)."""
         recovery = self.result.recoveries[-1]
         self.group.shutdown()
-        capacity = self._settled_capacity()
-        decision = recovery_decision(self.failures, capacity, self.failure_policy,
-                                     self.scaling_policy)
+        decision = self._decide_with_patience()
         recovery.update(decided_s=self.clock() - recovery["detected_at"],
                         decision=decision.action, world_size=decision.world_size)
         if decision.action == "fail":
@@ -225,6 +224,24 @@ class Controller:
         self.world_size = decision.world_size
         self.attempt += 1
         return RunState.SCHEDULING, decision.reason
+
+    def _decide_with_patience(self) -> Decision:
+        """Decide; below min_workers, wait up to ``elastic.wait_for_capacity_s`` for nodes.
+
+        Committed checkpoints stay where they are meanwhile (the memory tier's
+        holders outlive the group), so a node that comes back resumes from peer memory.
+        """
+        deadline = self.clock() + self.cfg.elastic.wait_for_capacity_s
+        while True:
+            capacity = self._settled_capacity()
+            decision = recovery_decision(self.failures, capacity, self.failure_policy,
+                                         self.scaling_policy)
+            if decision.action == "restart" or capacity >= self.scaling_policy.min_workers \
+                    or self.clock() >= deadline:
+                return decision
+            log.warning("controller: %s; waiting up to %.0f s more for capacity",
+                        decision.reason, deadline - self.clock())
+            time.sleep(min(2.0, max(0.0, deadline - self.clock())))
 
     def _settled_capacity(self, settle_s: float = 3.0) -> int:
         """Workers that fit once the stopped group's resources are back (or ``settle_s``)."""
