@@ -24,6 +24,14 @@ from tests.test_training_math import ATOL_UNEVEN
 pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 
 
+def wait_for(path: Path, timeout_s: float = 120.0) -> None:
+    """Block until a file (typically a checkpoint's manifest) exists."""
+    deadline = time.time() + timeout_s
+    while not path.exists() and time.time() < deadline:
+        time.sleep(0.02)
+    assert path.exists(), f"{path} did not appear within {timeout_s:.0f} s"
+
+
 def add_two_worker_nodes(cluster):
     """Node B (1 CPU) and node C (2 CPUs): with SPREAD one worker lands on each, and
     after B is gone, both fit on C."""
@@ -119,10 +127,8 @@ def test_node_lost_during_a_save_never_loads_the_half_written_step(ray_cluster, 
 
     runner = threading.Thread(target=run_until_node_loss)
     runner.start()
-    deadline = time.time() + 120
-    while not (partial / ".metadata").exists() and time.time() < deadline:
-        time.sleep(0.02)
-    assert (partial / ".metadata").exists() and not (partial / "manifest.json").exists()
+    wait_for(partial / ".metadata")
+    assert not (partial / "manifest.json").exists()
     ray_cluster.remove_node(node_b, allow_graceful=False)  # mid-save: files written, no commit
     runner.join(timeout=120)
     assert errors and "ActorDiedError" in str(errors[0]) + str(errors[0].__cause__)
@@ -180,9 +186,7 @@ def test_node_loss_shrinks_the_run_and_every_sample_is_still_seen_once(ray_clust
         None, [*common, "elastic.max_failures=1", "checkpoint.memory=true"])).fit()))
     runner.start()
     marker = tmp_path / "tiny" / "checkpoints" / "step-00000008" / "manifest.json"
-    deadline = time.time() + 120
-    while not marker.exists() and time.time() < deadline:
-        time.sleep(0.02)
+    wait_for(marker)
     ray_cluster.remove_node(node_b, allow_graceful=False)
     runner.join(timeout=180)
     summary = summaries[0]
@@ -215,9 +219,7 @@ def test_losing_the_rank0_node_elects_a_new_master(ray_cluster, tmp_path):
     runner = threading.Thread(target=lambda: summaries.append(trainer.fit()))
     runner.start()
     marker = tmp_path / "tiny" / "checkpoints" / "step-00000004" / "manifest.json"
-    deadline = time.time() + 120
-    while not marker.exists() and time.time() < deadline:
-        time.sleep(0.02)
+    wait_for(marker)
     rank0_node = trainer._controller.group.infos[0]["node_id"]
     ray_cluster.remove_node(nodes[rank0_node], allow_graceful=False)
     runner.join(timeout=180)
@@ -241,9 +243,7 @@ def test_below_min_workers_waits_for_a_replacement_node(ray_cluster, tmp_path):
         Trainer(load_config(None, common)).fit()))
     runner.start()
     marker = tmp_path / "tiny" / "checkpoints" / "step-00000004" / "manifest.json"
-    deadline = time.time() + 120
-    while not marker.exists() and time.time() < deadline:
-        time.sleep(0.02)
+    wait_for(marker)
     ray_cluster.remove_node(node_b, allow_graceful=False)  # 1 worker fits, min_workers is 2
     time.sleep(4.0)
     node_d = ray_cluster.add_node(num_cpus=1)  # capacity comes back
