@@ -47,20 +47,19 @@ class Trainer:
         (self.run_dir / "config.yaml").write_text(to_yaml(self.cfg))
         probe_shared_tiers(self.cfg)
         started_ray = connect_ray(self.cfg.scaling.ray_address)
-        self.cfg = resolve_cluster_defaults(self.cfg)
-        memory_actors = self._start_memory_tier()
-        sinks = [StdoutSink(self.cfg.run.log_every, self.cfg.run.max_steps)]
-        if self.cfg.run.tensorboard:
-            sinks.append(TensorBoardSink(self.run_dir / "tensorboard"))
-        sink = FanOut(sinks)
-        controller = Controller(self.cfg, sink)
-        self._controller = controller
+        memory_actors: list = []
+        sink = FanOut([])
         try:
-            result = controller.run()
-        except TrainingFailed as e:
-            self._write_summary(controller.result, start, error=e)
-            raise
-        finally:
+            self.cfg = resolve_cluster_defaults(self.cfg)
+            memory_actors = self._start_memory_tier()
+            sink = FanOut(self._sinks())
+            self._controller = Controller(self.cfg, sink)
+            try:
+                result = self._controller.run()
+            except TrainingFailed as e:
+                self._write_summary(self._controller.result, start, error=e)
+                raise
+        finally:  # whatever failed, nothing this fit() started is left running
             sink.close()
             stop_memory_tier(memory_actors)
             if started_ray:
@@ -68,6 +67,12 @@ class Trainer:
 
                 ray.shutdown()
         return self._write_summary(result, start)
+
+    def _sinks(self) -> list:
+        sinks = [StdoutSink(self.cfg.run.log_every, self.cfg.run.max_steps)]
+        if self.cfg.run.tensorboard:
+            sinks.append(TensorBoardSink(self.run_dir / "tensorboard"))
+        return sinks
 
     def _start_memory_tier(self) -> list:
         """The registry and per-node holders live for this fit(); it removes them at the end."""

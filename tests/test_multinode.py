@@ -1,6 +1,7 @@
 """Real multi-node Ray clusters: the memory tier, node loss during a save, drain notices."""
 
 import os
+import re
 import threading
 import time
 from pathlib import Path
@@ -131,7 +132,8 @@ def test_node_lost_during_a_save_never_loads_the_half_written_step(ray_cluster, 
     assert not (partial / "manifest.json").exists()
     ray_cluster.remove_node(node_b, allow_graceful=False)  # mid-save: files written, no commit
     runner.join(timeout=120)
-    assert errors and "ActorDiedError" in str(errors[0]) + str(errors[0].__cause__)
+    # the dead rank (ActorDiedError) or a peer whose collective broke reports first
+    assert errors and re.search(r"worker rank \d .* raised", str(errors[0]))
     assert not (partial / "manifest.json").exists()
     resumed = Trainer(load_config(None, common)).fit()
     assert resumed["restored"]["step"] == 5 and resumed["restored"]["tier"] == "local"

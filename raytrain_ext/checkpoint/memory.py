@@ -112,14 +112,29 @@ def start_memory_tier(run: str) -> List[ray.actor.ActorHandle]:
         name=registry_name(run), **options,
         scheduling_strategy=NodeAffinitySchedulingStrategy(_head_node_id(), soft=False),
     ).remote()]
+    holders = []
     for node in ray.nodes():
         if node["Alive"]:
-            actors.append(ray.remote(ShardHolder).options(
+            holders.append(ray.remote(ShardHolder).options(
                 name=holder_name(run, node["NodeID"]), **options,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False),
             ).remote())
-    ray.get([a.__ray_ready__.remote() for a in actors])
+    ray.get(actors[0].__ray_ready__.remote())
+    for holder in holders:  # a node that died moments ago gets no holder
+        try:
+            ray.get(holder.__ray_ready__.remote(), timeout=30)
+            actors.append(holder)
+        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+            stop_memory_tier([holder])
     return actors
+
+
+def _exists(name: str) -> bool:
+    try:
+        ray.get_actor(name, namespace=NAMESPACE)
+        return True
+    except ValueError:
+        return False
 
 
 def _head_node_id() -> str:
@@ -161,8 +176,8 @@ class MemoryTier:
         """This node's holder first, then one on another node (when there is one)."""
         here = ray.get_runtime_context().get_node_id()
         alive = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
-        others = [n for n in alive if n != here]
-        return [holder_name(self.run, n) for n in [here] + others[:1]]
+        candidates = [holder_name(self.run, n) for n in [here] + [n for n in alive if n != here]]
+        return [name for name in candidates if _exists(name)][:2]
 
     def upload(self, step: int, src_dir: Path, names: List[str]) -> None:
         holders = self._holders()
