@@ -137,3 +137,24 @@ def test_hung_rank_is_detected_named_and_replaced(ray_local, tmp_path):
     assert summary["params_sha256"] == reference["params_sha256"]
     assert summary["samples_digest"] == reference["samples_digest"]
     assert_nothing_left()
+
+
+@pytest.mark.slow
+@pytest.mark.chaos
+def test_two_failures_back_to_back(ray_local, tmp_path):
+    """The same rank dies at step 7 on the first two attempts; the third one finishes."""
+    common = ["run.max_steps=10", "optim.decay_steps=10", "checkpoint.every_steps=4"]
+    reference = Trainer(load_config(None, tiny_overrides(tmp_path, *common, "run.name=ref"))).fit()
+    summary = Trainer(load_config(None, tiny_overrides(
+        tmp_path, *common, "run.name=twice", "chaos.kill_rank=1", "chaos.kill_at_step=7",
+        "chaos.attempts=2", "elastic.max_failures=2", "checkpoint.memory=true"))).fit()
+    assert summary["status"] == "finished"
+    assert [r["restored_step"] for r in summary["recoveries"]] == [4, 4]
+    assert [r["failure"] for r in summary["recoveries"]] == [1, 2]
+    assert summary["params_sha256"] == reference["params_sha256"]
+    assert summary["samples_digest"] == reference["samples_digest"]
+    with pytest.raises(TrainingFailed):  # and a budget of one is not enough for two
+        Trainer(load_config(None, tiny_overrides(
+            tmp_path, *common, "run.name=budget", "chaos.kill_rank=1", "chaos.kill_at_step=7",
+            "chaos.attempts=2", "elastic.max_failures=1", "checkpoint.memory=true"))).fit()
+    assert_nothing_left()

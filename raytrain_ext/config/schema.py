@@ -179,6 +179,7 @@ class ChaosConfig:
     kill_at_step: int = 0  # ... right after this step (first attempt only)
     hang_rank: int = -1  # this rank stops making progress ...
     hang_at_step: int = 0  # ... right after this step (first attempt only)
+    attempts: int = 1  # faults fire on the first this-many attempts (2: back-to-back failures)
 
 
 @dataclass

@@ -98,7 +98,8 @@ class TrainWorker:
         return chosen
 
     def fit(self, cfg_dict: Dict[str, Any], attempt: int = 0) -> Dict[str, Any]:
-        """Run this rank's loop; ``attempt`` counts re-forms (chaos fires on attempt 0 only)."""
+        """Run this rank's loop; ``attempt`` counts re-forms (chaos fires on the first
+        ``chaos.attempts`` of them)."""
         from raytrain_ext.config import config_from_dict
         from raytrain_ext.metrics.sinks import RayMetricsSink
         from raytrain_ext.train.loop import TrainLoop
@@ -116,7 +117,8 @@ class TrainWorker:
                 self.metrics_sink.write(record["step"], record)
 
         loop = TrainLoop(cfg, self.env.rank, self.env.world_size, self.env.local_rank,
-                         self.device, report, self.requests, chaos_armed=attempt == 0,
+                         self.device, report, self.requests,
+                         chaos_armed=attempt < cfg.chaos.attempts,
                          mark=self.events.mark)
         return loop.fit()
 
