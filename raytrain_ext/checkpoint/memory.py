@@ -129,12 +129,11 @@ def start_memory_tier(run: str) -> List[ray.actor.ActorHandle]:
     return actors
 
 
-def _exists(name: str) -> bool:
+def _lookup(name: str) -> Optional[ray.actor.ActorHandle]:
     try:
-        ray.get_actor(name, namespace=NAMESPACE)
-        return True
+        return ray.get_actor(name, namespace=NAMESPACE)
     except ValueError:
-        return False
+        return None
 
 
 def _head_node_id() -> str:
@@ -172,12 +171,22 @@ class MemoryTier:
             raise TierError(f"checkpoint.memory: the checkpoint registry of run '{self.run}' "
                             f"is not reachable ({e}); the driver starts it before the workers.")
 
-    def _holders(self) -> List[str]:
-        """This node's holder first, then one on another node (when there is one)."""
+    def _holders(self) -> Dict[str, ray.actor.ActorHandle]:
+        """This node's holder first, then one on another node (when there is one).
+
+        Stops looking after two live holders, so a save costs a couple of lookups
+        however many nodes the cluster has.
+        """
         here = ray.get_runtime_context().get_node_id()
         alive = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
-        candidates = [holder_name(self.run, n) for n in [here] + [n for n in alive if n != here]]
-        return [name for name in candidates if _exists(name)][:2]
+        found: Dict[str, ray.actor.ActorHandle] = {}
+        for node in [here] + [n for n in alive if n != here]:
+            handle = _lookup(holder_name(self.run, node))
+            if handle is not None:
+                found[holder_name(self.run, node)] = handle
+            if len(found) == 2:
+                break
+        return found
 
     def upload(self, step: int, src_dir: Path, names: List[str]) -> None:
         holders = self._holders()
@@ -185,10 +194,8 @@ class MemoryTier:
         for name in names:
             # uint8 arrays travel through the object store without pickling copies
             ref = ray.put(np.fromfile(src_dir / name, dtype=np.uint8))
-            for holder in holders:
-                actor = ray.get_actor(holder, namespace=NAMESPACE)
-                pending.append(actor.hold.remote(step, name, [ref]))
-            pending.append(self.registry.add_locations.remote(step, name, holders))
+            pending += [actor.hold.remote(step, name, [ref]) for actor in holders.values()]
+            pending.append(self.registry.add_locations.remote(step, name, list(holders)))
         ray.get(pending)
 
     def commit(self, manifest: Manifest) -> None:

@@ -26,7 +26,8 @@ from raytrain_ext.elastic.policy import (
     Decision,
     FailurePolicy,
     ScalingPolicy,
-    free_resources_on_live_nodes,
+    free_resources_per_node,
+    live_nodes,
     recovery_decision,
     workers_that_fit,
 )
@@ -247,10 +248,12 @@ class Controller:
         """Workers that fit once the stopped group's resources are back (or ``settle_s``)."""
         per_worker = dict(self.cfg.scaling.resources_per_worker)
         deadline = self.clock() + settle_s
+        alive = live_nodes(free_resources_per_node())  # probed once, then polled
         capacity = 0
         while True:
-            capacity = max(capacity, workers_that_fit(free_resources_on_live_nodes(),
-                                                      per_worker))
+            free = free_resources_per_node()
+            capacity = max(capacity, workers_that_fit(
+                [free[node] for node in alive if node in free], per_worker))
             if capacity >= self.scaling_policy.max_workers or self.clock() > deadline:
                 return capacity
             time.sleep(0.1)

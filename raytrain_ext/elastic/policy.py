@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Mapping, Optional
+from typing import Dict, Iterable, Mapping, Optional, Set
 
 
 @dataclass(frozen=True)
@@ -66,8 +66,16 @@ def recovery_decision(failures: int, capacity: int, failure_policy: FailurePolic
     return scaling_policy.decide(capacity)
 
 
-def free_resources_on_live_nodes(probe_timeout_s: float = 2.0) -> List[Dict[str, float]]:
-    """Free resources of the nodes that answer a ping now.
+def free_resources_per_node() -> Dict[str, Dict[str, float]]:
+    """Free resources of every node Ray lists, keyed by node id."""
+    import ray
+
+    return {node: dict(res) for node, res in
+            ray._private.state.state.available_resources_per_node().items()}
+
+
+def live_nodes(nodes: Iterable[str], probe_timeout_s: float = 2.0) -> Set[str]:
+    """The nodes that answer a ping now.
 
     Ray keeps listing a node that died abruptly until its health checks fail
     (seconds to tens of seconds); a zero-CPU task pinned to each node tells the
@@ -76,13 +84,11 @@ def free_resources_on_live_nodes(probe_timeout_s: float = 2.0) -> List[Dict[str,
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    free = {node: dict(res) for node, res in
-            ray._private.state.state.available_resources_per_node().items()}
     ping = ray.remote(num_cpus=0)(_pong)
     probes = {node: ping.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
-        node, soft=False)).remote() for node in free}
+        node, soft=False)).remote() for node in nodes}
     ready, _ = ray.wait(list(probes.values()), num_returns=len(probes), timeout=probe_timeout_s)
-    return [free[node] for node, ref in probes.items() if ref in ready]
+    return {node for node, ref in probes.items() if ref in ready}
 
 
 def _pong() -> bool:
