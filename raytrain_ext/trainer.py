@@ -97,6 +97,7 @@ def absolute_paths(cfg: DictConfig) -> DictConfig:
     cfg = copy.deepcopy(cfg)
     OmegaConf.set_readonly(cfg, False)
     cfg.run.output_dir = str(Path(cfg.run.output_dir).absolute())
+    cfg.profile.dir = str(Path(cfg.profile.dir).absolute())
     if not str(cfg.checkpoint.dir).startswith("s3://"):
         cfg.checkpoint.dir = str(Path(cfg.checkpoint.dir).absolute())
     if cfg.data.path != "builtin:corpus" and not cfg.data.path.startswith("s3://"):

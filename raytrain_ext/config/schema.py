@@ -180,6 +180,46 @@ class ChaosConfig:
     hang_rank: int = -1  # this rank stops making progress ...
     hang_at_step: int = 0  # ... right after this step (first attempt only)
     attempts: int = 1  # faults fire on the first this-many attempts (2: back-to-back failures)
+    nan_rank: int = -1  # this rank's loss becomes NaN ...
+    nan_at_step: int = 0  # ... at this step (first attempt only)
+    slow_rank: int = -1  # this rank sleeps ...
+    slow_s: float = 0.0  # ... this long in every step (a straggler)
+
+
+@dataclass
+class GuardsConfig:
+    """In-run guards, on by default.
+
+    A rank whose compute time per step exceeds ``straggler_factor`` x the median
+    of all ranks for ``straggler_window`` consecutive steps is reported (and
+    evicted by the elastic controller when ``evict_stragglers``).  A non-finite
+    loss or gradient norm is handled by ``nan_policy``: ``skip_step`` (no update,
+    the batch is consumed), ``rollback`` (restore the last checkpoint and skip the
+    offending batch) or ``fail``.  When the controller declares a hang, Python
+    stacks of every worker go to ``<run_dir>/hang-stacks/``.
+    """
+
+    straggler_factor: float = 1.5
+    straggler_window: int = 20
+    evict_stragglers: bool = False
+    nan_policy: str = "skip_step"  # skip_step | rollback | fail
+    max_nan_steps: int = 10  # more non-finite steps than this in one run: fail
+    hang_stacks: bool = True
+
+
+@dataclass
+class ProfileConfig:
+    """torch.profiler traces (Chrome trace format, open in Perfetto) for a step range.
+
+    ``steps: [a, b]`` records steps a..b inclusive on the ``ranks`` listed;
+    an empty list disables profiling.
+    """
+
+    steps: List[int] = field(default_factory=list)
+    ranks: List[int] = field(default_factory=lambda: [0])
+    dir: str = "${run.output_dir}/${run.name}/profile"
+    record_shapes: bool = False
+    with_stack: bool = False
 
 
 @dataclass
@@ -195,3 +235,5 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
     chaos: ChaosConfig = field(default_factory=ChaosConfig)
+    guards: GuardsConfig = field(default_factory=GuardsConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)

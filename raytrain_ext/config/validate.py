@@ -22,6 +22,7 @@ CHOICES = {
     "parallel.backend": ("auto", "nccl", "gloo"),
     "parallel.mixed_precision": ("auto", "bf16", "fp32"),
     "checkpoint.on_busy": ("skip", "wait"),
+    "guards.nan_policy": ("skip_step", "rollback", "fail"),
 }
 
 POSITIVE_INTS = (
@@ -29,17 +30,18 @@ POSITIVE_INTS = (
     "model.vocab_size", "model.seq_len", "model.mlp_ratio", "data.global_batch_size",
     "data.micro_batch_size", "optim.decay_steps", "scaling.num_workers", "checkpoint.keep_last",
     "checkpoint.keep_in_memory", "checkpoint.write_threads", "checkpoint.checksum_chunk_kb",
-    "chaos.attempts",
+    "chaos.attempts", "guards.straggler_window",
     "checkpoint.s3.part_size_mb", "checkpoint.s3.max_concurrency", "checkpoint.s3.max_attempts",
 )
 
 POSITIVE_FLOATS = ("optim.lr", "optim.eps", "scaling.placement_timeout_s",
                    "parallel.timeout_s", "elastic.poll_interval_s", "checkpoint.timeout_s",
                    "elastic.hang_factor", "elastic.hang_floor_s",
-                   "checkpoint.preemption_grace_s")
+                   "checkpoint.preemption_grace_s", "guards.straggler_factor")
 
 NON_NEGATIVE = ("elastic.wait_for_capacity_s", "chaos.stall_save_s", "chaos.kill_at_step", "chaos.hang_at_step", "run.seed", "data.seed", "optim.min_lr", "optim.weight_decay", "optim.warmup_steps", "optim.grad_clip",
-                "model.moe.num_experts", "model.moe.aux_loss_weight")
+                "model.moe.num_experts", "model.moe.aux_loss_weight", "chaos.nan_at_step",
+                "chaos.slow_s", "guards.max_nan_steps")
 
 
 def validate(cfg: DictConfig) -> None:
@@ -159,10 +161,11 @@ def _check_scaling(cfg: DictConfig) -> None:
 
 
 def _check_elastic(cfg: DictConfig) -> None:
-    for key in ("elastic.max_failures", "chaos.kill_rank", "chaos.hang_rank"):
+    for key in ("elastic.max_failures", "chaos.kill_rank", "chaos.hang_rank", "chaos.nan_rank",
+                "chaos.slow_rank"):
         if _get(cfg, key) < -1:
             raise ConfigError(f"{key}: must be -1 (none/unlimited) or >= 0, got {_get(cfg, key)}.")
-    for key in ("chaos.kill_rank", "chaos.hang_rank"):
+    for key in ("chaos.kill_rank", "chaos.hang_rank", "chaos.nan_rank", "chaos.slow_rank"):
         if _get(cfg, key) >= cfg.scaling.max_workers:
             raise ConfigError(f"{key}: {_get(cfg, key)} is not a rank below "
                               f"scaling.max_workers={cfg.scaling.max_workers}.")
@@ -186,7 +189,18 @@ def _check_checkpoint(cfg: DictConfig) -> None:
                           "checkpoint.enabled=false.")
 
 
+def _check_profile(cfg: DictConfig) -> None:
+    steps = list(cfg.profile.steps)
+    if steps and not (len(steps) == 2 and 1 <= steps[0] <= steps[1]):
+        raise ConfigError(f"profile.steps: {steps} must be [] (off) or [first, last] with "
+                          "1 <= first <= last, for example profile.steps=[10,12].")
+    for rank in cfg.profile.ranks:
+        if not 0 <= rank < cfg.scaling.max_workers:
+            raise ConfigError(f"profile.ranks: {rank} is not a rank below "
+                              f"scaling.max_workers={cfg.scaling.max_workers}.")
+
+
 _CHECKS: List[Callable[[DictConfig], None]] = [
     _check_choices, _check_ranges, _check_model, _check_batch, _check_optim, _check_scaling,
-    _check_checkpoint, _check_elastic,
+    _check_checkpoint, _check_elastic, _check_profile,
 ]
