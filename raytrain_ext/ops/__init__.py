@@ -1,0 +1,1 @@
+"""Operations tooling: cluster diagnosis (``raytrain-ext doctor``) and run-time guards."""
