@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--to", required=True, help="output .safetensors file")
     export.add_argument("--s3-endpoint-url", default=None)
     export.set_defaults(func=_ckpt_export)
+    from raytrain_ext.ops.doctor import add_parser as add_doctor; add_doctor(commands)
+    from raytrain_ext.plan.cli import add_parser as add_plan; add_plan(commands)
+    from raytrain_ext.ops.report import add_parser as add_report; add_report(commands)
     return parser
 
 

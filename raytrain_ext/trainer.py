@@ -92,16 +92,22 @@ class Trainer:
         return summary
 
 
-def absolute_paths(cfg: DictConfig) -> DictConfig:
-    """Workers do not share the driver's working directory: ship absolute local paths."""
+def absolute_paths(cfg: DictConfig, base: Optional[Path] = None) -> DictConfig:
+    """Workers do not share the driver's working directory: ship absolute local paths.
+
+    Relative paths are taken from ``base`` (default: the current directory); a Tune
+    trial passes the directory its sweep was started from, since Tune moves the trial
+    into a directory of its own.
+    """
+    base = Path.cwd() if base is None else Path(base)
     cfg = copy.deepcopy(cfg)
     OmegaConf.set_readonly(cfg, False)
-    cfg.run.output_dir = str(Path(cfg.run.output_dir).absolute())
-    cfg.profile.dir = str(Path(cfg.profile.dir).absolute())
+    cfg.run.output_dir = str(base / cfg.run.output_dir)
+    cfg.profile.dir = str(base / cfg.profile.dir)
     if not str(cfg.checkpoint.dir).startswith("s3://"):
-        cfg.checkpoint.dir = str(Path(cfg.checkpoint.dir).absolute())
+        cfg.checkpoint.dir = str(base / cfg.checkpoint.dir)
     if cfg.data.path != "builtin:corpus" and not cfg.data.path.startswith("s3://"):
-        cfg.data.path = str(Path(cfg.data.path).absolute())
+        cfg.data.path = str(base / cfg.data.path)
     OmegaConf.set_readonly(cfg, True)
     return cfg
 
@@ -138,7 +144,7 @@ def connect_ray(address: Optional[str]) -> bool:
         ray.init(address=address, log_to_driver=True)
         return False
     _pin_local_ray_to_loopback()
-    ray.init(include_dashboard=False, _node_ip_address="127.0.0.1")
+    ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1")
     return True
 
 
@@ -188,6 +194,10 @@ def build_summary(cfg, result: ControllerResult, start: float,
         "world_size_history": result.world_size_history,
         "workers": result.workers,
         "recoveries": result.recoveries,
+        "resizes": result.resizes,
+        "stragglers": result.stragglers,
+        "skipped_steps": [r["step"] for r in records if r.get("skipped")],
+        "rollbacks": [r["rolled_back"] for r in records if "rolled_back" in r],
         "goodput": goodput(records, time.time() - start),
         "params_sha256": hashes[0] if len(hashes) == 1 else hashes or None,
         "samples_digest": digests[0] if len(digests) == 1 else digests or None,

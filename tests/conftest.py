@@ -15,12 +15,13 @@ def ray_local():
     """A single-node Ray (4 logical CPUs on 2 cores), started once and reused.
 
     Multi-node tests shut it down to connect to their own cluster; the next test
-    that needs it starts it again.
+    that needs it starts it again.  ``address="local"`` keeps it private even
+    when another Ray instance (a ``ray start`` head) runs on this machine.
     """
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1",
+        ray.init(address="local", num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1",
                  object_store_memory=200 * 1024**2, log_to_driver=False)
     yield ray
 

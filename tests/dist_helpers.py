@@ -21,16 +21,19 @@ def _run_rank(rank: int, world: int, port: int, cfg_dict: dict, out_dir: str) ->
     torch.set_num_threads(1)
     device = init_distributed(env, "gloo", timeout_s=60)
     try:
-        loop = TrainLoop(config_from_dict(cfg_dict), rank, world, rank, device, lambda r: None)
+        records: List[Dict] = []
+        loop = TrainLoop(config_from_dict(cfg_dict), rank, world, rank, device, records.append,
+                         chaos_armed=True)
         result = loop.fit()
         params = {k: v.clone() for k, v in loop.strategy.full_parameters(loop.model).items()}
-        torch.save({"result": result, "params": params}, Path(out_dir) / f"rank{rank}.pt")
+        torch.save({"result": result, "params": params, "records": records},
+                   Path(out_dir) / f"rank{rank}.pt")
     finally:
         destroy_distributed()
 
 
 def train_processes(world: int, overrides: List[str], out_dir: Path) -> List[Dict]:
-    """Train with `world` gloo processes; return each rank's {result, params}.
+    """Train with `world` gloo processes; return each rank's {result, params, records}.
 
     The config is validated for ``scaling.num_workers`` from ``overrides`` (default
     ``world``); running more ranks than that mimics an elastic resize, where the

@@ -33,3 +33,34 @@ def test_failure_budget():
     assert recovery_decision(1, 2, FailurePolicy(1), scaling).world_size == 2
     out = recovery_decision(2, 2, FailurePolicy(1), scaling)
     assert out.action == "fail" and "exceeds elastic.max_failures=1" in out.reason
+
+
+def test_grow_policy_waits_for_stable_capacity_and_the_cooldown():
+    from raytrain_ext.elastic.policy import GrowPolicy
+
+    grow = GrowPolicy(max_workers=4, cooldown_s=60.0, stable_s=10.0)
+    assert grow.observe(100.0, 2, 2, last_reform_at=0.0) is None  # capacity first seen
+    assert grow.observe(105.0, 2, 2, last_reform_at=0.0) is None  # not stable for 10 s yet
+    assert grow.observe(110.0, 2, 5, last_reform_at=0.0) == 4  # stable; capped at max_workers
+    assert grow.observe(111.0, 4, 1, last_reform_at=0.0) is None  # already at max
+
+
+def test_grow_policy_ignores_a_flapping_node_and_respects_the_cooldown():
+    from raytrain_ext.elastic.policy import GrowPolicy
+
+    grow = GrowPolicy(max_workers=2, cooldown_s=60.0, stable_s=10.0)
+    for t in range(0, 100, 8):  # the node appears for 6 s, vanishes for 2 s, again and again
+        assert grow.observe(float(t), 1, 1, last_reform_at=0.0) is None
+        assert grow.observe(t + 6.0, 1, 1, last_reform_at=0.0) is None
+        assert grow.observe(t + 7.0, 1, 0, last_reform_at=0.0) is None
+    assert grow.observe(200.0, 1, 1, last_reform_at=195.0) is None
+    assert grow.observe(211.0, 1, 1, last_reform_at=195.0) is None  # stable, but cooling down
+    assert grow.observe(255.0, 1, 1, last_reform_at=195.0) == 2
+
+
+def test_preemption_budget_is_separate_from_failures():
+    from raytrain_ext.elastic.policy import FailurePolicy, PreemptionPolicy
+
+    assert PreemptionPolicy(-1).allows(1000)
+    assert PreemptionPolicy(2).allows(2) and not PreemptionPolicy(2).allows(3)
+    assert not FailurePolicy(0).allows(1)  # a run with no failure budget can still be preempted

@@ -136,13 +136,19 @@ def test_hung_rank_is_detected_named_and_replaced(ray_local, tmp_path):
     assert recovery["restored_step"] == 4 and recovery["steps_redone"] == 2
     assert summary["params_sha256"] == reference["params_sha256"]
     assert summary["samples_digest"] == reference["samples_digest"]
+    stacks = (tmp_path / "hang" / "hang-stacks" / "attempt0-rank1.txt").read_text()
+    assert stacks.startswith("rank 1 node 127.0.0.1") and "_maybe_inject_fault" in stacks
+    assert "phase hung, last step 6" in stacks  # the hung thread, found among the actor's threads
+    assert "_maybe_inject_fault" not in (tmp_path / "hang" / "hang-stacks" /
+                                         "attempt0-rank0.txt").read_text()
     assert_nothing_left()
 
 
 @pytest.mark.slow
 @pytest.mark.chaos
 def test_two_failures_back_to_back(ray_local, tmp_path):
-    """The same rank dies at step 7 on the first two attempts; the third one finishes."""
+    """The same rank dies at step 7 on the first two attempts; the third one finishes.
+    Then a failure during recovery: the re-formed group loses a rank before its first step."""
     common = ["run.max_steps=10", "optim.decay_steps=10", "checkpoint.every_steps=4"]
     reference = Trainer(load_config(None, tiny_overrides(tmp_path, *common, "run.name=ref"))).fit()
     summary = Trainer(load_config(None, tiny_overrides(
@@ -157,4 +163,14 @@ def test_two_failures_back_to_back(ray_local, tmp_path):
         Trainer(load_config(None, tiny_overrides(
             tmp_path, *common, "run.name=budget", "chaos.kill_rank=1", "chaos.kill_at_step=7",
             "chaos.attempts=2", "elastic.max_failures=1", "checkpoint.memory=true"))).fit()
+    during = Trainer(load_config(None, tiny_overrides(  # the re-formed group loses rank 1 again,
+        tmp_path, *common, "run.name=during", "chaos.kill_rank=1",  # right after restoring
+        "chaos.kill_at_step=7", "chaos.kill_during_recovery=true", "elastic.max_failures=2",
+        "checkpoint.memory=true"))).fit()
+    assert during["status"] == "finished"
+    first, second = during["recoveries"]
+    assert first["last_step"] == 7 and "first_step_after_s" not in first  # never trained again
+    assert second["restored_step"] == 4 and second["failure"] == 2
+    assert during["params_sha256"] == reference["params_sha256"]
+    assert during["samples_digest"] == reference["samples_digest"]
     assert_nothing_left()

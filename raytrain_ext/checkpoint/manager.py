@@ -6,7 +6,8 @@ per-step exchange):
 2. In a background thread, on a dedicated gloo group (an async DCP save on
    the training group crashes gloo): DCP writes this rank's shards into the
    staging directory (the local tier's own directory when it is enabled).
-3. Each rank checksums its files; an all-gather gives every rank the file list.
+3. Each rank's files are checksummed as DCP writes them; an all-gather gives
+   every rank the file list.
 4. Tier by tier (local, then S3): each rank uploads its files, the ranks agree
    that all uploads landed, then the manifest is written last (commit) and old
    checkpoints are pruned.  A tier that fails is alarmed and skipped; the
@@ -44,6 +45,7 @@ from raytrain_ext.checkpoint.ranged import ChunkReader, PlannedS3Fetch
 from raytrain_ext.checkpoint.s3 import S3Tier
 from raytrain_ext.checkpoint.tier import Tier, prune
 from raytrain_ext.checkpoint.tiers import build_tiers, tier_for_location
+from raytrain_ext.checkpoint.writer import ChecksummingWriter
 
 log = logging.getLogger(__name__)
 
@@ -163,14 +165,8 @@ class CheckpointManager:
     def _persist(self, step: int, snap: Dict[str, Any], deadline: Optional[float] = None) -> None:
         try:
             step_dir = self.staging / step_dir_name(step)
-            started = time.perf_counter()
-            writer = dcp.FileSystemWriter(step_dir, thread_count=self.cfg.write_threads)
-            dcp.save(snap, storage_writer=writer, process_group=self.group)
-            timing: Dict[str, Any] = {"step": step, "write_s": time.perf_counter() - started,
-                                      "tiers_s": {}}
-            mine = self._own_files(step_dir)
-            chunk = self.cfg.checksum_chunk_kb * 1024
-            entries = {name: checksum_file(step_dir / name, chunk) for name in mine}
+            timing: Dict[str, Any] = {"step": step, "tiers_s": {}}
+            mine, entries = self._write(snap, step_dir, timing)
             files = {name: entry for part in self._all_gather(entries)
                      for name, entry in part.items()}
             timing["bytes"] = sum(entry.size for entry in files.values())
@@ -194,6 +190,25 @@ class CheckpointManager:
         except Exception as e:  # never kill training for a failed save; the log says why
             self.stats["failed"].append({"step": step, "error": str(e)})
             log.error("ALARM: checkpoint of step %d failed on rank %d: %s", step, self.rank, e)
+
+    def _write(self, snap: Dict[str, Any], step_dir: Path,
+               timing: Dict[str, Any]) -> Tuple[List[str], Dict[str, Any]]:
+        """DCP-write this rank's shards; returns (its files, their manifest entries).
+
+        The data files are checksummed as they are written (``ChecksummingWriter``);
+        only files it did not write (rank 0's small ``.metadata``, leftovers of an
+        interrupted save of the same step) are read back.
+        """
+        chunk = self.cfg.checksum_chunk_kb * 1024
+        started = time.perf_counter()
+        writer = ChecksummingWriter(step_dir, chunk, thread_count=self.cfg.write_threads)
+        dcp.save(snap, storage_writer=writer, process_group=self.group)
+        timing["write_s"] = time.perf_counter() - started
+        mine, written = self._own_files(step_dir), writer.entries
+        entries = {name: written.get(name) or checksum_file(step_dir / name, chunk)
+                   for name in mine}
+        timing["checksum_s"] = time.perf_counter() - started - timing["write_s"]
+        return mine, entries
 
     def _all_gather(self, value: Any) -> List[Any]:
         """Every rank's ``value``, in rank order, over the checkpoint group."""
@@ -242,11 +257,15 @@ class CheckpointManager:
         return self.local_rank == 0 if tier.name == "local" else self.rank == 0
 
     # ---- restoring ------------------------------------------------------------------------
-    def restore(self, loop) -> Optional[Dict[str, Any]]:
-        """Load the newest committed checkpoint that verifies; None when there is none."""
-        if self.cfg.resume == "never":
+    def restore(self, loop, newest: bool = False) -> Optional[Dict[str, Any]]:
+        """Load the newest committed checkpoint that verifies; None when there is none.
+
+        ``newest`` ignores ``checkpoint.resume`` (a NaN rollback goes back to this
+        run's newest checkpoint even when the run started from an explicit one).
+        """
+        if self.cfg.resume == "never" and not newest:
             return None
-        plan: List[Any] = [self._plan() if self.rank == 0 else None]
+        plan: List[Any] = [self._plan(newest) if self.rank == 0 else None]
         dist.broadcast_object_list(plan, src=0, group=self.group)
         location, candidates = plan[0]
         tiers = [tier_for_location(self.cfg, location)] if location else self.tiers
@@ -263,9 +282,9 @@ class CheckpointManager:
                 "checkpoint.resume=never to start over.")
         return None
 
-    def _plan(self) -> Tuple[Optional[str], List[Tuple[int, int]]]:
+    def _plan(self, newest: bool = False) -> Tuple[Optional[str], List[Tuple[int, int]]]:
         """(explicit location or None, [(step, tier index)] newest first, faster tier first)."""
-        if self.cfg.resume != "auto":
+        if self.cfg.resume != "auto" and not newest:
             location, step = split_location(self.cfg.resume)
             return location, [(step, 0)]
         found = [(step, index) for index, tier in enumerate(self.tiers)

@@ -76,16 +76,52 @@ def checksum_bytes(data) -> str:
     return xxhash.xxh3_128(data).hexdigest()
 
 
+class FileHasher:
+    """Whole-file and per-chunk checksums of bytes fed in order, as they are written.
+
+    Feeding a file's bytes in any split gives the same ``FileEntry`` as
+    ``checksum_file`` on the finished file, so a writer can checksum what it
+    writes instead of reading the file back (one pass over the data, not two).
+    """
+
+    def __init__(self, chunk_size: int = CHUNK):
+        if chunk_size <= 0:
+            raise ValueError(f"checkpoint.checksum_chunk_kb must be positive, got "
+                             f"{chunk_size} bytes; set it to e.g. 8192")
+        self.chunk_size = chunk_size
+        self.size = 0
+        self._whole = xxhash.xxh3_128()
+        self._chunk = xxhash.xxh3_128()
+        self._chunk_fill = 0
+        self._chunks: List[str] = []
+
+    def update(self, data) -> None:
+        view = memoryview(data).cast("B")
+        self._whole.update(view)
+        self.size += len(view)
+        while len(view):
+            take = min(len(view), self.chunk_size - self._chunk_fill)
+            self._chunk.update(view[:take])
+            self._chunk_fill += take
+            view = view[take:]
+            if self._chunk_fill == self.chunk_size:
+                self._chunks.append(self._chunk.hexdigest())
+                self._chunk.reset()
+                self._chunk_fill = 0
+
+    def entry(self) -> FileEntry:
+        chunks = self._chunks + ([self._chunk.hexdigest()] if self._chunk_fill else [])
+        return FileEntry(size=self.size, xxh3_128=self._whole.hexdigest(), chunk_xxh3=chunks,
+                         chunk_size=self.chunk_size)
+
+
 def checksum_file(path: Path, chunk_size: int = CHUNK) -> FileEntry:
     """Whole-file and per-chunk checksums in one pass over the file."""
-    h = xxhash.xxh3_128()
-    size, chunks = 0, []
+    hasher = FileHasher(chunk_size)
     with open(path, "rb") as f:
         while chunk := f.read(chunk_size):
-            h.update(chunk)
-            chunks.append(checksum_bytes(chunk))
-            size += len(chunk)
-    return FileEntry(size=size, xxh3_128=h.hexdigest(), chunk_xxh3=chunks, chunk_size=chunk_size)
+            hasher.update(chunk)
+    return hasher.entry()
 
 
 def verify_dir(directory: Path, manifest: Manifest) -> Optional[str]:

@@ -2,9 +2,12 @@
 
 An object dies with the process that put it, so the training workers cannot
 own the only copy.  One ``ShardHolder`` actor per node (detached, zero CPUs)
-pulls each file and puts it again itself; every file is held by the holder on
-the writer's node and by a holder on another node, so losing any one node (or
-every training worker) loses no committed file.  A named, detached
+owns the copies: the holder on the writer's node reads each file DCP wrote
+from that node's disk and puts it itself, and a holder on another node pulls
+it and puts it again, so losing any one node (or every training worker) loses
+no committed file.  The object store is the ceiling here: a put of a file's
+bytes runs at about 0.7-1.4 GB/s on the development machine, under half of a
+plain memory copy.  A named, detached
 ``CheckpointRegistry`` records which steps are committed, their manifests and
 where each file is held, and releases steps beyond ``keep_in_memory``.
 
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import ray
@@ -47,6 +50,16 @@ class ShardHolder:
         data = ray.get(wrapped[0])  # a zero-copy view once the bytes are on this node
         self.objects[(step, name)] = ray.put(data)  # this process now owns a copy
         return data.nbytes
+
+    def hold_file(self, step: int, name: str, path: str) -> List[ray.ObjectRef]:
+        """Put a file of this node's disk; returns the new object, wrapped (for a replica).
+
+        Reading the file here rather than in the writer saves a whole copy of the
+        bytes: the writer's own ``ray.put`` and this holder's pull and re-put.
+        """
+        ref = ray.put(np.fromfile(path, dtype=np.uint8))
+        self.objects[(step, name)] = ref
+        return [ref]
 
     def fetch(self, step: int, name: str) -> Optional[List[ray.ObjectRef]]:
         ref = self.objects.get((step, name))
@@ -171,8 +184,8 @@ class MemoryTier:
             raise TierError(f"checkpoint.memory: the checkpoint registry of run '{self.run}' "
                             f"is not reachable ({e}); the driver starts it before the workers.")
 
-    def _holders(self) -> Dict[str, ray.actor.ActorHandle]:
-        """This node's holder first, then one on another node (when there is one).
+    def _holders(self) -> Tuple[Optional[str], Dict[str, ray.actor.ActorHandle]]:
+        """(this node's holder name or None, up to two live holders, this node's first).
 
         Stops looking after two live holders, so a save costs a couple of lookups
         however many nodes the cluster has.
@@ -186,15 +199,25 @@ class MemoryTier:
                 found[holder_name(self.run, node)] = handle
             if len(found) == 2:
                 break
-        return found
+        local = holder_name(self.run, here)
+        return (local if local in found else None), found
 
     def upload(self, step: int, src_dir: Path, names: List[str]) -> None:
-        holders = self._holders()
+        """Have this node's holder read each file, and a holder on another node copy it.
+
+        Without a holder on this node (it joined after the tier started) the
+        writer puts the bytes itself and every holder copies them.
+        """
+        local, holders = self._holders()
         pending = []
         for name in names:
-            # uint8 arrays travel through the object store without pickling copies
-            ref = ray.put(np.fromfile(src_dir / name, dtype=np.uint8))
-            pending += [actor.hold.remote(step, name, [ref]) for actor in holders.values()]
+            if local is not None:
+                wrapped = holders[local].hold_file.remote(step, name, str(src_dir / name))
+                replicas = [h for key, h in holders.items() if key != local]
+                pending += [wrapped] + [h.hold.remote(step, name, wrapped) for h in replicas]
+            else:
+                wrapped = [ray.put(np.fromfile(src_dir / name, dtype=np.uint8))]
+                pending += [h.hold.remote(step, name, wrapped) for h in holders.values()]
             pending.append(self.registry.add_locations.remote(step, name, list(holders)))
         ray.get(pending)
 

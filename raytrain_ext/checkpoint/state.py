@@ -8,7 +8,10 @@
 - ``rng/rank<r>``: each rank's Python, NumPy, torch CPU and CUDA RNG states.
 
 ``snapshot`` copies the tensors to host memory (pinned on GPU) so training can
-continue while the copy is serialised in the background.
+continue while the copy is serialised in the background.  A sharded (FSDP/TP)
+``DTensor`` is copied shard by shard and stays a ``DTensor`` with the same mesh
+and placements, so DCP still writes each rank's shard at its global offset.
+The memory tier holds the files DCP wrote, so it needs nothing layout-specific.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any, Dict, List
 import numpy as np
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
 
 TRAIN_KEY = "train"
 
@@ -51,7 +55,8 @@ def restore_rng(blob: bytes) -> None:
 def train_items(loop) -> Dict[str, Any]:
     return {"step": loop.step, "world_size": loop.ctx.world_size,
             "sampler": loop.sampler.state_dict(), "scheduler": loop.scheduler.state_dict(),
-            "ledger": loop.ledger.state_dict(), "config_digest": loop.config_digest}
+            "ledger": loop.ledger.state_dict(), "config_digest": loop.config_digest,
+            "skip_steps": sorted(loop.skip_steps), "nonfinite_steps": loop.nonfinite_steps}
 
 
 def capture(loop) -> Dict[str, Any]:
@@ -69,6 +74,8 @@ def snapshot(state: Any, reuse: Any = None) -> Any:
     buffers are overwritten in place when shapes match, so a save costs one
     memory copy and no fresh allocation or page faults.
     """
+    if isinstance(state, DTensor):
+        return _snapshot_dtensor(state, reuse)
     if isinstance(state, torch.Tensor):
         host = reuse if _same_layout(reuse, state) else torch.empty(
             state.shape, dtype=state.dtype, pin_memory=state.device.type == "cuda")
@@ -82,6 +89,18 @@ def snapshot(state: Any, reuse: Any = None) -> Any:
     if isinstance(state, io.BytesIO):
         return io.BytesIO(state.getvalue())
     return state
+
+
+def _snapshot_dtensor(state: DTensor, reuse: Any) -> DTensor:
+    """Host copy of this rank's shard, wrapped with the original spec.
+
+    Built with the ``DTensor`` constructor rather than ``from_local``, which
+    would move the shard back to the mesh's device (GPU); torch's own async
+    checkpoint staging swaps in a host shard the same way.
+    """
+    old_local = reuse.to_local() if isinstance(reuse, DTensor) else None
+    local = snapshot(state.to_local(), old_local)
+    return DTensor(local, state._spec, requires_grad=False)
 
 
 def _same_layout(host: Any, tensor: torch.Tensor) -> bool:
@@ -107,6 +126,8 @@ def apply(loop, loaded: Dict[str, Any]) -> Dict[str, Any]:
     loop.sampler.load_state_dict(items["sampler"])
     loop.scheduler.load_state_dict(items["scheduler"])
     loop.ledger.load_state_dict(items["ledger"])
+    loop.skip_steps |= set(items.get("skip_steps", []))  # a rollback's skips outlive the restore
+    loop.nonfinite_steps = max(loop.nonfinite_steps, items.get("nonfinite_steps", 0))
     key = rng_key(loop.ctx.rank)
     if key in loaded:
         restore_rng(loaded[key].getvalue())

@@ -103,12 +103,25 @@ class ScalingConfig:
 
 @dataclass
 class ParallelConfig:
-    """Distribution strategy and the process group it runs on."""
+    """Distribution strategy, the layout of the world, and the process group it runs on.
 
-    strategy: str = "ddp"
+    The world splits as ``dp_replicate x dp_shard x tp`` (x ``pp``); ``dp_shard``
+    is whatever is left of the world size.  ``tp > 1``, ``dp_replicate > 1``
+    (HSDP: replicate across groups, shard within) and the memory/speed options
+    need ``strategy: fsdp``.  ``pp`` and ``ep`` are reserved and must be 1.
+    """
+
+    strategy: str = "ddp"  # ddp | fsdp (FSDP2)
     backend: str = "auto"  # auto (nccl on GPU, gloo on CPU) | nccl | gloo
     timeout_s: float = 120.0
     mixed_precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32
+    tp: int = 1  # tensor-parallel degree (consecutive ranks, keep it within a node)
+    dp_replicate: int = 1  # HSDP replica groups; dp_shard = world / (dp_replicate x tp x pp)
+    pp: int = 1  # pipeline stages (not supported yet)
+    ep: int = 1  # expert-parallel degree (not supported yet)
+    activation_checkpointing: bool = False  # recompute each block's activations in backward
+    cpu_offload: bool = False  # FSDP CPUOffloadPolicy: sharded params/grads/optimizer on host
+    compile: bool = False  # torch.compile each transformer block
 
 
 @dataclass
@@ -168,6 +181,11 @@ class ElasticConfig:
     hang_factor: float = 20.0  # hung: no step for max(hang_factor x median step, hang_floor_s)
     hang_floor_s: float = 120.0
     wait_for_capacity_s: float = 300.0  # below min_workers: wait this long for nodes, then fail
+    grow_check_s: float = 2.0  # how often a running group below max_workers looks for capacity
+    grow_stable_s: float = 10.0  # extra capacity must be seen this long before growing ...
+    resize_cooldown_s: float = 60.0  # ... and this long after the last re-form (hysteresis)
+    max_preemptions: int = -1  # preemptions (SIGTERM, drain) survived by shrinking; -1: unlimited
+    preemption_wait_s: float = 0.0  # after a preemption below min_workers: wait, then stop
 
 
 @dataclass
@@ -180,6 +198,7 @@ class ChaosConfig:
     hang_rank: int = -1  # this rank stops making progress ...
     hang_at_step: int = 0  # ... right after this step (first attempt only)
     attempts: int = 1  # faults fire on the first this-many attempts (2: back-to-back failures)
+    kill_during_recovery: bool = False  # chaos.kill_rank also dies right after the first re-form's restore
     nan_rank: int = -1  # this rank's loss becomes NaN ...
     nan_at_step: int = 0  # ... at this step (first attempt only)
     slow_rank: int = -1  # this rank sleeps ...

@@ -14,11 +14,14 @@ from typing import Callable, List
 from omegaconf import DictConfig
 
 from raytrain_ext.config.loader import ConfigError
+from raytrain_ext.parallel.dims import (ParallelDims, ParallelLayoutError, check_batch_split,
+                                        check_degrees, check_model_fits_tp,
+                                        check_strategy_support)
 
 CHOICES = {
     "run.device": ("auto", "cpu", "cuda"),
     "scaling.placement_strategy": ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
-    "parallel.strategy": ("ddp",),
+    "parallel.strategy": ("ddp", "fsdp"),
     "parallel.backend": ("auto", "nccl", "gloo"),
     "parallel.mixed_precision": ("auto", "bf16", "fp32"),
     "checkpoint.on_busy": ("skip", "wait"),
@@ -35,11 +38,12 @@ POSITIVE_INTS = (
 )
 
 POSITIVE_FLOATS = ("optim.lr", "optim.eps", "scaling.placement_timeout_s",
-                   "parallel.timeout_s", "elastic.poll_interval_s", "checkpoint.timeout_s",
+                   "parallel.timeout_s", "elastic.poll_interval_s", "elastic.grow_check_s", "checkpoint.timeout_s",
                    "elastic.hang_factor", "elastic.hang_floor_s",
                    "checkpoint.preemption_grace_s", "guards.straggler_factor")
 
-NON_NEGATIVE = ("elastic.wait_for_capacity_s", "chaos.stall_save_s", "chaos.kill_at_step", "chaos.hang_at_step", "run.seed", "data.seed", "optim.min_lr", "optim.weight_decay", "optim.warmup_steps", "optim.grad_clip",
+NON_NEGATIVE = ("elastic.wait_for_capacity_s", "elastic.grow_stable_s", "elastic.resize_cooldown_s",
+                "elastic.preemption_wait_s", "chaos.stall_save_s", "chaos.kill_at_step", "chaos.hang_at_step", "run.seed", "data.seed", "optim.min_lr", "optim.weight_decay", "optim.warmup_steps", "optim.grad_clip",
                 "model.moe.num_experts", "model.moe.aux_loss_weight", "chaos.nan_at_step",
                 "chaos.slow_s", "guards.max_nan_steps")
 
@@ -115,18 +119,68 @@ def _check_model(cfg: DictConfig) -> None:
 
 
 def _check_batch(cfg: DictConfig) -> None:
+    """Batch arithmetic over data-parallel ranks (= workers unless tp/pp > 1).
+
+    Runs after ``_check_parallel``, so every world size in range divides by tp x pp.
+    """
     d, s = cfg.data, cfg.scaling
-    per_step = d.micro_batch_size * s.num_workers
+    model_parallel = cfg.parallel.tp * cfg.parallel.pp
+    dp_size = s.num_workers // model_parallel
+    per_step = d.micro_batch_size * dp_size
+    ranks = (f"scaling.num_workers = {d.micro_batch_size} x {s.num_workers}" if model_parallel == 1
+             else f"the data-parallel size (scaling.num_workers / (parallel.tp x parallel.pp) = "
+                  f"{s.num_workers} / {model_parallel}) = {d.micro_batch_size} x {dp_size}")
     if d.global_batch_size % per_step:
         raise ConfigError(
             f"data.global_batch_size: {d.global_batch_size} is not a multiple of "
-            f"data.micro_batch_size x scaling.num_workers = {d.micro_batch_size} x {s.num_workers} "
+            f"data.micro_batch_size x {ranks} "
             f"= {per_step}, so gradient accumulation would not be a whole number of micro-batches. "
             f"Use a global_batch_size such as {per_step * max(1, round(d.global_batch_size / per_step))}.")
-    if d.global_batch_size < s.max_workers:
+    if d.global_batch_size < s.max_workers // model_parallel:
         raise ConfigError(f"data.global_batch_size: {d.global_batch_size} is smaller than "
                           f"scaling.max_workers={s.max_workers}; every worker needs at least one "
                           "sample per step. Raise global_batch_size or lower max_workers.")
+    for world in range(max(1, s.min_workers), s.max_workers + 1):  # FSDP: equal micro-batch counts
+        try:
+            check_batch_split(cfg.parallel.strategy, d.global_batch_size, d.micro_batch_size,
+                              ParallelDims.build(cfg.parallel, cfg.model, world))
+        except ParallelLayoutError as e:
+            raise ConfigError(str(e)) from None
+
+
+def _check_parallel(cfg: DictConfig) -> None:
+    """The layout must work for every world size the elastic controller may choose.
+
+    The controller resizes to any size in ``min_workers..max_workers``, so with
+    ``dp_replicate x tp x pp > 1`` that range must hold only multiples of the
+    product (in practice: min_workers == max_workers).  With FSDP every size in
+    the range must also split the global batch into equal micro-batch counts.
+    Workers check again with the actual world size (``ParallelDims.build``).
+    """
+    p, s = cfg.parallel, cfg.scaling
+    try:
+        check_degrees(p)
+        check_strategy_support(p)
+        check_model_fits_tp(p.tp, cfg.model)
+        if p.cpu_offload and not s.use_gpu:
+            raise ConfigError("parallel.cpu_offload: offloads GPU parameters to host memory; "
+                              "without GPUs they are there already. Set parallel.cpu_offload="
+                              "false, or scaling.use_gpu=true.")
+        group = p.dp_replicate * p.tp * p.pp
+        sizes = range(max(1, s.min_workers), s.max_workers + 1)  # _check_scaling checks min
+        bad = [w for w in sizes if w % group]
+        if group > 1 and bad and s.min_workers != s.max_workers:
+            raise ConfigError(
+                f"parallel.tp: scaling.min_workers..max_workers = {s.min_workers}..{s.max_workers} "
+                f"includes world size {bad[0]}, which is not a multiple of "
+                f"dp_replicate x tp x pp = {p.dp_replicate} x {p.tp} x {p.pp} = {group}; the "
+                "elastic controller may resize to any size in that range. Set min_workers = "
+                f"max_workers (a multiple of {group}), or parallel.tp=1 and "
+                "parallel.dp_replicate=1 for elastic resizing.")
+        for world in sizes:
+            ParallelDims.build(p, cfg.model, world)
+    except ParallelLayoutError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _check_optim(cfg: DictConfig) -> None:
@@ -161,7 +215,7 @@ def _check_scaling(cfg: DictConfig) -> None:
 
 
 def _check_elastic(cfg: DictConfig) -> None:
-    for key in ("elastic.max_failures", "chaos.kill_rank", "chaos.hang_rank", "chaos.nan_rank",
+    for key in ("elastic.max_failures", "elastic.max_preemptions", "chaos.kill_rank", "chaos.hang_rank", "chaos.nan_rank",
                 "chaos.slow_rank"):
         if _get(cfg, key) < -1:
             raise ConfigError(f"{key}: must be -1 (none/unlimited) or >= 0, got {_get(cfg, key)}.")
@@ -201,6 +255,7 @@ def _check_profile(cfg: DictConfig) -> None:
 
 
 _CHECKS: List[Callable[[DictConfig], None]] = [
-    _check_choices, _check_ranges, _check_model, _check_batch, _check_optim, _check_scaling,
+    _check_choices, _check_ranges, _check_model, _check_parallel,
+    _check_batch, _check_optim, _check_scaling,
     _check_checkpoint, _check_elastic, _check_profile,
 ]

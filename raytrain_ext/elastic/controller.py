@@ -1,10 +1,14 @@
 """The run controller: an explicit state machine on the driver.
 
-States: SCHEDULING -> RUNNING -> FINISHED (or PREEMPTED after an emergency
-checkpoint); RUNNING -> RECOVERING -> SCHEDULING after a worker or node
-failure while ``elastic.max_failures`` allows (the survivors are stopped and
-the group re-formed with as many workers as fit, within min..max, restoring
-the newest committed checkpoint); FAILED otherwise.  Each state has one handler
+States: SCHEDULING -> RUNNING -> FINISHED; RUNNING -> RECOVERING -> SCHEDULING
+after a worker or node failure while ``elastic.max_failures`` allows (the
+survivors are stopped and the group re-formed with as many workers as fit,
+within min..max, restoring the newest committed checkpoint), FAILED otherwise;
+RUNNING -> RECOVERING after a preemption (SIGTERM or drain: an emergency
+checkpoint, then re-form away from the preempted nodes; ``elastic.max_preemptions``
+is a separate budget; PREEMPTED when too little capacity is left); RUNNING ->
+RESIZING -> SCHEDULING when capacity for more workers has been stable (grow at
+a checkpoint boundary, at most once per ``elastic.resize_cooldown_s``).  Each state has one handler
 that does the state's work and returns the next state and the reason; policies
 decide, the controller executes; every transition is logged.  The controller
 owns the worker group's lifetime: whatever happens, the group is shut down
@@ -17,17 +21,21 @@ import enum
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import ray
 
 from raytrain_ext.config import to_dict
+from raytrain_ext.elastic.diagnostics import dump_worker_stacks, newly_flagged_stragglers
 from raytrain_ext.elastic.policy import (
     Decision,
     FailurePolicy,
+    GrowPolicy,
+    NodeProbe,
+    PreemptionPolicy,
     ScalingPolicy,
     free_resources_per_node,
-    live_nodes,
     recovery_decision,
     workers_that_fit,
 )
@@ -42,12 +50,16 @@ class RunState(enum.Enum):
     SCHEDULING = "SCHEDULING"
     RUNNING = "RUNNING"
     RECOVERING = "RECOVERING"
+    RESIZING = "RESIZING"
     FINISHED = "FINISHED"
     PREEMPTED = "PREEMPTED"
     FAILED = "FAILED"
 
 
 TERMINAL = (RunState.FINISHED, RunState.PREEMPTED, RunState.FAILED)
+
+
+NOT_RETRIED = ("NonFiniteLossError",)  # deterministic failures: a restart would repeat them
 
 
 class TrainingFailed(RuntimeError):
@@ -71,6 +83,8 @@ class ControllerResult:
     transitions: List[Transition] = field(default_factory=list)
     workers: List[Dict[str, Any]] = field(default_factory=list)
     recoveries: List[Dict[str, Any]] = field(default_factory=list)
+    resizes: List[Dict[str, Any]] = field(default_factory=list)
+    stragglers: List[Dict[str, Any]] = field(default_factory=list)
     backend: Optional[str] = None
     error: Optional[BaseException] = None
 
@@ -94,10 +108,21 @@ class Controller:
         self._last_heartbeat_check = 0.0
         self.failure_policy = FailurePolicy(cfg.elastic.max_failures)
         self.scaling_policy = ScalingPolicy(cfg.scaling.min_workers, cfg.scaling.max_workers)
+        self._stragglers_named: set = set()
+        self._eviction: Optional[int] = None
+        e = cfg.elastic
+        self.preemptions = 0
+        self.preemption_policy = PreemptionPolicy(e.max_preemptions)
+        self.grow_policy = GrowPolicy(cfg.scaling.max_workers, e.resize_cooldown_s, e.grow_stable_s)
+        self._last_reform_at = clock()
+        self._last_grow_check = 0.0
+        self._resize_target: Optional[int] = None
+        self._drained_nodes: set = set()
+        self._grow_probe = NodeProbe()
 
     def run(self) -> ControllerResult:
         handlers = {RunState.SCHEDULING: self._schedule, RunState.RUNNING: self._running,
-                    RunState.RECOVERING: self._recover}
+                    RunState.RECOVERING: self._recover, RunState.RESIZING: self._resize}
         try:
             while self.state not in TERMINAL:
                 target, reason = handlers[self.state]()
@@ -129,6 +154,8 @@ class Controller:
             reason = f"could not form the worker group: {type(e).__name__}"
             return self._after_failure(reason) if self.attempt else (RunState.FAILED, reason)
         self.result.backend = self.group.backend
+        self._last_reform_at = self.clock()
+        self._stragglers_named = set()  # ranks are renumbered by every re-form
         self.result.world_size_history.append({"step": self._last_step(),
                                                "world_size": self.group.world_size})
         self.result.workers = [{"rank": r, "node_id": i["node_id"], "node_ip": i["node_ip"],
@@ -149,19 +176,28 @@ class Controller:
                 rank, error = failed
                 info = self.group.infos[rank]
                 self.result.error = error
-                return self._after_failure(f"worker rank {rank} (node {info['node_ip']}, pid "
-                                           f"{info['pid']}) raised {_error_name(error)}")
+                reason = (f"worker rank {rank} (node {info['node_ip']}, pid {info['pid']}) raised "
+                          f"{_error_name(error)}")
+                if _error_name(error) in NOT_RETRIED:
+                    return RunState.FAILED, reason
+                return self._after_failure(reason)
             self._drain_events()
             self._forward_drain_notices()
+            if self._eviction is not None:
+                return self._evict(self._eviction)
+            self._maybe_grow()
             hung = self._check_heartbeats()
             if hung is not None:
+                self._dump_stacks()
                 return self._after_failure(hung)
         self.result.worker_results = ray.get(self._fit_refs)
         self._drain_events()
         preempted = self.result.worker_results[0].get("preempted_at")
+        if preempted is not None and self._resize_target is not None:
+            return RunState.RESIZING, (f"checkpoint at step {preempted} committed; growing to "
+                                       f"{self._resize_target} workers")
         if preempted is not None:
-            return RunState.PREEMPTED, (f"preemption notice (SIGTERM or node drain); emergency "
-                                        f"checkpoint at step {preempted}")
+            return self._after_preemption(preempted)
         return RunState.FINISHED, f"{self.cfg.run.max_steps} steps completed"
 
     def _check_heartbeats(self, every_s: float = 1.0) -> Optional[str]:
@@ -188,14 +224,77 @@ class Controller:
         log.error("controller: %s", reason)
         return reason
 
-    def _after_failure(self, reason: str) -> Tuple[RunState, str]:
+    def _maybe_grow(self) -> None:
+        """Below max_workers, watch for capacity; when the grow policy agrees, ask for a
+        checkpoint boundary (every rank saves, then stops) and re-form bigger from it."""
+        now = self.clock()
+        if self._resize_target is not None or not self.cfg.checkpoint.enabled \
+                or now - self._last_grow_check < self.cfg.elastic.grow_check_s \
+                or self.group.world_size >= self.scaling_policy.max_workers:
+            return  # growing re-forms from a checkpoint: without checkpoints, never
+        self._last_grow_check = now
+        free = free_resources_per_node()
+        self._grow_probe.add(free)  # only nodes that answer count: a listed node may be dead
+        alive = self._grow_probe.answered(timeout_s=0) - self.group.avoid_nodes
+        extra = workers_that_fit([free[node] for node in alive if node in free],
+                                 dict(self.cfg.scaling.resources_per_worker))
+        target = self.grow_policy.observe(now, self.group.world_size, extra, self._last_reform_at)
+        if target is None:
+            return
+        self._resize_target = target
+        log.info("controller: capacity for %d more worker(s) for %.0f s; growing %d -> %d at a "
+                 "checkpoint boundary", extra, self.cfg.elastic.grow_stable_s,
+                 self.group.world_size, target)
+        self.group.actors[0].preempt.remote(self.cfg.checkpoint.preemption_grace_s)
+
+    def _resize(self) -> Tuple[RunState, str]:
+        """Re-form with the capacity there is now (a planned stop: nothing to redo)."""
+        before, target = self.group.world_size, self._resize_target
+        started = self.clock()
+        self.group.shutdown()
+        self._resize_target = None
+        decision = self._decide_with_patience(self.cfg.elastic.wait_for_capacity_s)
+        if decision.action == "fail":
+            return RunState.FAILED, decision.reason
+        self.world_size = decision.world_size
+        self.attempt += 1
+        self.result.resizes.append({"step": self._last_step(), "from": before, "to": self.world_size,
+                                    "wanted": target, "decided_s": self.clock() - started})
+        return RunState.SCHEDULING, decision.reason
+
+    def _after_preemption(self, step: int) -> Tuple[RunState, str]:
+        """A preemption is not a failure: shrink away from the preempted node(s), or stop."""
+        nodes = self._drained_nodes | {self.group.infos[r]["node_id"] for r, res in
+                                       enumerate(self.result.worker_results) if res.get("sigterm")}
+        self.preemptions += 1
+        ips = sorted({i["node_ip"] for i in self.group.infos if i["node_id"] in nodes})
+        reason = (f"preemption notice (SIGTERM or node drain) for node(s) {', '.join(ips) or '?'}; "
+                  f"emergency checkpoint at step {step}")
+        if not self.preemption_policy.allows(self.preemptions):
+            return RunState.PREEMPTED, f"{reason}; elastic.max_preemptions spent"
+        self.group.avoid_nodes |= nodes
+        self.result.recoveries.append({"kind": "preemption", "failure": self.failures,
+                                       "reason": reason, "detected_at": self.clock(),
+                                       "last_step": step})
+        return RunState.RECOVERING, reason
+
+    def _evict(self, rank: int) -> Tuple[RunState, str]:
+        """Re-form without a straggler's node; an eviction is not a failure."""
+        info = self.group.infos[rank]
+        self.group.avoid_nodes.add(info["node_id"])
+        self._eviction = None
+        return self._after_failure(f"evicting straggler rank {rank} (node {info['node_ip']}): "
+                                   "guards.evict_stragglers", counted=False)
+
+    def _after_failure(self, reason: str, counted: bool = True) -> Tuple[RunState, str]:
         """Count the failure; recover if the failure policy allows it, else fail."""
-        self.failures += 1
-        if not self.failure_policy.allows(self.failures):
+        self.failures += counted
+        if counted and not self.failure_policy.allows(self.failures):
             return RunState.FAILED, reason
         detected_at = self.clock()
         self._drain_events()
-        self.result.recoveries.append({"failure": self.failures, "reason": reason,
+        self.result.recoveries.append({"kind": "failure" if counted else "eviction",
+                                       "failure": self.failures, "reason": reason,
                                        "detected_at": detected_at,
                                        "last_step": self._survivors_last_step()})
         return RunState.RECOVERING, reason
@@ -217,22 +316,29 @@ class Controller:
         """Stop the survivors, see what fits now, and re-form (restoring the newest checkpoint)."""
         recovery = self.result.recoveries[-1]
         self.group.shutdown()
-        decision = self._decide_with_patience()
+        self._resize_target = None  # a failure overtook a planned resize
+        preempted = recovery["kind"] == "preemption"
+        e = self.cfg.elastic
+        decision = self._decide_with_patience(e.preemption_wait_s if preempted
+                                              else e.wait_for_capacity_s)
         recovery.update(decided_s=self.clock() - recovery["detected_at"],
                         decision=decision.action, world_size=decision.world_size)
+        if decision.action == "fail" and preempted:
+            return RunState.PREEMPTED, (f"{decision.reason} after the preemption; the emergency "
+                                        "checkpoint is committed: rerun to resume")
         if decision.action == "fail":
             return RunState.FAILED, decision.reason
         self.world_size = decision.world_size
         self.attempt += 1
         return RunState.SCHEDULING, decision.reason
 
-    def _decide_with_patience(self) -> Decision:
-        """Decide; below min_workers, wait up to ``elastic.wait_for_capacity_s`` for nodes.
+    def _decide_with_patience(self, wait_s: float) -> Decision:
+        """Decide; below min_workers, wait up to ``wait_s`` for capacity.
 
         Committed checkpoints stay where they are meanwhile (the memory tier's
         holders outlive the group), so a node that comes back resumes from peer memory.
         """
-        deadline = self.clock() + self.cfg.elastic.wait_for_capacity_s
+        deadline = self.clock() + wait_s
         while True:
             capacity = self._settled_capacity()
             decision = recovery_decision(self.failures, capacity, self.failure_policy,
@@ -244,13 +350,15 @@ class Controller:
                         decision.reason, deadline - self.clock())
             time.sleep(min(2.0, max(0.0, deadline - self.clock())))
 
-    def _settled_capacity(self, settle_s: float = 3.0) -> int:
-        """Workers that fit once the stopped group's resources are back (or ``settle_s``)."""
+    def _settled_capacity(self, settle_s: float = 4.0) -> int:
+        """Workers that fit on nodes that answer a ping, once the stopped group's resources
+        are back; polled until ``max_workers`` fit or ``settle_s`` has passed."""
         per_worker = dict(self.cfg.scaling.resources_per_worker)
         deadline = self.clock() + settle_s
-        alive = live_nodes(free_resources_per_node())  # probed once, then polled
+        probe = NodeProbe(free_resources_per_node())
         capacity = 0
         while True:
+            alive = probe.answered(timeout_s=0.1) - self.group.avoid_nodes
             free = free_resources_per_node()
             capacity = max(capacity, workers_that_fit(
                 [free[node] for node in alive if node in free], per_worker))
@@ -277,6 +385,7 @@ class Controller:
             return
         deadline_s = min(draining[self.group.infos[r]["node_id"]] for r in ranks) / 1000.0
         grace = max(1.0, min(self.cfg.checkpoint.preemption_grace_s, deadline_s - time.time()))
+        self._drained_nodes.update(self.group.infos[r]["node_id"] for r in ranks)
         log.warning("controller: node(s) of ranks %s are draining (deadline in %.0f s); "
                     "emergency checkpoint within %.0f s", ranks, deadline_s - time.time(), grace)
         for rank in ranks:
@@ -307,10 +416,28 @@ class Controller:
     def _forward(self, records: List[Dict[str, Any]]) -> None:
         for record in records:
             self.watchdog.record_step_time(record["step_time_s"])
+            if record.get("stragglers"):
+                self._report_stragglers(record)
             if "restored" in record and self.result.recoveries:
                 self._account_recovery(record)
+            record["recoveries"] = len(self.result.recoveries)
             self.result.records.append(record)
             self.sink.write(record["step"], record)
+
+    def _report_stragglers(self, record: Dict[str, Any]) -> None:
+        """Name newly flagged stragglers once; mark the first for eviction if configured."""
+        g = self.cfg.guards
+        entries = newly_flagged_stragglers(record, self.group.infos, self._stragglers_named,
+                                           g.straggler_window)
+        self.result.stragglers.extend(entries)
+        if entries and g.evict_stragglers and self._eviction is None:
+            self._eviction = entries[0]["rank"]
+
+    def _dump_stacks(self) -> None:
+        """Python stacks of every worker into ``<run_dir>/hang-stacks/`` (guards.hang_stacks)."""
+        if self.cfg.guards.hang_stacks:
+            dump_worker_stacks(self.group.actors, self.group.infos, Path(self.cfg.run.output_dir)
+                               / self.cfg.run.name / "hang-stacks", self.attempt)
 
     def _account_recovery(self, record: Dict[str, Any]) -> None:
         """The first step after a re-form closes the books on the recovery."""

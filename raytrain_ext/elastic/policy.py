@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, Iterable, Mapping, Optional, Set
+from typing import Any, Dict, Iterable, Mapping, Optional, Set
 
 
 @dataclass(frozen=True)
@@ -74,22 +74,80 @@ def free_resources_per_node() -> Dict[str, Dict[str, float]]:
             ray._private.state.state.available_resources_per_node().items()}
 
 
-def live_nodes(nodes: Iterable[str], probe_timeout_s: float = 2.0) -> Set[str]:
-    """The nodes that answer a ping now.
+class NodeProbe:
+    """Which nodes answer a ping: a zero-CPU task pinned to each node.
 
     Ray keeps listing a node that died abruptly until its health checks fail
-    (seconds to tens of seconds); a zero-CPU task pinned to each node tells the
-    live ones apart immediately, so recovery does not count a dead node's CPUs.
+    (seconds to tens of seconds), so recovery must not count a dead node's CPUs.
+    A live node under load may need seconds to start a worker for the ping, so
+    answers are collected as they come (``answered``) instead of after one
+    fixed timeout: a slow node joins late, a dead one never does.
     """
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    ping = ray.remote(num_cpus=0)(_pong)
-    probes = {node: ping.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
-        node, soft=False)).remote() for node in nodes}
-    ready, _ = ray.wait(list(probes.values()), num_returns=len(probes), timeout=probe_timeout_s)
-    return {node for node, ref in probes.items() if ref in ready}
+    def __init__(self, nodes: Iterable[str] = ()):
+        self._pending: Dict[Any, str] = {}
+        self._probed: Set[str] = set()
+        self._alive: Set[str] = set()
+        self.add(nodes)
+
+    def add(self, nodes: Iterable[str]) -> None:
+        """Ping the nodes not pinged yet (nodes that joined since)."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        ping = ray.remote(num_cpus=0)(_pong)
+        for node in set(nodes) - self._probed:
+            self._probed.add(node)
+            self._pending[ping.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+                node, soft=False)).remote()] = node
+
+    def answered(self, timeout_s: float) -> Set[str]:
+        import ray
+
+        if self._pending:
+            ready, _ = ray.wait(list(self._pending), num_returns=len(self._pending),
+                                timeout=timeout_s)
+            self._alive.update(self._pending.pop(ref) for ref in ready)
+        return set(self._alive)
 
 
 def _pong() -> bool:
     return True
+
+
+@dataclass
+class GrowPolicy:
+    """When to grow a running group back toward ``max_workers`` (hysteresis included).
+
+    Extra capacity must be seen continuously for ``stable_s`` (a flapping node
+    resets the clock each time it vanishes), and at least ``cooldown_s`` must
+    have passed since the group was last re-formed for any reason, so a run
+    is resized at most once per cooldown.  ``observe`` returns the world size to
+    grow to, or None to keep running.
+    """
+
+    max_workers: int
+    cooldown_s: float
+    stable_s: float
+    seen_since: Optional[float] = None
+
+    def observe(self, now: float, world_size: int, extra_fit: int,
+                last_reform_at: float) -> Optional[int]:
+        if world_size >= self.max_workers or extra_fit <= 0:
+            self.seen_since = None
+            return None
+        if self.seen_since is None:
+            self.seen_since = now
+        if now - self.seen_since < self.stable_s or now - last_reform_at < self.cooldown_s:
+            return None
+        return min(self.max_workers, world_size + extra_fit)
+
+
+@dataclass(frozen=True)
+class PreemptionPolicy:
+    """Preemptions have their own budget (-1: unlimited); they never count as failures."""
+
+    max_preemptions: int
+
+    def allows(self, preemptions: int) -> bool:
+        return self.max_preemptions < 0 or preemptions <= self.max_preemptions

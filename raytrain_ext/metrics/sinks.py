@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Protocol, TextIO
 
-SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "world_size")
+SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "step_time_s", "compute_s",
+           "ckpt_stall_s", "peak_memory_gb", "world_size", "recoveries")
 
 
 class MetricsSink(Protocol):
@@ -51,7 +52,7 @@ class TensorBoardSink:
 
     def write(self, step: int, record: Mapping[str, Any]) -> None:
         for key in SCALARS:
-            if key in record:
+            if record.get(key) is not None:
                 self.writer.add_scalar(f"train/{key}", record[key], step)
 
     def close(self) -> None:
@@ -71,7 +72,7 @@ class RayMetricsSink:
     def write(self, step: int, record: Mapping[str, Any]) -> None:
         self.gauges["step"].set(step, tags=self.tags)
         for key in SCALARS:
-            if key in record:
+            if record.get(key) is not None:
                 self.gauges[key].set(float(record[key]), tags=self.tags)
 
     def close(self) -> None:
@@ -101,4 +102,6 @@ def summarize_records(records: List[Dict[str, Any]], skip_first: int = 1) -> Dic
     times = sorted(r["step_time_s"] for r in steady)
     total_time = sum(times)
     tokens = sum(r["tokens_per_s"] * r["step_time_s"] for r in steady)
-    return {"median_step_time_s": times[len(times) // 2], "tokens_per_s": tokens / total_time}
+    mfus = sorted(r["mfu"] for r in steady if r.get("mfu") is not None)
+    return {"median_step_time_s": times[len(times) // 2], "tokens_per_s": tokens / total_time,
+            "mfu": mfus[len(mfus) // 2] if mfus else None}

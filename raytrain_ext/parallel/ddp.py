@@ -14,6 +14,9 @@ from raytrain_ext.parallel.strategy import DistContext, null_context
 class DDPStrategy:
     name = "ddp"
 
+    def __init__(self, parallel_cfg=None):
+        self.parallel_cfg = parallel_cfg  # DDP has no options of its own
+
     def wrap(self, model: nn.Module, ctx: DistContext) -> nn.Module:
         model = model.to(ctx.device)
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None

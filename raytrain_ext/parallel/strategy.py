@@ -10,21 +10,50 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import ContextManager, Dict, Protocol
+from typing import Any, ContextManager, Dict, Optional, Protocol
 
 import torch
 import torch.nn as nn
 
+from raytrain_ext.parallel.dims import ParallelDims
+
 
 @dataclass(frozen=True)
 class DistContext:
-    """What a strategy needs to know about this process's place in the group."""
+    """What a strategy needs to know about this process's place in the group.
+
+    ``dims`` defaults to plain data parallelism (``dp_rank == rank``,
+    ``dp_size == world_size``), which is what DDP runs on.
+    """
 
     rank: int
     world_size: int
     local_rank: int
     device: torch.device
     autocast_dtype: torch.dtype | None  # None: full fp32
+    dims: Optional[ParallelDims] = None
+
+    def __post_init__(self) -> None:
+        if self.dims is None:
+            object.__setattr__(self, "dims", ParallelDims.data_parallel(self.world_size))
+        if self.dims.world_size != self.world_size:
+            raise ValueError(f"ParallelDims {self.dims} describe {self.dims.world_size} ranks, "
+                             f"but the world size is {self.world_size}")
+
+    @property
+    def dp_rank(self) -> int:
+        """Which share of the global batch this rank computes (shared by its TP group)."""
+        return self.dims.dp_rank(self.rank)
+
+    @property
+    def dp_size(self) -> int:
+        return self.dims.dp_size
+
+    @property
+    def counts_samples(self) -> bool:
+        """True on exactly one rank per data-parallel group (tp rank 0): it reports the
+        group's samples and loss, so the ledger counts every sample once."""
+        return self.dims.tp_rank(self.rank) == 0
 
 
 class Strategy(Protocol):
@@ -41,14 +70,17 @@ class Strategy(Protocol):
     def full_parameters(self, wrapped: nn.Module) -> Dict[str, torch.Tensor]: ...
 
 
-def build_strategy(name: str) -> Strategy:
+def build_strategy(parallel_cfg: Any) -> Strategy:
+    """The strategy named by ``parallel.strategy``; it reads its options from the section."""
     from raytrain_ext.parallel.ddp import DDPStrategy
+    from raytrain_ext.parallel.fsdp import FSDPStrategy
 
-    strategies = {"ddp": DDPStrategy}
+    strategies = {"ddp": DDPStrategy, "fsdp": FSDPStrategy}
+    name = parallel_cfg.strategy
     if name not in strategies:
         raise ValueError(f"parallel.strategy: unknown strategy {name!r}; choose one of "
                          f"{', '.join(strategies)}")
-    return strategies[name]()
+    return strategies[name](parallel_cfg)
 
 
 def null_context() -> ContextManager:

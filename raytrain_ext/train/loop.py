@@ -7,9 +7,10 @@ indices and loss sums with one small all-gather so every rank records the same
 sample ledger.
 
 Loss normalisation: each micro-batch contributes ``sum of token losses *
-world_size / global_tokens``; DDP averages gradients over ``world_size``, so
-the update is the gradient of the mean token loss over the *global* batch,
-identical for any world size up to float summation order.
+dp_size / global_tokens`` (dp_size = world_size unless parallel.tp > 1); DDP
+and FSDP average gradients over ``dp_size``, so the update is the gradient of the
+mean token loss over the *global* batch, identical for any world size up to
+float summation order.
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ import logging
 import math
 import os
 import random
+import resource
 import threading
 import time
-from typing import Any, Callable, Dict, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 import torch
@@ -32,17 +35,33 @@ from raytrain_ext.checkpoint.manager import REQUEST_EMERGENCY, CheckpointManager
 from raytrain_ext.config import config_digest
 from raytrain_ext.data import GlobalSampler, open_token_dataset, rank_slice
 from raytrain_ext.models import build_model
-from raytrain_ext.parallel import DistContext, build_strategy
+from raytrain_ext.metrics.flops import mfu, model_flops_per_token, peak_flops_for
+from raytrain_ext.ops.profiler import StepProfiler
+from raytrain_ext.ops.guards import (
+    NonFiniteDecision,
+    NonFiniteLossError,
+    StragglerDetector,
+    nonfinite_decision,
+)
+from raytrain_ext.parallel import DistContext, build_strategy, dims_for_run
 from raytrain_ext.train.ledger import SampleLedger, params_sha256
 from raytrain_ext.train.optim import build_optimizer, build_scheduler
 
 Report = Callable[[Dict[str, Any]], None]
+log = logging.getLogger(__name__)
 
 
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak CUDA memory allocated on a GPU; the process's peak resident set on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 def autocast_dtype(mixed_precision: str, device: torch.device) -> Optional[torch.dtype]:
@@ -61,7 +80,8 @@ class TrainLoop:
         self.report = report
         self.mark = mark  # phase marks let the controller tell a hung rank from its waiting peers
         self.ctx = DistContext(rank, world_size, local_rank, device,
-                               autocast_dtype(cfg.parallel.mixed_precision, device))
+                               autocast_dtype(cfg.parallel.mixed_precision, device),
+                               dims=dims_for_run(cfg, world_size))
         seed_everything(cfg.run.seed + rank)
         self.dataset = open_token_dataset(cfg.data.path, cfg.model.seq_len,
                                           s3_endpoint_url=cfg.data.s3_endpoint_url,
@@ -72,19 +92,28 @@ class TrainLoop:
                              f"model.vocab_size is {cfg.model.vocab_size}; raise model.vocab_size")
         self.sampler = GlobalSampler(self.dataset.num_samples, cfg.data.global_batch_size,
                                      cfg.data.seed, cfg.data.shuffle)
-        self.strategy = build_strategy(cfg.parallel.strategy)
+        self.strategy = build_strategy(cfg.parallel)
         self.model = self.strategy.wrap(build_model(cfg.model, cfg.run.seed), self.ctx)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim)
         self.ledger = SampleLedger()
         self.step = 0
         self.global_tokens = cfg.data.global_batch_size * cfg.model.seq_len
-        self.max_local = math.ceil(cfg.data.global_batch_size / world_size)
+        self.max_local = math.ceil(cfg.data.global_batch_size / self.ctx.dp_size)
         self.config_digest = config_digest(cfg)
         self.requests = requests or SaveRequests()
         self.preempted_at: Optional[int] = None
         self.chaos_armed = chaos_armed
         self._first_report = True
+        self.skip_steps: set = set()  # steps whose batch is consumed without an update
+        self.nonfinite_steps = 0
+        self._compute_s = 0.0
+        self._rollback_note: Optional[Dict[str, int]] = None
+        self.stragglers = StragglerDetector(cfg.guards.straggler_factor, cfg.guards.straggler_window)
+        self.profiler = StepProfiler(cfg.profile, rank, device)
+        self.flops_per_token = model_flops_per_token(cfg.model)
+        self.peak_flops = peak_flops_for(torch.cuda.get_device_name(device)) \
+            if device.type == "cuda" else None
         self.ckpt: Optional[CheckpointManager] = None
         self.restored: Optional[Dict[str, Any]] = None
         if cfg.checkpoint.enabled:
@@ -100,8 +129,11 @@ class TrainLoop:
         last_loss = float("nan")
         try:
             while self.step < self.cfg.run.max_steps and self.preempted_at is None:
+                self.profiler.step_begin(self.step + 1)
                 last_loss = self.train_step()
+                self.profiler.step_end(self.step)
         finally:
+            self.profiler.close()
             if self.ckpt is not None:
                 self.ckpt.close()
         params = self.strategy.full_parameters(self.model)
@@ -115,58 +147,124 @@ class TrainLoop:
         start = time.perf_counter()
         step, ctx = self.step, self.ctx
         self.mark("compute")
-        local = rank_slice(self.sampler.next_global_batch(), ctx.rank, ctx.world_size)
+        local = rank_slice(self.sampler.next_global_batch(), ctx.dp_rank, ctx.dp_size)
         lr = self.scheduler.get_last_lr()[0]
-        loss_sum = self._forward_backward(local)
-        self.mark("compute")
-        grad_norm = self.strategy.clip_grad_norm(self.model, self.cfg.optim.grad_clip)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        skip_batch = step in self.skip_steps  # rolled back past it: consume, do not train
+        if skip_batch:
+            loss_sum, grad_norm, self._compute_s = torch.zeros((), dtype=torch.float64), \
+                torch.zeros(()), 0.0
+        else:
+            if self.chaos_armed and ctx.rank == self.cfg.chaos.slow_rank:
+                time.sleep(self.cfg.chaos.slow_s)  # a straggler: slow compute, every step
+            loss_sum = self._forward_backward(local, start)
+            self.mark("compute")
+            grad_norm = self.strategy.clip_grad_norm(self.model, self.cfg.optim.grad_clip)
         vote = self.requests.vote()
         if self.ckpt is not None:
             vote = max(vote, self.ckpt.request_flag())
         busy = float(self.ckpt is not None and self.ckpt.busy())
         self.mark("exchange")
-        consumed, total_loss, request, any_busy = self._exchange(local, loss_sum, (vote, busy))
-        self.ledger.record(step, consumed)
+        exchanged = self._exchange(local, loss_sum, (vote, busy, self._compute_s))
+        loss = exchanged.loss_sum / self.global_tokens
+        decision = self._nonfinite_decision(step, loss, float(grad_norm), exchanged.consumed)
+        if not skip_batch and decision.action == "ok":
+            self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.ledger.record(step, exchanged.consumed)
         self.step += 1
+        if decision.action == "rollback" and self._rollback(step):
+            return loss
         stall = 0.0
         if self.ckpt is not None:
-            stall = self.ckpt.after_step(self, self.step, request, any_busy > 0,
+            stall = self.ckpt.after_step(self, self.step, exchanged.request, exchanged.busy > 0,
                                          final=self.step == self.cfg.run.max_steps,
                                          deadline=self.requests.deadline)
-        if request >= REQUEST_EMERGENCY:
+        if exchanged.request >= REQUEST_EMERGENCY:
             self.preempted_at = self.step
         step_time = time.perf_counter() - start
-        loss = total_loss / self.global_tokens
         record = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": float(grad_norm),
                   "step_time_s": step_time, "tokens_per_s": self.global_tokens / step_time,
-                  "ckpt_stall_s": stall, "world_size": ctx.world_size, "time": time.time()}
+                  "compute_s": self._compute_s, "ckpt_stall_s": stall,
+                  "world_size": ctx.world_size, "time": time.time(),
+                  "peak_memory_gb": peak_memory_bytes(ctx.device) / 2**30,
+                  "mfu": mfu(self.global_tokens / step_time, self.flops_per_token,
+                             self.peak_flops, ctx.world_size),
+                  **self._straggler_fields(exchanged.compute_s)}
+        if skip_batch or decision.action != "ok":
+            record["skipped"] = True
+        if self._rollback_note is not None:
+            record["rolled_back"], self._rollback_note = self._rollback_note, None
         if self._first_report:  # tells the controller where this group resumed from
             record["restored"], self._first_report = self.restored, False
         self.report(record)
         self._maybe_inject_fault()
         return loss
 
+    def _nonfinite_decision(self, step: int, loss: float, grad_norm: float,
+                            consumed: np.ndarray) -> NonFiniteDecision:
+        """Apply ``guards.nan_policy`` to a NaN/Inf step (every rank decides alike)."""
+        g = self.cfg.guards
+        decision = nonfinite_decision(g.nan_policy, loss, grad_norm, self.nonfinite_steps,
+                                      g.max_nan_steps, can_rollback=self.ckpt is not None)
+        if decision.action == "ok":
+            return decision
+        self.nonfinite_steps += 1
+        batch = ", ".join(str(i) for i in sorted(consumed.tolist())[:32])
+        message = f"non-finite step {step + 1}: {decision.reason}; batch sample indices [{batch}]"
+        if decision.action == "fail":
+            raise NonFiniteLossError(message)
+        if self.ctx.rank == 0:
+            log.warning(message)
+        return decision
+
+    def _rollback(self, step: int) -> bool:
+        """Restore the newest committed checkpoint and mark ``step``'s batch to be skipped.
+
+        Returns False (the step then stays a plain skipped update) when there is
+        no committed checkpoint to go back to.
+        """
+        self.ckpt.wait()
+        self.skip_steps.add(step)
+        restored = self.ckpt.restore(self, newest=True)
+        if restored is None:
+            if self.ctx.rank == 0:
+                log.warning("guards.nan_policy=rollback: no committed checkpoint; "
+                            "the step's update was skipped instead")
+            return False
+        if self.ctx.rank == 0:
+            log.warning("rolled back to step %d; step %d's batch will be skipped",
+                        restored["step"], step + 1)
+        self._rollback_note = {"from_step": step + 1, "to_step": restored["step"]}
+        return True
+
+    def _straggler_fields(self, compute_s: List[float]) -> Dict[str, Any]:
+        """Per-rank compute times on rank 0's record, and the ranks flagged as stragglers."""
+        flagged = self.stragglers.observe(compute_s)
+        if self.ctx.rank != 0:
+            return {}
+        return {"rank_compute_s": [round(s, 6) for s in compute_s], "stragglers": flagged}
+
     def _maybe_inject_fault(self) -> None:
         """``chaos.kill_rank`` dies as on a crash, ``chaos.hang_rank`` stops forever."""
         chaos = self.cfg.chaos
         if self.chaos_armed and self.ctx.rank == chaos.kill_rank and self.step == chaos.kill_at_step:
-            logging.getLogger(__name__).warning("chaos: killing rank %d after step %d",
-                                                self.ctx.rank, self.step)
+            log.warning("chaos: killing rank %d after step %d", self.ctx.rank, self.step)
             os._exit(1)
         if self.chaos_armed and self.ctx.rank == chaos.hang_rank and self.step == chaos.hang_at_step:
-            logging.getLogger(__name__).warning("chaos: hanging rank %d after step %d",
-                                                self.ctx.rank, self.step)
+            log.warning("chaos: hanging rank %d after step %d", self.ctx.rank, self.step)
             self.mark("hung")
             threading.Event().wait()
 
-    def _forward_backward(self, local: np.ndarray) -> torch.Tensor:
-        """Accumulate gradients over this rank's micro-batches; return its token-loss sum."""
+    def _forward_backward(self, local: np.ndarray, start: float) -> torch.Tensor:
+        """Accumulate gradients over this rank's micro-batches; return its token-loss sum.
+
+        ``self._compute_s`` becomes the time from ``start`` to the synchronising
+        backward: this rank's own work, before it can wait for any peer.
+        """
         ctx, micro = self.ctx, self.cfg.data.micro_batch_size
         chunks = [local[i:i + micro] for i in range(0, len(local), micro)]
-        scale = ctx.world_size / self.global_tokens
+        scale = ctx.dp_size / self.global_tokens
         aux_weight = self.cfg.model.moe.aux_loss_weight
         loss_sum = torch.zeros((), device=ctx.device, dtype=torch.float64)
         for j, indices in enumerate(chunks):
@@ -181,37 +279,61 @@ class TrainLoop:
                 aux = self.strategy.unwrap(self.model).aux_loss()
                 if aux is not None:
                     loss = loss + aux_weight * aux * (targets.numel() * scale)
+                loss = self._chaos_on_loss(loss)
                 if sync:  # the gradient all-reduce: from here on this rank waits for its peers
+                    self._compute_s = time.perf_counter() - start
                     self.mark("exchange")
                 loss.backward()
             loss_sum += token_loss.detach()
         return loss_sum
+
+    def _chaos_on_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``chaos.nan_rank`` poisons one step's loss."""
+        chaos, rank = self.cfg.chaos, self.ctx.rank
+        if self.chaos_armed and rank == chaos.nan_rank and self.step + 1 == chaos.nan_at_step:
+            return loss * float("nan")
+        return loss
 
     def _autocast(self):
         if self.ctx.autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.ctx.device.type, dtype=self.ctx.autocast_dtype)
 
-    def _exchange(self, local: np.ndarray, loss_sum: torch.Tensor, votes: tuple):
-        """One all-gather of [loss sum, save request, save busy, indices padded with -1].
+    def _exchange(self, local: np.ndarray, loss_sum: torch.Tensor, votes: tuple) -> "Exchanged":
+        """One all-gather of [loss sum, save request, save busy, compute time, indices].
 
-        Returns the consumed indices, the global loss sum, and the max over ranks
-        of the checkpoint votes, so every rank takes the same save decision.
+        Indices are padded with -1.  Every rank gets the consumed indices, the
+        global loss sum, the max over ranks of the checkpoint votes (so all take
+        the same save decision) and every rank's compute time (for the straggler guard).
         """
-        head = 3
+        head = 1 + len(votes)
         payload = torch.full((head + self.max_local,), -1.0, dtype=torch.float64)
         payload[1:head] = torch.tensor(votes, dtype=torch.float64)
-        payload[head:head + len(local)] = torch.from_numpy(local.astype(np.float64))
+        counts = self.ctx.counts_samples  # one rank per TP group reports its samples and loss
+        if counts:
+            payload[head:head + len(local)] = torch.from_numpy(local.astype(np.float64))
         payload = payload.to(self.ctx.device)
-        payload[0] = loss_sum
+        payload[0] = loss_sum if counts else 0.0
         gathered = torch.empty(self.ctx.world_size * payload.numel(), dtype=torch.float64,
                                device=self.ctx.device)
         _all_gather_flat(gathered, payload)
         gathered = gathered.view(self.ctx.world_size, -1).cpu()
         indices = gathered[:, head:].flatten()
-        consumed = indices[indices >= 0].to(torch.int64).numpy()
-        request, busy = gathered[:, 1].max().item(), gathered[:, 2].max().item()
-        return consumed, float(gathered[:, 0].sum()), request, busy
+        return Exchanged(consumed=indices[indices >= 0].to(torch.int64).numpy(),
+                         loss_sum=float(gathered[:, 0].sum()),
+                         request=gathered[:, 1].max().item(), busy=gathered[:, 2].max().item(),
+                         compute_s=gathered[:, 3].tolist())
+
+
+@dataclass
+class Exchanged:
+    """What one step's all-gather tells every rank."""
+
+    consumed: np.ndarray
+    loss_sum: float
+    request: float
+    busy: float
+    compute_s: List[float]
 
 
 def _all_gather_flat(output: torch.Tensor, tensor: torch.Tensor) -> None:

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
+import traceback
 from collections import deque
 from typing import Any, Dict
 
@@ -66,11 +68,13 @@ class TrainWorker:
         self.metrics_sink = None
         self.requests = SaveRequests()
         self.grace_s = 30.0
+        self.sigterm_received = False
         # Actor __init__ runs on the process's main thread, where handlers can be installed.
         signal.signal(signal.SIGTERM, self._on_sigterm)
 
     def _on_sigterm(self, signum, frame) -> None:
         """Preemption notice: checkpoint at the next step boundary, then stop."""
+        self.sigterm_received = True
         self.requests.preempt(self.grace_s)
 
     def request_checkpoint(self) -> None:
@@ -120,7 +124,26 @@ class TrainWorker:
                          self.device, report, self.requests,
                          chaos_armed=attempt < cfg.chaos.attempts,
                          mark=self.events.mark)
-        return loop.fit()
+        chaos = cfg.chaos
+        if attempt == 1 and chaos.kill_during_recovery and self.env.rank == chaos.kill_rank:
+            os._exit(1)  # chaos: a failure during recovery (restored, before the first step)
+        result = loop.fit()
+        result["sigterm"] = self.sigterm_received  # the controller shrinks away from this node
+        return result
+
+    def dump_stacks(self) -> str:
+        """Every thread's Python stack, readable while the training thread is stuck.
+
+        The actor is threaded, so this runs beside a hung loop; ``sys._current_frames``
+        needs no ptrace permission (which ``py-spy`` would) and works in any container.
+        """
+        names = {t.ident: t.name for t in threading.enumerate()}
+        parts = []
+        for ident, frame in sys._current_frames().items():
+            parts.append(f"--- thread {names.get(ident, '?')} ({ident}), phase "
+                         f"{self.events.phase}, last step {self.events.last_step}\n")
+            parts.append("".join(traceback.format_stack(frame)))
+        return "\n".join(parts)
 
     def poll(self) -> Dict[str, Any]:
         return self.events.drain()

@@ -35,6 +35,7 @@ class WorkerGroup:
         self.envs: List[WorkerEnv] = []
         self.infos: List[Dict[str, Any]] = []
         self.backend: Optional[str] = None
+        self.avoid_nodes: set = set()  # node ids the next start() must not use
 
     @property
     def world_size(self) -> int:
@@ -43,8 +44,11 @@ class WorkerGroup:
     def start(self, num_workers: int, *, backend: str, timeout_s: float,
               placement_timeout_s: float, runtime_env: Optional[dict] = None) -> None:
         """Place ``num_workers`` actors as a gang and form the process group."""
+        selector = None
+        if self.avoid_nodes:  # evicted stragglers' nodes: Ray labels every node with its id
+            selector = [{"ray.io/node-id": f"!in({','.join(sorted(self.avoid_nodes))})"}] * num_workers
         self.pg = placement_group([dict(self.resources)] * num_workers,
-                                  strategy=self.placement_strategy)
+                                  strategy=self.placement_strategy, bundle_label_selector=selector)
         ready, _ = ray.wait([self.pg.ready()], timeout=placement_timeout_s)
         if not ready:
             raise PlacementTimeout(

@@ -1,0 +1,187 @@
+"""How the world is split into data-parallel, tensor-parallel (and later pipeline/expert) groups.
+
+A ``ParallelDims`` (torchtitan style) is pure arithmetic, checked once on the
+driver for every world size the run may take and again in each worker for the
+actual one; only ``build_mesh`` touches torch.distributed.
+
+Mesh layout invariant: ranks are laid out row-major over
+``("dp_replicate", "dp_shard", "tp")``, so ``rank = dp_rank * tp + tp_rank``.
+The ``tp`` ranks of one group are consecutive (one node, where the bandwidth
+is), and the data-parallel rank is ``rank // tp``: every rank of a TP group
+reads the same samples, and ``dp_size = dp_replicate * dp_shard`` groups split
+the global batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import List, Optional
+
+MESH_DIM_NAMES = ("dp_replicate", "dp_shard", "tp")
+STRATEGIES_WITH_TP = ("fsdp",)
+
+
+class ParallelLayoutError(ValueError):
+    """A parallel layout that cannot work; the message names the key and the fix."""
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    pp: int = 1
+    ep: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp * self.pp
+
+    @property
+    def dp_size(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    def dp_rank(self, rank: int) -> int:
+        return rank // self.tp
+
+    def tp_rank(self, rank: int) -> int:
+        return rank % self.tp
+
+    @property
+    def mesh_shape(self) -> tuple:
+        return (self.dp_replicate, self.dp_shard, self.tp)
+
+    def build_mesh(self, device_type: str):
+        """The 3-D DeviceMesh over the default process group (all ranks must call this)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=MESH_DIM_NAMES)
+
+    @classmethod
+    def data_parallel(cls, world_size: int) -> "ParallelDims":
+        """Plain DDP: every rank is its own data-parallel rank."""
+        return cls(dp_replicate=1, dp_shard=world_size, tp=1)
+
+    @classmethod
+    def build(cls, parallel_cfg, model_cfg, world_size: int) -> "ParallelDims":
+        """Validate ``parallel.*`` against ``model.*`` and ``world_size``; derive ``dp_shard``."""
+        check_degrees(parallel_cfg)
+        check_strategy_support(parallel_cfg)
+        check_model_fits_tp(parallel_cfg.tp, model_cfg)
+        fixed = parallel_cfg.tp * parallel_cfg.dp_replicate * parallel_cfg.pp
+        if world_size % fixed:
+            raise ParallelLayoutError(
+                f"parallel.tp: world size {world_size} is not divisible by dp_replicate x tp x pp "
+                f"= {parallel_cfg.dp_replicate} x {parallel_cfg.tp} x {parallel_cfg.pp} = {fixed} "
+                f"({world_size} = dp_replicate {parallel_cfg.dp_replicate} x dp_shard "
+                f"{world_size / fixed:g} x tp {parallel_cfg.tp} x pp {parallel_cfg.pp}?). "
+                f"Choose degrees whose product divides {world_size} "
+                f"(divisors: {', '.join(map(str, divisors(world_size)))}).")
+        return cls(dp_replicate=parallel_cfg.dp_replicate, dp_shard=world_size // fixed,
+                   tp=parallel_cfg.tp, pp=parallel_cfg.pp, ep=parallel_cfg.ep)
+
+
+def divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_degrees(parallel_cfg) -> None:
+    for key in ("tp", "dp_replicate", "pp", "ep"):
+        value = getattr(parallel_cfg, key)
+        if value < 1:
+            raise ParallelLayoutError(f"parallel.{key}: must be >= 1, got {value}. "
+                                      f"Set parallel.{key}=1 to disable this dimension.")
+    for key, what in (("pp", "pipeline"), ("ep", "expert")):
+        value = getattr(parallel_cfg, key)
+        if value > 1:
+            raise ParallelLayoutError(f"parallel.{key}: {what} parallelism ({key}={value}) is not "
+                                      f"supported yet. Set parallel.{key}=1.")
+
+
+def check_strategy_support(parallel_cfg) -> None:
+    """TP and HSDP need FSDP2: DDP cannot all-reduce the DTensor parameters TP creates,
+    and with DDP every rank already is a replica, so ``dp_replicate`` has no meaning."""
+    strategy = parallel_cfg.strategy
+    if parallel_cfg.tp > 1 and strategy not in STRATEGIES_WITH_TP:
+        raise ParallelLayoutError(
+            f"parallel.tp: tensor parallelism (tp={parallel_cfg.tp}) needs parallel.strategy=fsdp "
+            f"(got {strategy!r}: DDP cannot synchronise TP-sharded DTensor parameters). "
+            "Set parallel.strategy=fsdp or parallel.tp=1.")
+    if parallel_cfg.dp_replicate > 1 and strategy != "fsdp":
+        raise ParallelLayoutError(
+            f"parallel.dp_replicate: HSDP replica groups "
+            f"(dp_replicate={parallel_cfg.dp_replicate}) need parallel.strategy=fsdp; with {strategy!r} every rank is already a replica. "
+            "Set parallel.strategy=fsdp or parallel.dp_replicate=1.")
+    for key in ("activation_checkpointing", "cpu_offload", "compile"):
+        if getattr(parallel_cfg, key) and strategy != "fsdp":
+            raise ParallelLayoutError(f"parallel.{key}: only implemented for "
+                                      f"parallel.strategy=fsdp (got {strategy!r}). "
+                                      f"Set parallel.strategy=fsdp or parallel.{key}=false.")
+
+
+def check_model_fits_tp(tp: int, model_cfg) -> None:
+    """Each TP rank holds whole attention heads and an equal slice of the MLP hidden size.
+
+    ``d_model`` is a multiple of ``n_heads`` (checked with ``model.*``), so heads
+    divisible by tp make ``d_model`` and ``d_model x mlp_ratio`` divisible too.
+    """
+    if tp == 1:
+        return
+    if model_cfg.n_heads % tp:
+        raise ParallelLayoutError(
+            f"parallel.tp: model.n_heads={model_cfg.n_heads} is not divisible by tp={tp} "
+            f"({model_cfg.n_heads} / {tp} = {model_cfg.n_heads / tp:g} heads per rank); each TP "
+            "rank must hold whole heads. Choose tp dividing n_heads.")
+    if model_cfg.moe.num_experts:
+        raise ParallelLayoutError(
+            f"parallel.tp: tensor parallelism of mixture-of-experts layers "
+            f"(model.moe.num_experts={model_cfg.moe.num_experts}) is not supported yet. "
+            "Set parallel.tp=1 or model.moe.num_experts=0.")
+    if model_cfg.dropout > 0:
+        raise ParallelLayoutError(
+            f"parallel.tp: model.dropout={model_cfg.dropout} with tp={tp} is not supported yet "
+            "(the ranks of a TP group would draw different masks for the same activations). "
+            "Set model.dropout=0 or parallel.tp=1.")
+
+
+def microbatch_counts(global_batch: int, dp_size: int, micro: int) -> set:
+    """The distinct micro-batch counts per data-parallel rank (shares differ by at most 1)."""
+    base, extra = divmod(global_batch, dp_size)
+    shares = {base + 1} if extra else set()
+    if dp_size - extra:
+        shares.add(base)
+    return {math.ceil(share / micro) for share in shares}
+
+
+def check_batch_split(strategy: str, global_batch: int, micro: int, dims: ParallelDims,
+                      world_size: Optional[int] = None) -> None:
+    """Every dp rank needs a sample; FSDP also needs equal micro-batch counts.
+
+    FSDP all-gathers parameters in every forward, so a rank with fewer
+    micro-batches than its peers would leave them waiting; DDP only
+    communicates on the last micro-batch and tolerates uneven splits.
+    """
+    world = world_size if world_size is not None else dims.world_size
+    if global_batch < dims.dp_size:
+        raise ParallelLayoutError(
+            f"data.global_batch_size: {global_batch} is smaller than the data-parallel size "
+            f"{dims.dp_size} (world {world} / (tp {dims.tp} x pp {dims.pp})); every "
+            "data-parallel rank needs at least one sample per step. Raise global_batch_size.")
+    counts = microbatch_counts(global_batch, dims.dp_size, micro)
+    if strategy == "fsdp" and len(counts) > 1:
+        raise ParallelLayoutError(
+            f"data.global_batch_size: {global_batch} samples over {dims.dp_size} data-parallel "
+            f"ranks (world {world}) in micro-batches of {micro} give some ranks "
+            f"{min(counts)} and others {max(counts)} micro-batches; FSDP needs the same count on "
+            f"every rank. Use a global_batch_size that is a multiple of "
+            f"{dims.dp_size * micro} (data-parallel size x micro_batch_size).")
+
+
+def dims_for_run(cfg, world_size: int) -> ParallelDims:
+    """The layout for this worker group's actual world size (after any elastic resize),
+    checked like on the driver: degrees, model fit, and the batch split."""
+    dims = ParallelDims.build(cfg.parallel, cfg.model, world_size)
+    check_batch_split(cfg.parallel.strategy, cfg.data.global_batch_size,
+                      cfg.data.micro_batch_size, dims)
+    return dims

@@ -1,0 +1,119 @@
+"""FSDP2 (``fully_shard``), optionally hybrid (HSDP) and composed with tensor parallelism.
+
+Parameters, gradients and optimizer state are sharded over the data-parallel
+mesh; each block's parameters are all-gathered just before its forward and
+backward and freed after.  With ``parallel.dp_replicate > 1`` the
+data-parallel mesh is 2-D (HSDP): shards within a ``dp_shard`` group,
+replicas across ``dp_replicate`` groups (e.g. nodes), gradients
+reduce-scattered within and all-reduced across.
+
+Apply order (torchtitan's): tensor parallel -> activation checkpointing ->
+compile -> ``fully_shard`` per block, then the root.  None of these rename
+parameters (composable checkpointing, ``Module.compile``), so checkpoints and
+``full_parameters`` use the same names as DDP.
+
+FSDP averages gradients over the data-parallel size (``dp_replicate x
+dp_shard``), not the world: the ranks of a TP group compute one replica's
+gradient together.  The loop therefore scales each rank's loss by ``dp_size``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import ContextManager, Dict, List
+
+import torch
+import torch.nn as nn
+from torch.distributed._composable import checkpoint as checkpoint_activations
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from raytrain_ext.parallel.strategy import DistContext
+from raytrain_ext.parallel.tp import apply_tensor_parallel
+
+
+class FSDPStrategy:
+    name = "fsdp"
+
+    def __init__(self, parallel_cfg):
+        self.cfg = parallel_cfg
+        self.mesh = None  # the ("dp_replicate", "dp_shard", "tp") DeviceMesh, set by wrap
+
+    def wrap(self, model: nn.Module, ctx: DistContext) -> nn.Module:
+        model = model.to(ctx.device)
+        dims = ctx.dims
+        self.mesh = dims.build_mesh(ctx.device.type)
+        if dims.tp > 1:
+            apply_tensor_parallel(model, self.mesh["tp"])
+        for block in model.blocks:
+            if self.cfg.activation_checkpointing:
+                checkpoint_activations(block)
+            if self.cfg.compile:
+                block.compile()
+        dp_mesh = (self.mesh["dp_shard"] if dims.dp_replicate == 1
+                   else self.mesh["dp_replicate", "dp_shard"])
+        options = {"mesh": dp_mesh, "mp_policy": self._mixed_precision(ctx)}
+        if self.cfg.cpu_offload:
+            options["offload_policy"] = CPUOffloadPolicy()
+        for block in model.blocks:
+            fully_shard(block, **options)
+        fully_shard(model, **options)
+        return model
+
+    @staticmethod
+    def _mixed_precision(ctx: DistContext) -> MixedPrecisionPolicy:
+        """bf16 compute and all-gathers, fp32 gradient reduction and master weights."""
+        if ctx.autocast_dtype == torch.bfloat16:
+            return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        return MixedPrecisionPolicy()
+
+    def accumulate(self, wrapped: nn.Module, sync: bool) -> ContextManager:
+        """Reduce gradients only in the last micro-batch's backward.
+
+        Forwards still all-gather parameters, so every rank must run the same
+        number of micro-batches (``check_batch_split`` enforces it).
+        """
+        wrapped.set_requires_gradient_sync(sync)
+        return contextlib.nullcontext()
+
+    def clip_grad_norm(self, wrapped: nn.Module, max_norm: float) -> torch.Tensor:
+        """Clip by the global norm; per mesh, since DTensor ops cannot mix meshes."""
+        groups = _group_by_mesh([p for p in wrapped.parameters() if p.grad is not None])
+        total = global_grad_norm(groups)
+        if max_norm > 0:
+            for params in groups:
+                torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return total
+
+    def unwrap(self, wrapped: nn.Module) -> nn.Module:
+        return wrapped  # fully_shard works in place
+
+    def full_parameters(self, wrapped: nn.Module) -> Dict[str, torch.Tensor]:
+        """Unsharded fp32 parameters in canonical names (a collective: all ranks call it)."""
+        with torch.no_grad():
+            return {name: p.full_tensor() if isinstance(p, DTensor) else p.detach()
+                    for name, p in wrapped.named_parameters()}
+
+
+def global_grad_norm(groups: List[List[nn.Parameter]]) -> torch.Tensor:
+    """The 2-norm over all gradients, as a plain tensor equal on every rank.
+
+    TP-sharded parameters live on the 2-D (dp, tp) mesh and the rest on the dp
+    mesh; DTensor cannot stack norms across meshes, so each mesh's norm is
+    reduced to a full tensor first and the squares are summed.
+    """
+    norms = [_full(torch.nn.utils.get_total_norm([p.grad for p in group])) for group in groups]
+    if not norms:
+        return torch.zeros(())
+    return torch.stack([n.float() ** 2 for n in norms]).sum().sqrt()
+
+
+def _group_by_mesh(params: List[nn.Parameter]) -> List[List[nn.Parameter]]:
+    groups: Dict[object, List[nn.Parameter]] = {}
+    for p in params:
+        groups.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
+    return list(groups.values())
+
+
+def _full(norm: torch.Tensor) -> torch.Tensor:
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
