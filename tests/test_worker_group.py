@@ -174,3 +174,15 @@ def test_two_failures_back_to_back(ray_local, tmp_path):
     assert during["params_sha256"] == reference["params_sha256"]
     assert during["samples_digest"] == reference["samples_digest"]
     assert_nothing_left()
+
+
+@pytest.mark.slow
+def test_run_starts_with_as_many_workers_as_fit_up_to_max(ray_local, tmp_path):
+    """min 1, max 3 on a 4-CPU Ray: the run starts with 3 workers (not num_workers=2)."""
+    summary = Trainer(load_config(None, tiny_overrides(
+        tmp_path, "run.max_steps=2", "scaling.min_workers=1", "scaling.max_workers=3",
+        "checkpoint.enabled=false"))).fit()
+    assert summary["status"] == "finished"
+    assert summary["world_size_history"] == [{"step": 0, "world_size": 3}]
+    assert summary["samples_consumed"] == 2 * 16  # uneven 6/5/5 split, every sample once
+    assert_nothing_left()

@@ -146,6 +146,8 @@ class Controller:
 
     def _schedule(self) -> Tuple[RunState, str]:
         s, p = self.cfg.scaling, self.cfg.parallel
+        if self.attempt == 0 and s.min_workers < s.max_workers:
+            self.world_size = self._initial_size()
         try:
             self.group.start(self.world_size, backend=p.backend, timeout_s=p.timeout_s,
                              placement_timeout_s=s.placement_timeout_s)
@@ -163,6 +165,18 @@ class Controller:
                                for r, i in enumerate(self.group.infos)]
         self._fit_refs = self.group.call_async("fit", to_dict(self.cfg), self.attempt)
         return RunState.RUNNING, f"{self.group.world_size} workers formed a {self.group.backend} group"
+
+    def _initial_size(self) -> int:
+        """Start with as many workers as fit now, within min..max (``num_workers`` when fewer
+        than min fit: the placement then waits ``scaling.placement_timeout_s`` for capacity)."""
+        free = free_resources_per_node()  # at the start Ray's node list is fresh: no ping needed
+        capacity = workers_that_fit(free.values(), dict(self.cfg.scaling.resources_per_worker))
+        if capacity < self.scaling_policy.min_workers:
+            return self.cfg.scaling.num_workers
+        size = min(capacity, self.scaling_policy.max_workers)
+        log.info("controller: %d workers fit; starting with %d (min %d, max %d)", capacity, size,
+                 self.scaling_policy.min_workers, self.scaling_policy.max_workers)
+        return size
 
     def _running(self) -> Tuple[RunState, str]:
         """Wait for the workers, forwarding metrics every poll interval."""
