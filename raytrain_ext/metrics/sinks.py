@@ -103,5 +103,7 @@ def summarize_records(records: List[Dict[str, Any]], skip_first: int = 1) -> Dic
     total_time = sum(times)
     tokens = sum(r["tokens_per_s"] * r["step_time_s"] for r in steady)
     mfus = sorted(r["mfu"] for r in steady if r.get("mfu") is not None)
+    peaks = [r["peak_memory_gb"] for r in records if r.get("peak_memory_gb") is not None]
     return {"median_step_time_s": times[len(times) // 2], "tokens_per_s": tokens / total_time,
-            "mfu": mfus[len(mfus) // 2] if mfus else None}
+            "mfu": mfus[len(mfus) // 2] if mfus else None,
+            "peak_memory_gb": max(peaks) if peaks else None}
