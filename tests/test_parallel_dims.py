@@ -25,6 +25,20 @@ def test_world_splits_into_replicate_shard_and_tp():
     assert [dims.tp_rank(r) for r in range(8)] == [0, 1, 0, 1, 0, 1, 0, 1]
 
 
+def test_pipeline_stages_are_the_outer_mesh_axis():
+    cfg = load_config(None, ["scaling.num_workers=4", "parallel.pp=2",
+                             "data.global_batch_size=8", "data.micro_batch_size=2"])
+    dims = ParallelDims.build(cfg.parallel, cfg.model, 4)
+    assert (dims.pp, dims.dp_shard, dims.dp_size, dims.mesh_shape) == (2, 2, 2, (2, 1, 2, 1))
+    assert [dims.pp_rank(r) for r in range(4)] == [0, 0, 1, 1]
+    assert [dims.dp_rank(r) for r in range(4)] == [0, 1, 0, 1]
+    assert [dims.is_last_stage(r) for r in range(4)] == [False, False, True, True]
+    # samples from the first stage, the loss from the last: each counted once per dp group
+    ctxs = [DistContext(r, 4, r, torch.device("cpu"), None, dims=dims) for r in range(4)]
+    assert [c.counts_samples for c in ctxs] == [True, True, False, False]
+    assert [c.counts_loss for c in ctxs] == [False, False, True, True]
+
+
 def test_context_defaults_to_plain_data_parallel_and_marks_one_counter_per_tp_group():
     ddp = DistContext(rank=3, world_size=4, local_rank=3, device=torch.device("cpu"),
                       autocast_dtype=None)
@@ -66,8 +80,9 @@ BAD_LAYOUTS = [
      r"parallel\.activation_checkpointing: only implemented for parallel\.strategy=fsdp"),
     ([FSDP, "parallel.cpu_offload=true"],
      r"parallel\.cpu_offload: offloads GPU parameters .* Set parallel\.cpu_offload=false"),
-    (["parallel.pp=2"], r"parallel\.pp: pipeline parallelism \(pp=2\) is not supported yet\. "
-                        r"Set parallel\.pp=1"),
+    (["scaling.num_workers=3", "parallel.pp=2", "data.global_batch_size=6",
+      "data.micro_batch_size=1"],
+     r"parallel\.tp: world size 3 is not divisible by dp_replicate x tp x pp = 1 x 1 x 2 = 2"),
     ([FSDP, "parallel.ep=2"], r"parallel\.ep: expert parallelism \(ep=2\) is not supported yet"),
     (["parallel.tp=0"], r"parallel\.tp: must be >= 1, got 0"),
     (["scaling.num_workers=4", FSDP, "parallel.tp=2", "model.moe.num_experts=4"],

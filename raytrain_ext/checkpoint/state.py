@@ -59,9 +59,16 @@ def train_items(loop) -> Dict[str, Any]:
             "skip_steps": sorted(loop.skip_steps), "nonfinite_steps": loop.nonfinite_steps}
 
 
+def model_and_optim(loop):
+    """(model, optimizer) state dicts, FQN-keyed; a strategy may provide its own
+    (``state_dicts``: ZeRO assembles its partitions into this same format)."""
+    own = getattr(loop.strategy, "state_dicts", None)
+    return own(loop.model, loop.optimizer) if own else get_state_dict(loop.model, loop.optimizer)
+
+
 def capture(loop) -> Dict[str, Any]:
     """The live state dict (tensors are references to the training tensors)."""
-    model_sd, optim_sd = get_state_dict(loop.model, loop.optimizer)
+    model_sd, optim_sd = model_and_optim(loop)
     return {"model": model_sd, "optim": optim_sd,
             TRAIN_KEY: io.BytesIO(json.dumps(train_items(loop)).encode()),
             rng_key(loop.ctx.rank): io.BytesIO(capture_rng())}
@@ -110,7 +117,7 @@ def _same_layout(host: Any, tensor: torch.Tensor) -> bool:
 
 def load_targets(loop, saved_world_size: int) -> Dict[str, Any]:
     """The state dict DCP loads into: live model/optimizer tensors plus byte buffers."""
-    model_sd, optim_sd = get_state_dict(loop.model, loop.optimizer)
+    model_sd, optim_sd = model_and_optim(loop)
     targets: Dict[str, Any] = {"model": model_sd, "optim": optim_sd, TRAIN_KEY: io.BytesIO()}
     if loop.ctx.rank < saved_world_size:
         targets[rng_key(loop.ctx.rank)] = io.BytesIO()
@@ -119,8 +126,12 @@ def load_targets(loop, saved_world_size: int) -> Dict[str, Any]:
 
 def apply(loop, loaded: Dict[str, Any]) -> Dict[str, Any]:
     """Install loaded state into the loop; returns the ``train`` items."""
-    set_state_dict(loop.model, loop.optimizer, model_state_dict=loaded["model"],
-                   optim_state_dict=loaded["optim"])
+    own = getattr(loop.strategy, "load_state_dicts", None)
+    if own:
+        own(loop.model, loop.optimizer, loaded["model"], loaded["optim"])
+    else:
+        set_state_dict(loop.model, loop.optimizer, model_state_dict=loaded["model"],
+                       optim_state_dict=loaded["optim"])
     items = json.loads(loaded[TRAIN_KEY].getvalue())
     loop.step = items["step"]
     loop.sampler.load_state_dict(items["sampler"])
@@ -145,6 +156,8 @@ def shape_mismatches(metadata, targets: Dict[str, Any]) -> List[str]:
         elif hasattr(entry, "size") and tuple(entry.size) != tuple(tensor.shape):
             problems.append(f"{key}: checkpoint {list(entry.size)} vs model {list(tensor.shape)}")
     saved = {k for k in metadata.state_dict_metadata if k.startswith("model.")}
+    # a pipeline stage holds part of the model; the other stages' keys are not extra
+    known = getattr(targets["model"], "whole_model_keys", None) or targets["model"]
     problems += [f"{k}: in the checkpoint but not in the model"
-                 for k in sorted(saved - {f"model.{n}" for n in targets["model"]})]
+                 for k in sorted(saved - {f"model.{n}" for n in known})]
     return problems

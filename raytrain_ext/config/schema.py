@@ -10,7 +10,7 @@ always receive plain values.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 
 @dataclass
@@ -102,13 +102,27 @@ class ScalingConfig:
 
 
 @dataclass
+class ZeroConfig:
+    """DeepSpeed ZeRO (``parallel.strategy: zero``); the DeepSpeed JSON config is generated
+    from these keys, ``optim.*`` and ``data.micro_batch_size``; ``extra`` is merged last."""
+
+    stage: int = 2  # 1: optimizer state, 2: + gradients, 3: + parameters sharded
+    offload_optimizer: str = "none"  # none | cpu | nvme
+    offload_param: str = "none"  # none | cpu | nvme (stage 3 only)
+    nvme_path: Optional[str] = None  # directory for nvme offload
+    extra: Dict[str, Any] = field(default_factory=dict)  # raw DeepSpeed keys, merged last
+
+
+@dataclass
 class ParallelConfig:
     """Distribution strategy, the layout of the world, and the process group it runs on.
 
     The world splits as ``dp_replicate x dp_shard x tp`` (x ``pp``); ``dp_shard``
     is whatever is left of the world size.  ``tp > 1``, ``dp_replicate > 1``
     (HSDP: replicate across groups, shard within) and the memory/speed options
-    need ``strategy: fsdp``.  ``pp`` and ``ep`` are reserved and must be 1.
+    need ``strategy: fsdp``.  ``pp > 1`` splits the blocks into pipeline stages
+    (``strategy: ddp`` or ``fsdp`` over each stage's data-parallel group).
+    ``ep`` is reserved and must be 1.
     """
 
     strategy: str = "ddp"  # ddp | fsdp (FSDP2)
@@ -117,11 +131,13 @@ class ParallelConfig:
     mixed_precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32
     tp: int = 1  # tensor-parallel degree (consecutive ranks, keep it within a node)
     dp_replicate: int = 1  # HSDP replica groups; dp_shard = world / (dp_replicate x tp x pp)
-    pp: int = 1  # pipeline stages (not supported yet)
+    pp: int = 1  # pipeline stages (blocks split by layer count; strategy ddp or fsdp)
+    pp_schedule: str = "1f1b"  # gpipe | 1f1b (micro-batches: data.micro_batch_size each)
     ep: int = 1  # expert-parallel degree (not supported yet)
     activation_checkpointing: bool = False  # recompute each block's activations in backward
     cpu_offload: bool = False  # FSDP CPUOffloadPolicy: sharded params/grads/optimizer on host
     compile: bool = False  # torch.compile each transformer block
+    zero: ZeroConfig = field(default_factory=ZeroConfig)  # strategy: zero
 
 
 @dataclass

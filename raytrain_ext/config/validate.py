@@ -16,14 +16,17 @@ from omegaconf import DictConfig
 from raytrain_ext.config.loader import ConfigError
 from raytrain_ext.parallel.dims import (ParallelDims, ParallelLayoutError, check_batch_split,
                                         check_degrees, check_model_fits_tp,
-                                        check_strategy_support)
+                                        check_pipeline_microbatches, check_strategy_support)
 
 CHOICES = {
     "run.device": ("auto", "cpu", "cuda"),
     "scaling.placement_strategy": ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
-    "parallel.strategy": ("ddp", "fsdp"),
+    "parallel.strategy": ("ddp", "fsdp", "zero"),
+    "parallel.zero.offload_optimizer": ("none", "cpu", "nvme"),
+    "parallel.zero.offload_param": ("none", "cpu", "nvme"),
     "parallel.backend": ("auto", "nccl", "gloo"),
     "parallel.mixed_precision": ("auto", "bf16", "fp32"),
+    "parallel.pp_schedule": ("gpipe", "1f1b"),
     "checkpoint.on_busy": ("skip", "wait"),
     "guards.nan_policy": ("skip_step", "rollback", "fail"),
 }
@@ -142,8 +145,10 @@ def _check_batch(cfg: DictConfig) -> None:
                           "sample per step. Raise global_batch_size or lower max_workers.")
     for world in range(max(1, s.min_workers), s.max_workers + 1):  # FSDP: equal micro-batch counts
         try:
-            check_batch_split(cfg.parallel.strategy, d.global_batch_size, d.micro_batch_size,
-                              ParallelDims.build(cfg.parallel, cfg.model, world))
+            dims = ParallelDims.build(cfg.parallel, cfg.model, world)
+            check_batch_split(cfg.parallel.strategy, d.global_batch_size, d.micro_batch_size, dims)
+            check_pipeline_microbatches(cfg.parallel.pp_schedule, d.global_batch_size,
+                                        d.micro_batch_size, dims)
         except ParallelLayoutError as e:
             raise ConfigError(str(e)) from None
 
@@ -170,16 +175,30 @@ def _check_parallel(cfg: DictConfig) -> None:
         sizes = range(max(1, s.min_workers), s.max_workers + 1)  # _check_scaling checks min
         bad = [w for w in sizes if w % group]
         if group > 1 and bad and s.min_workers != s.max_workers:
+            key = "tp" if p.tp > 1 else "pp" if p.pp > 1 else "dp_replicate"
             raise ConfigError(
-                f"parallel.tp: scaling.min_workers..max_workers = {s.min_workers}..{s.max_workers} "
+                f"parallel.{key}: scaling.min_workers..max_workers = {s.min_workers}..{s.max_workers} "
                 f"includes world size {bad[0]}, which is not a multiple of "
                 f"dp_replicate x tp x pp = {p.dp_replicate} x {p.tp} x {p.pp} = {group}; the "
                 "elastic controller may resize to any size in that range. Set min_workers = "
-                f"max_workers (a multiple of {group}), or parallel.tp=1 and "
+                f"max_workers (a multiple of {group}), or parallel.tp=1, parallel.pp=1 and "
                 "parallel.dp_replicate=1 for elastic resizing.")
         for world in sizes:
             ParallelDims.build(p, cfg.model, world)
     except ParallelLayoutError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _check_zero(cfg: DictConfig) -> None:
+    """``parallel.zero.*`` (only when ``parallel.strategy=zero``); see :mod:`raytrain_ext.parallel.zero`."""
+    if cfg.parallel.strategy != "zero":
+        return
+    from raytrain_ext.parallel.zero import check_zero_config
+
+    try:
+        check_zero_config(cfg.parallel, cfg.data.global_batch_size, cfg.data.micro_batch_size,
+                          range(max(1, cfg.scaling.min_workers), cfg.scaling.max_workers + 1))
+    except ValueError as e:
         raise ConfigError(str(e)) from None
 
 
@@ -255,7 +274,7 @@ def _check_profile(cfg: DictConfig) -> None:
 
 
 _CHECKS: List[Callable[[DictConfig], None]] = [
-    _check_choices, _check_ranges, _check_model, _check_parallel,
+    _check_choices, _check_ranges, _check_model, _check_zero, _check_parallel,
     _check_batch, _check_optim, _check_scaling,
     _check_checkpoint, _check_elastic, _check_profile,
 ]

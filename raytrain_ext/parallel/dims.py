@@ -1,15 +1,16 @@
-"""How the world is split into data-parallel, tensor-parallel (and later pipeline/expert) groups.
+"""How the world is split into pipeline, data-parallel and tensor-parallel groups (and later expert).
 
 A ``ParallelDims`` (torchtitan style) is pure arithmetic, checked once on the
 driver for every world size the run may take and again in each worker for the
 actual one; only ``build_mesh`` touches torch.distributed.
 
 Mesh layout invariant: ranks are laid out row-major over
-``("dp_replicate", "dp_shard", "tp")``, so ``rank = dp_rank * tp + tp_rank``.
-The ``tp`` ranks of one group are consecutive (one node, where the bandwidth
-is), and the data-parallel rank is ``rank // tp``: every rank of a TP group
-reads the same samples, and ``dp_size = dp_replicate * dp_shard`` groups split
-the global batch.
+``("pp", "dp_replicate", "dp_shard", "tp")`` (torchtitan's order), so
+``rank = (pp_rank * dp_size + dp_rank) * tp + tp_rank``.  The ``tp`` ranks of
+one group are consecutive (one node, where the bandwidth is); every rank of a
+TP group and of a pipeline (one rank per stage) reads the same samples, and
+``dp_size = dp_replicate * dp_shard`` groups split the global batch.  With
+``pp == 1`` this is the plain ``rank = dp_rank * tp + tp_rank``.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ import math
 from dataclasses import dataclass
 from typing import List, Optional
 
-MESH_DIM_NAMES = ("dp_replicate", "dp_shard", "tp")
+MESH_DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "tp")
 STRATEGIES_WITH_TP = ("fsdp",)
+STRATEGIES_WITH_PP = ("ddp", "fsdp")
+PP_SCHEDULES = ("gpipe", "1f1b")
 
 
 class ParallelLayoutError(ValueError):
@@ -43,17 +46,27 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     def dp_rank(self, rank: int) -> int:
-        return rank // self.tp
+        return (rank // self.tp) % self.dp_size
+
+    def pp_rank(self, rank: int) -> int:
+        """The pipeline stage this rank runs (stage 0 embeds, stage ``pp - 1`` computes the loss)."""
+        return rank // (self.dp_size * self.tp)
+
+    def is_first_stage(self, rank: int) -> bool:
+        return self.pp_rank(rank) == 0
+
+    def is_last_stage(self, rank: int) -> bool:
+        return self.pp_rank(rank) == self.pp - 1
 
     def tp_rank(self, rank: int) -> int:
         return rank % self.tp
 
     @property
     def mesh_shape(self) -> tuple:
-        return (self.dp_replicate, self.dp_shard, self.tp)
+        return (self.pp, self.dp_replicate, self.dp_shard, self.tp)
 
     def build_mesh(self, device_type: str):
-        """The 3-D DeviceMesh over the default process group (all ranks must call this)."""
+        """The 4-D DeviceMesh over the default process group (all ranks must call this)."""
         from torch.distributed.device_mesh import init_device_mesh
 
         return init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=MESH_DIM_NAMES)
@@ -69,6 +82,7 @@ class ParallelDims:
         check_degrees(parallel_cfg)
         check_strategy_support(parallel_cfg)
         check_model_fits_tp(parallel_cfg.tp, model_cfg)
+        check_pipeline(parallel_cfg, model_cfg)
         fixed = parallel_cfg.tp * parallel_cfg.dp_replicate * parallel_cfg.pp
         if world_size % fixed:
             raise ParallelLayoutError(
@@ -92,11 +106,9 @@ def check_degrees(parallel_cfg) -> None:
         if value < 1:
             raise ParallelLayoutError(f"parallel.{key}: must be >= 1, got {value}. "
                                       f"Set parallel.{key}=1 to disable this dimension.")
-    for key, what in (("pp", "pipeline"), ("ep", "expert")):
-        value = getattr(parallel_cfg, key)
-        if value > 1:
-            raise ParallelLayoutError(f"parallel.{key}: {what} parallelism ({key}={value}) is not "
-                                      f"supported yet. Set parallel.{key}=1.")
+    if parallel_cfg.ep > 1:
+        raise ParallelLayoutError(f"parallel.ep: expert parallelism (ep={parallel_cfg.ep}) is not "
+                                  "supported yet. Set parallel.ep=1.")
 
 
 def check_strategy_support(parallel_cfg) -> None:
@@ -118,6 +130,51 @@ def check_strategy_support(parallel_cfg) -> None:
             raise ParallelLayoutError(f"parallel.{key}: only implemented for "
                                       f"parallel.strategy=fsdp (got {strategy!r}). "
                                       f"Set parallel.strategy=fsdp or parallel.{key}=false.")
+
+
+def check_pipeline(parallel_cfg, model_cfg) -> None:
+    """Every stage holds at least one block, on a strategy and model the stages support.
+
+    Blocks split as evenly as layer counts allow (earlier stages take the
+    remainder), so ``n_layers`` need not divide by ``pp``.  MoE is refused: its
+    balance loss is summed per stage and would need a second loss path through
+    the schedule.  ZeRO owns the backward itself, which the pipeline schedule needs.
+    """
+    pp = parallel_cfg.pp
+    if pp == 1:
+        return
+    if parallel_cfg.strategy not in STRATEGIES_WITH_PP:
+        raise ParallelLayoutError(
+            f"parallel.pp: pipeline parallelism (pp={pp}) runs with parallel.strategy ddp or fsdp "
+            f"(got {parallel_cfg.strategy!r}). Set parallel.strategy=ddp or fsdp, or parallel.pp=1.")
+    if parallel_cfg.pp_schedule not in PP_SCHEDULES:
+        raise ParallelLayoutError(
+            f"parallel.pp_schedule: {parallel_cfg.pp_schedule!r} is not one of "
+            f"{', '.join(PP_SCHEDULES)}. Set parallel.pp_schedule to one of them.")
+    if model_cfg.n_layers < pp:
+        raise ParallelLayoutError(
+            f"parallel.pp: model.n_layers={model_cfg.n_layers} cannot fill pp={pp} stages; every "
+            f"stage needs at least one block. Choose pp <= {model_cfg.n_layers}.")
+    if model_cfg.moe.num_experts:
+        raise ParallelLayoutError(
+            f"parallel.pp: pipeline parallelism of mixture-of-experts models "
+            f"(model.moe.num_experts={model_cfg.moe.num_experts}) is not supported yet. "
+            "Set parallel.pp=1 or model.moe.num_experts=0.")
+
+
+def check_pipeline_microbatches(schedule: str, global_batch: int, micro: int,
+                                dims: "ParallelDims") -> None:
+    """1F1B starts ``pp`` forwards before the first backward, so it needs that many micro-batches."""
+    if dims.pp == 1 or schedule != "1f1b":
+        return
+    counts = microbatch_counts(global_batch, dims.dp_size, micro)
+    if min(counts) < dims.pp:
+        raise ParallelLayoutError(
+            f"data.global_batch_size: {global_batch} samples over {dims.dp_size} data-parallel "
+            f"ranks in micro-batches of {micro} give {min(counts)} micro-batches per step, fewer "
+            f"than the pp={dims.pp} stages parallel.pp_schedule=1f1b needs. Use a "
+            f"global_batch_size of at least {dims.dp_size * micro * dims.pp}, a smaller "
+            "micro_batch_size, or parallel.pp_schedule=gpipe.")
 
 
 def check_model_fits_tp(tp: int, model_cfg) -> None:
@@ -160,7 +217,9 @@ def check_batch_split(strategy: str, global_batch: int, micro: int, dims: Parall
 
     FSDP all-gathers parameters in every forward, so a rank with fewer
     micro-batches than its peers would leave them waiting; DDP only
-    communicates on the last micro-batch and tolerates uneven splits.
+    communicates on the last micro-batch and tolerates uneven splits.  A
+    pipeline's stages exchange activations per micro-batch, so ``pp > 1``
+    needs equal counts too (with DDP they are equal within a pipeline anyway).
     """
     world = world_size if world_size is not None else dims.world_size
     if global_batch < dims.dp_size:
@@ -169,11 +228,12 @@ def check_batch_split(strategy: str, global_batch: int, micro: int, dims: Parall
             f"{dims.dp_size} (world {world} / (tp {dims.tp} x pp {dims.pp})); every "
             "data-parallel rank needs at least one sample per step. Raise global_batch_size.")
     counts = microbatch_counts(global_batch, dims.dp_size, micro)
-    if strategy == "fsdp" and len(counts) > 1:
+    if (strategy == "fsdp" or dims.pp > 1) and len(counts) > 1:
         raise ParallelLayoutError(
             f"data.global_batch_size: {global_batch} samples over {dims.dp_size} data-parallel "
             f"ranks (world {world}) in micro-batches of {micro} give some ranks "
-            f"{min(counts)} and others {max(counts)} micro-batches; FSDP needs the same count on "
+            f"{min(counts)} and others {max(counts)} micro-batches; "
+            f"{'FSDP' if strategy == 'fsdp' else 'pipeline parallelism'} needs the same count on "
             f"every rank. Use a global_batch_size that is a multiple of "
             f"{dims.dp_size * micro} (data-parallel size x micro_batch_size).")
 
@@ -184,4 +244,6 @@ def dims_for_run(cfg, world_size: int) -> ParallelDims:
     dims = ParallelDims.build(cfg.parallel, cfg.model, world_size)
     check_batch_split(cfg.parallel.strategy, cfg.data.global_batch_size,
                       cfg.data.micro_batch_size, dims)
+    check_pipeline_microbatches(cfg.parallel.pp_schedule, cfg.data.global_batch_size,
+                                cfg.data.micro_batch_size, dims)
     return dims

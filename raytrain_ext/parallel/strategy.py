@@ -51,9 +51,15 @@ class DistContext:
 
     @property
     def counts_samples(self) -> bool:
-        """True on exactly one rank per data-parallel group (tp rank 0): it reports the
-        group's samples and loss, so the ledger counts every sample once."""
-        return self.dims.tp_rank(self.rank) == 0
+        """True on exactly one rank per data-parallel group (tp rank 0 of the first pipeline
+        stage): it reports the group's samples, so the ledger counts every sample once."""
+        return self.dims.tp_rank(self.rank) == 0 and self.dims.is_first_stage(self.rank)
+
+    @property
+    def counts_loss(self) -> bool:
+        """True on exactly one rank per data-parallel group (tp rank 0 of the last pipeline
+        stage, the only one that computes the loss): it reports the group's loss sum."""
+        return self.dims.tp_rank(self.rank) == 0 and self.dims.is_last_stage(self.rank)
 
 
 class Strategy(Protocol):
@@ -75,13 +81,49 @@ def build_strategy(parallel_cfg: Any) -> Strategy:
     from raytrain_ext.parallel.ddp import DDPStrategy
     from raytrain_ext.parallel.fsdp import FSDPStrategy
 
-    strategies = {"ddp": DDPStrategy, "fsdp": FSDPStrategy}
+    from raytrain_ext.parallel.zero import ZeroStrategy
+
+    strategies = {"ddp": DDPStrategy, "fsdp": FSDPStrategy, "zero": ZeroStrategy}
     name = parallel_cfg.strategy
     if name not in strategies:
         raise ValueError(f"parallel.strategy: unknown strategy {name!r}; choose one of "
                          f"{', '.join(strategies)}")
+    if parallel_cfg.pp > 1:  # pipeline stages, each data-parallel under the named strategy
+        from raytrain_ext.parallel.pp import PipelineStrategy
+
+        return PipelineStrategy(parallel_cfg, strategies[name](parallel_cfg))
     return strategies[name](parallel_cfg)
 
 
 def null_context() -> ContextManager:
     return contextlib.nullcontext()
+
+
+def _prepare(model: nn.Module, optimizer: torch.optim.Optimizer, cfg: Any) -> nn.Module:
+    return model
+
+
+def _backward(wrapped: nn.Module, loss: torch.Tensor) -> None:
+    loss.backward()
+
+
+def _step(wrapped: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    optimizer.step()
+
+
+def _zero_grad(wrapped: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    optimizer.zero_grad(set_to_none=True)
+
+
+# Optional Strategy methods and the default (DDP/FSDP) behaviour of each.  A strategy
+# that owns the optimizer step (DeepSpeed ZeRO) overrides them; ``state_dicts`` /
+# ``load_state_dicts`` replace ``get_state_dict`` / ``set_state_dict`` in checkpoints.
+# ``forward_backward(wrapped, batches, loss_scale, autocast) -> token-loss sum`` replaces
+# the loop's own micro-batch loop (a pipeline schedule runs all micro-batches at once).
+OPTIONAL_HOOKS = {"prepare": _prepare, "backward": _backward, "step": _step,
+                  "zero_grad": _zero_grad}
+
+
+def hook(strategy: Any, name: str):
+    """``strategy.<name>`` when the strategy defines it, else the default behaviour."""
+    return getattr(strategy, name, None) or OPTIONAL_HOOKS[name]

@@ -44,6 +44,7 @@ from raytrain_ext.ops.guards import (
     nonfinite_decision,
 )
 from raytrain_ext.parallel import DistContext, build_strategy, dims_for_run
+from raytrain_ext.parallel.strategy import hook
 from raytrain_ext.train.ledger import SampleLedger, params_sha256
 from raytrain_ext.train.optim import build_optimizer, build_scheduler
 
@@ -96,6 +97,7 @@ class TrainLoop:
         self.model = self.strategy.wrap(build_model(cfg.model, cfg.run.seed), self.ctx)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim)
+        self.model = hook(self.strategy, "prepare")(self.model, self.optimizer, cfg)
         self.ledger = SampleLedger()
         self.step = 0
         self.global_tokens = cfg.data.global_batch_size * cfg.model.seq_len
@@ -168,9 +170,9 @@ class TrainLoop:
         loss = exchanged.loss_sum / self.global_tokens
         decision = self._nonfinite_decision(step, loss, float(grad_norm), exchanged.consumed)
         if not skip_batch and decision.action == "ok":
-            self.optimizer.step()
+            hook(self.strategy, "step")(self.model, self.optimizer)
         self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        hook(self.strategy, "zero_grad")(self.model, self.optimizer)
         self.ledger.record(step, exchanged.consumed)
         self.step += 1
         if decision.action == "rollback" and self._rollback(step):
@@ -265,6 +267,12 @@ class TrainLoop:
         ctx, micro = self.ctx, self.cfg.data.micro_batch_size
         chunks = [local[i:i + micro] for i in range(0, len(local), micro)]
         scale = ctx.dp_size / self.global_tokens
+        own = getattr(self.strategy, "forward_backward", None)
+        if own is not None:  # a pipeline schedule: compute_s includes waiting for other stages
+            batches = [tuple(t.to(ctx.device) for t in self.dataset.batch(i)) for i in chunks]
+            loss_sum = own(self.model, batches, scale, self._autocast)
+            self._compute_s = time.perf_counter() - start
+            return loss_sum
         aux_weight = self.cfg.model.moe.aux_loss_weight
         loss_sum = torch.zeros((), device=ctx.device, dtype=torch.float64)
         for j, indices in enumerate(chunks):
@@ -283,7 +291,7 @@ class TrainLoop:
                 if sync:  # the gradient all-reduce: from here on this rank waits for its peers
                     self._compute_s = time.perf_counter() - start
                     self.mark("exchange")
-                loss.backward()
+                hook(self.strategy, "backward")(self.model, loss)
             loss_sum += token_loss.detach()
         return loss_sum
 
@@ -309,11 +317,11 @@ class TrainLoop:
         head = 1 + len(votes)
         payload = torch.full((head + self.max_local,), -1.0, dtype=torch.float64)
         payload[1:head] = torch.tensor(votes, dtype=torch.float64)
-        counts = self.ctx.counts_samples  # one rank per TP group reports its samples and loss
-        if counts:
+        # one rank per data-parallel group reports its samples, one (the last stage) its loss
+        if self.ctx.counts_samples:
             payload[head:head + len(local)] = torch.from_numpy(local.astype(np.float64))
         payload = payload.to(self.ctx.device)
-        payload[0] = loss_sum if counts else 0.0
+        payload[0] = loss_sum if self.ctx.counts_loss else 0.0
         gathered = torch.empty(self.ctx.world_size * payload.numel(), dtype=torch.float64,
                                device=self.ctx.device)
         _all_gather_flat(gathered, payload)

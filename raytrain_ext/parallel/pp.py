@@ -1,0 +1,255 @@
+"""Pipeline parallelism: the GPT's blocks split into stages along the ``pp`` mesh axis.
+
+Stage ``s`` of ``pp`` holds a contiguous run of blocks (earlier stages take the
+remainder of an uneven split); stage 0 also holds the embeddings, the last
+stage the final norm and ``lm_head``.  Every stage is built from the full,
+deterministically initialised GPT and keeps its modules under their original
+names (``blocks.5.attn.wq.weight``), so parameters, checkpoints and
+``params_sha256`` are those of a DDP run.
+
+Apply order (torchtitan's): split -> data parallelism per stage (FSDP2, with
+optional TP, on the stage's slice of the mesh; or DDP-style averaging of the
+stage's gradients over its ``dp_shard`` group) -> ``PipelineStage`` + schedule
+(GPipe or 1F1B) over the ``pp`` group.  The schedule runs the step's
+micro-batches itself; FSDP gradients are reduced after the last backward (the
+schedule drives FSDP's gradient sync), DDP-style ones by ``average_gradients``.
+
+Invariants the loop relies on:
+- the last stage's ``loss_fn`` returns ``token-loss sum x loss_scale`` (the
+  loop's normalisation) and the schedule does not rescale by the micro-batch
+  count (``scale_grads=False``), so gradients equal DDP's;
+- ``forward_backward`` returns the token-loss sum on the last stage and 0
+  elsewhere (``DistContext.counts_loss`` reports it);
+- gradient norms, full parameters and checkpoint param-group names are
+  assembled over the ``pp`` group, so every stage sees whole-model values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from raytrain_ext.parallel.fsdp import _group_by_mesh, global_grad_norm
+from raytrain_ext.parallel.strategy import DistContext
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+def stage_layers(n_layers: int, pp: int) -> List[range]:
+    """The global block indices of each stage: contiguous, sizes differ by at most one."""
+    base, extra = divmod(n_layers, pp)
+    bounds = [0]
+    for stage in range(pp):
+        bounds.append(bounds[-1] + base + (1 if stage < extra else 0))
+    return [range(bounds[s], bounds[s + 1]) for s in range(pp)]
+
+
+class StageBlocks(nn.Module):
+    """This stage's blocks, registered under their global layer index.
+
+    Iterates over the blocks in order, like the ``ModuleList`` it replaces, so
+    code that loops over ``model.blocks`` (FSDP, TP, activation checkpointing)
+    works on a stage unchanged, while names stay ``blocks.<global index>``.
+    """
+
+    def __init__(self, blocks: Dict[int, nn.Module]):
+        super().__init__()
+        for index, block in blocks.items():
+            self.add_module(str(index), block)
+
+    def __iter__(self):
+        return iter(self._modules.values())
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+
+class GPTStage(nn.Module):
+    """One pipeline stage of a ``GPT``; its modules are the GPT's own (shared, not copied)."""
+
+    def __init__(self, model: nn.Module, stage: int, num_stages: int):
+        super().__init__()
+        self.is_first, self.is_last = stage == 0, stage == num_stages - 1
+        if self.is_first:
+            self.tok_emb, self.pos_emb = model.tok_emb, model.pos_emb
+        layers = stage_layers(len(model.blocks), num_stages)[stage]
+        self.blocks = StageBlocks({i: model.blocks[i] for i in layers})
+        if self.is_last:
+            self.ln_f, self.lm_head = model.ln_f, model.lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Token ids -> activations (first stage), activations -> activations, or -> logits (last)."""
+        if self.is_first:
+            positions = torch.arange(x.shape[1], device=x.device)
+            x = self.tok_emb(x) + self.pos_emb(positions)
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x)) if self.is_last else x
+
+
+class TokenLossSum:
+    """The last stage's ``loss_fn``: ``token-loss sum x scale``, the loop's normalisation.
+
+    Returned in float64, so ``forward_backward`` recovers each micro-batch's
+    token-loss sum from the schedule's ``losses`` exactly (the schedule also
+    calls ``loss_fn`` once for shape inference, so its calls cannot be counted);
+    the gradient reaching the fp32 logits is the same fp32-rounded ``scale``
+    as in the loop's own path.
+    """
+
+    def __init__(self) -> None:
+        self.scale = 1.0
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        token_loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
+                                     reduction="sum")
+        return token_loss.double() * self.scale
+
+
+class PipelineStrategy:
+    """``parallel.pp > 1``: this rank's stage, data-parallel under ``inner`` (DDP or FSDP)."""
+
+    name = "pp"
+
+    def __init__(self, parallel_cfg, inner):
+        self.cfg = parallel_cfg
+        self.inner = inner
+        self.ctx: Optional[DistContext] = None
+        self.mesh = None  # the ("pp", "dp_replicate", "dp_shard", "tp") DeviceMesh
+        self.stage: Optional[PipelineStage] = None
+        self.loss_fn = TokenLossSum()
+        self._schedules: Dict[int, object] = {}
+
+    @property
+    def pp_group(self):
+        return self.mesh["pp"].get_group()
+
+    def wrap(self, model: nn.Module, ctx: DistContext) -> nn.Module:
+        self.ctx, dims = ctx, ctx.dims
+        stage = GPTStage(model, dims.pp_rank(ctx.rank), dims.pp).to(ctx.device)
+        if self.inner.name == "fsdp":
+            wrapped = self.inner.wrap(stage, ctx)  # builds the 4-D mesh, shards over dp
+            self.mesh = self.inner.mesh
+        else:  # DDP: gradients all-reduced after the schedule (see average_gradients)
+            self.mesh = dims.build_mesh(ctx.device.type)
+            wrapped = stage
+        self.stage = PipelineStage(wrapped, dims.pp_rank(ctx.rank), dims.pp, ctx.device,
+                                   group=self.pp_group)
+        return wrapped
+
+    def _schedule(self, n_microbatches: int):
+        if n_microbatches not in self._schedules:
+            schedule_cls = SCHEDULES[self.cfg.pp_schedule]
+            self._schedules[n_microbatches] = schedule_cls(
+                self.stage, n_microbatches, loss_fn=self.loss_fn, scale_grads=False)
+        return self._schedules[n_microbatches]
+
+    def forward_backward(self, wrapped: nn.Module, batches: Sequence[Tuple[torch.Tensor, torch.Tensor]],
+                         loss_scale: float, autocast: Callable[[], ContextManager]) -> torch.Tensor:
+        """Run this step's micro-batches through the schedule; the last stage's token-loss sum.
+
+        The first stage feeds the token ids, the last the targets; the
+        schedule splits both back into the same ``len(batches)`` micro-batches.
+        """
+        schedule = self._schedule(len(batches))
+        self.loss_fn.scale = loss_scale
+        dims, rank = self.ctx.dims, self.ctx.rank
+        losses: List[torch.Tensor] = []
+        with autocast():
+            if dims.is_first_stage(rank):
+                schedule.step(torch.cat([inputs for inputs, _ in batches]))
+            elif dims.is_last_stage(rank):
+                schedule.step(target=torch.cat([targets for _, targets in batches]),
+                              losses=losses, return_outputs=False)
+            else:
+                schedule.step()
+        if not isinstance(wrapped, FSDPModule) and self.ctx.dp_size > 1:
+            average_gradients(wrapped, self.mesh["dp_shard"].get_group())
+        if not losses:
+            return torch.zeros((), device=self.ctx.device, dtype=torch.float64)
+        return torch.stack([loss.detach() for loss in losses]).sum() / loss_scale
+
+    def accumulate(self, wrapped: nn.Module, sync: bool) -> ContextManager:
+        """Unused: the schedule decides when gradients are reduced (see ``forward_backward``)."""
+        return contextlib.nullcontext()
+
+    def clip_grad_norm(self, wrapped: nn.Module, max_norm: float) -> torch.Tensor:
+        """Clip by the whole model's norm: each stage's squared norm, summed over the pp group."""
+        params = [p for p in wrapped.parameters() if p.grad is not None]
+        if isinstance(wrapped, FSDPModule):
+            groups = _group_by_mesh(params)
+            stage_norm = global_grad_norm(groups)
+        else:
+            groups = [params]
+            stage_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        squares = stage_norm.detach().to(self.ctx.device, torch.float64) ** 2
+        dist.all_reduce(squares, group=self.pp_group)
+        total = squares.sqrt().to(torch.float32)
+        if max_norm > 0:
+            for group in groups:
+                torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+        return total
+
+    def unwrap(self, wrapped: nn.Module) -> nn.Module:
+        return wrapped
+
+    def full_parameters(self, wrapped: nn.Module) -> Dict[str, torch.Tensor]:
+        """Every stage's full parameters on every rank, canonical names, on CPU (a collective)."""
+        stage_params = (self.inner.full_parameters(wrapped) if isinstance(wrapped, FSDPModule)
+                        else dict(wrapped.named_parameters()))
+        own = {name: p.detach().cpu() for name, p in stage_params.items()}
+        stages: List[Dict[str, torch.Tensor]] = [None] * self.ctx.dims.pp  # type: ignore[list-item]
+        dist.all_gather_object(stages, own, group=self.pp_group)
+        return {name: p for stage in stages for name, p in stage.items()}
+
+    def state_dicts(self, wrapped: nn.Module, optimizer: torch.optim.Optimizer):
+        """This stage's FQN-keyed model/optimizer state, with whole-model param groups.
+
+        DCP stores non-tensor items (the param groups' name lists) once, as if
+        replicated, so every stage writes the same whole-model lists, which
+        are also what a DDP checkpoint holds; ``set_state_dict`` picks this
+        stage's names out of them on load.  ``whole_model_keys`` lets the
+        restore check tell other stages' keys from a different model.
+        """
+        model_sd, optim_sd = get_state_dict(wrapped, optimizer)
+        own = ([list(group["params"]) for group in optim_sd["param_groups"]], list(model_sd))
+        stages: List[tuple] = [None] * self.ctx.dims.pp  # type: ignore[list-item]
+        dist.all_gather_object(stages, own, group=self.pp_group)
+        for index, group in enumerate(optim_sd["param_groups"]):
+            group["params"] = [name for groups, _ in stages for name in groups[index]]
+        stage_sd = StageStateDict(model_sd)
+        stage_sd.whole_model_keys = {key for _, keys in stages for key in keys}
+        return stage_sd, optim_sd
+
+
+def average_gradients(stage: nn.Module, dp_group) -> None:
+    """DDP's gradient averaging over the stage's data-parallel group, in one flat all-reduce.
+
+    ``DistributedDataParallel`` itself cannot wrap a stage here: the schedule's
+    per-micro-batch backwards double its bucket-rebuild bookkeeping on the
+    first step (torch 2.13: "rebuilt parameter indices size is not same as
+    original model parameters size").  One all-reduce after the last backward
+    is what DDP's ``no_sync`` accumulation does, minus the overlap.
+    """
+    grads = [p.grad for p in stage.parameters() if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=dp_group)
+    flat /= dist.get_world_size(dp_group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+class StageStateDict(dict):
+    """A stage's model state dict that also knows every stage's keys (``whole_model_keys``)."""
+
+    whole_model_keys: set = set()
