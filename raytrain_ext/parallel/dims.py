@@ -1,4 +1,4 @@
-"""How the world is split into pipeline, data-parallel and tensor-parallel groups (and later expert).
+"""How the world splits into pipeline, data-parallel and tensor-parallel groups (later: expert).
 
 A ``ParallelDims`` (torchtitan style) is pure arithmetic, checked once on the
 driver for every world size the run may take and again in each worker for the
@@ -49,7 +49,7 @@ class ParallelDims:
         return (rank // self.tp) % self.dp_size
 
     def pp_rank(self, rank: int) -> int:
-        """The pipeline stage this rank runs (stage 0 embeds, stage ``pp - 1`` computes the loss)."""
+        """This rank's pipeline stage (stage 0 embeds, stage ``pp - 1`` computes the loss)."""
         return rank // (self.dp_size * self.tp)
 
     def is_first_stage(self, rank: int) -> bool:
@@ -146,7 +146,8 @@ def check_pipeline(parallel_cfg, model_cfg) -> None:
     if parallel_cfg.strategy not in STRATEGIES_WITH_PP:
         raise ParallelLayoutError(
             f"parallel.pp: pipeline parallelism (pp={pp}) runs with parallel.strategy ddp or fsdp "
-            f"(got {parallel_cfg.strategy!r}). Set parallel.strategy=ddp or fsdp, or parallel.pp=1.")
+            f"(got {parallel_cfg.strategy!r}). Set parallel.strategy=ddp or fsdp, "
+            "or parallel.pp=1.")
     if parallel_cfg.pp_schedule not in PP_SCHEDULES:
         raise ParallelLayoutError(
             f"parallel.pp_schedule: {parallel_cfg.pp_schedule!r} is not one of "
@@ -164,7 +165,7 @@ def check_pipeline(parallel_cfg, model_cfg) -> None:
 
 def check_pipeline_microbatches(schedule: str, global_batch: int, micro: int,
                                 dims: "ParallelDims") -> None:
-    """1F1B starts ``pp`` forwards before the first backward, so it needs that many micro-batches."""
+    """1F1B starts ``pp`` forwards before the first backward: it needs that many micro-batches."""
     if dims.pp == 1 or schedule != "1f1b":
         return
     counts = microbatch_counts(global_batch, dims.dp_size, micro)

@@ -86,7 +86,7 @@ class GPTStage(nn.Module):
             self.ln_f, self.lm_head = model.ln_f, model.lm_head
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Token ids -> activations (first stage), activations -> activations, or -> logits (last)."""
+        """Token ids -> activations on the first stage, activations -> logits on the last."""
         if self.is_first:
             positions = torch.arange(x.shape[1], device=x.device)
             x = self.tok_emb(x) + self.pos_emb(positions)
@@ -152,8 +152,9 @@ class PipelineStrategy:
                 self.stage, n_microbatches, loss_fn=self.loss_fn, scale_grads=False)
         return self._schedules[n_microbatches]
 
-    def forward_backward(self, wrapped: nn.Module, batches: Sequence[Tuple[torch.Tensor, torch.Tensor]],
-                         loss_scale: float, autocast: Callable[[], ContextManager]) -> torch.Tensor:
+    def forward_backward(self, wrapped: nn.Module,
+                         batches: Sequence[Tuple[torch.Tensor, torch.Tensor]], loss_scale: float,
+                         autocast: Callable[[], ContextManager]) -> torch.Tensor:
         """Run this step's micro-batches through the schedule; the last stage's token-loss sum.
 
         The first stage feeds the token ids, the last the targets; the
