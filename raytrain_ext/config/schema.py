@@ -122,7 +122,8 @@ class ParallelConfig:
     (HSDP: replicate across groups, shard within) and the memory/speed options
     need ``strategy: fsdp``.  ``pp > 1`` splits the blocks into pipeline stages
     (``strategy: ddp`` or ``fsdp`` over each stage's data-parallel group).
-    ``ep`` is reserved and must be 1.
+    ``ep > 1`` shards the experts of an MoE model over groups of ``ep``
+    consecutive DDP ranks (tokens exchanged all-to-all; ``strategy: ddp`` only).
     """
 
     strategy: str = "ddp"  # ddp | fsdp (FSDP2)
@@ -133,7 +134,7 @@ class ParallelConfig:
     dp_replicate: int = 1  # HSDP replica groups; dp_shard = world / (dp_replicate x tp x pp)
     pp: int = 1  # pipeline stages (blocks split by layer count; strategy ddp or fsdp)
     pp_schedule: str = "1f1b"  # gpipe | 1f1b (micro-batches: data.micro_batch_size each)
-    ep: int = 1  # expert-parallel degree (not supported yet)
+    ep: int = 1  # expert-parallel degree: MoE experts sharded over ep DDP ranks
     activation_checkpointing: bool = False  # recompute each block's activations in backward
     cpu_offload: bool = False  # FSDP CPUOffloadPolicy: sharded params/grads/optimizer on host
     compile: bool = False  # torch.compile each transformer block

@@ -15,7 +15,8 @@ from omegaconf import DictConfig
 
 from raytrain_ext.config.loader import ConfigError
 from raytrain_ext.parallel.dims import (ParallelDims, ParallelLayoutError, check_batch_split,
-                                        check_degrees, check_model_fits_tp,
+                                        check_degrees, check_expert_parallel,
+                                        check_model_fits_tp,
                                         check_pipeline_microbatches, check_strategy_support)
 
 CHOICES = {
@@ -165,6 +166,7 @@ def _check_parallel(cfg: DictConfig) -> None:
     p, s = cfg.parallel, cfg.scaling
     try:
         check_degrees(p)
+        check_expert_parallel(p, cfg.model)
         check_strategy_support(p)
         check_model_fits_tp(p.tp, cfg.model)
         if p.cpu_offload and not s.use_gpu:
@@ -183,6 +185,12 @@ def _check_parallel(cfg: DictConfig) -> None:
                 "elastic controller may resize to any size in that range. Set min_workers = "
                 f"max_workers (a multiple of {group}), or parallel.tp=1, parallel.pp=1 and "
                 "parallel.dp_replicate=1 for elastic resizing.")
+        if p.ep > 1 and s.min_workers != s.max_workers:
+            raise ConfigError(
+                f"parallel.ep: expert parallelism (ep={p.ep}) shards experts over fixed groups of "
+                f"ranks; scaling.min_workers..max_workers = {s.min_workers}..{s.max_workers} would "
+                "let the elastic controller resize the world. Set min_workers = max_workers "
+                "(= num_workers), or parallel.ep=1 for elastic resizing.")
         for world in sizes:
             ParallelDims.build(p, cfg.model, world)
     except ParallelLayoutError as e:

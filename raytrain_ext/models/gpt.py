@@ -104,6 +104,15 @@ class GPT(nn.Module):
         losses = [b.ffn.aux_loss for b in self.blocks if isinstance(b.ffn, MoEFeedForward)]
         return torch.stack(losses).sum() if losses else None
 
+    def expert_load(self) -> Optional[torch.Tensor]:
+        """Tokens each expert kept in the last forward, summed over MoE layers (None when dense).
+
+        Counts this rank's tokens for all experts, local or not (routing runs
+        where the tokens are), so a sum over ranks is the global load.
+        """
+        loads = [b.ffn.expert_load for b in self.blocks if isinstance(b.ffn, MoEFeedForward)]
+        return torch.stack(loads).sum(dim=0) if loads else None
+
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 

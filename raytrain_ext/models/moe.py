@@ -1,20 +1,42 @@
 """Mixture-of-experts feed-forward with top-k routing and a capacity limit.
 
-Expert weights are stacked into ``w_up [E, d, h]`` and ``w_down [E, h, d]`` so
-that expert parallelism can shard dim 0 across an ``ep`` mesh axis.  Tokens
-routed beyond an expert's capacity are dropped (the residual path carries
-them).  ``aux_loss`` is the Switch-Transformer load-balancing loss
-``E * sum_e f_e * P_e`` and ``expert_load`` counts the tokens each expert kept,
+Each expert is its own module under ``experts[str(global_index)]``, so a
+parameter's name (``blocks.0.ffn.experts.3.w_up``) is the same whichever rank
+holds it: expert parallelism (:mod:`raytrain_ext.parallel.ep`) keeps only a
+rank's own experts and DCP reshards checkpoints by those global names.
+Tokens routed beyond an expert's capacity are dropped (the residual path
+carries them).  ``aux_loss`` is the Switch-Transformer load-balancing loss
+``E * sum_e f_e * P_e``; ``expert_load`` counts the tokens each expert kept,
 so routing imbalance is visible.
+
+Invariant: routing, capacity and the gate-weighted combine run on the rank
+that owns the tokens, in (token, choice) order, whatever ``dispatch`` does;
+so sharding the experts changes only where expert matmuls run, not the result.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+# (moe, pair_inputs [P, d], pair_experts [P]) -> pair_outputs [P, d]
+Dispatch = Callable[["MoEFeedForward", torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class Expert(nn.Module):
+    """One expert's two-layer GELU MLP."""
+
+    def __init__(self, d_model: int, hidden: int):
+        super().__init__()
+        self.w_up = nn.Parameter(torch.empty(d_model, hidden))
+        self.w_down = nn.Parameter(torch.empty(hidden, d_model))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(x @ self.w_up) @ self.w_down
 
 
 class MoEFeedForward(nn.Module):
@@ -25,8 +47,8 @@ class MoEFeedForward(nn.Module):
         self.top_k = top_k
         self.capacity_factor = capacity_factor
         self.router = nn.Linear(d_model, num_experts, bias=False)
-        self.w_up = nn.Parameter(torch.empty(num_experts, d_model, hidden))
-        self.w_down = nn.Parameter(torch.empty(num_experts, hidden, d_model))
+        self.experts = nn.ModuleDict({str(e): Expert(d_model, hidden) for e in range(num_experts)})
+        self.dispatch: Optional[Dispatch] = None  # None: every expert is local
         self.aux_loss = torch.zeros(())
         self.expert_load = torch.zeros(num_experts, dtype=torch.long)  # not a buffer: rank-local
 
@@ -44,18 +66,27 @@ class MoEFeedForward(nn.Module):
         assignment = experts.reshape(-1)  # token-major: token t's choices at t*k .. t*k+k-1
         one_hot = F.one_hot(assignment, self.num_experts)
         slot = (one_hot.cumsum(0) - 1).gather(1, assignment[:, None]).squeeze(1)
-        kept = slot < self.capacity(flat.shape[0])
-        gate = weights.reshape(-1)
-        out = torch.zeros_like(flat)
-        for e in range(self.num_experts):
-            chosen = torch.nonzero((assignment == e) & kept).squeeze(1)
-            if chosen.numel() == 0:
-                continue
-            tokens = chosen // self.top_k
-            hidden = F.gelu(flat[tokens] @ self.w_up[e]) @ self.w_down[e]
-            out.index_add_(0, tokens, hidden * gate[chosen, None].to(hidden.dtype))
-        self.expert_load = torch.bincount(assignment[kept], minlength=self.num_experts).detach()
+        kept = torch.nonzero(slot < self.capacity(flat.shape[0])).squeeze(1)
+        tokens, pair_experts = kept // self.top_k, assignment[kept]
+        run = self.dispatch or MoEFeedForward.run_experts
+        hidden = run(self, flat[tokens], pair_experts)
+        gate = weights.reshape(-1)[kept, None].to(hidden.dtype)
+        out = torch.zeros_like(flat).index_add(0, tokens, hidden * gate)
+        self.expert_load = torch.bincount(pair_experts, minlength=self.num_experts).detach()
         return out.view(shape)
+
+    def run_experts(self, inputs: torch.Tensor, pair_experts: torch.Tensor) -> torch.Tensor:
+        """Apply this module's (local) experts to the rows routed to them.
+
+        Every local expert runs, on zero rows if need be, so each expert
+        parameter gets a gradient every step (DDP requires that of the
+        parameters it reduces; expert parallelism reduces expert grads itself).
+        """
+        out = torch.zeros_like(inputs)
+        for key, expert in self.experts.items():
+            rows = torch.nonzero(pair_experts == int(key)).squeeze(1)
+            out = out.index_add(0, rows, expert(inputs[rows]))
+        return out
 
     def _balance_loss(self, probs: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         routed = F.one_hot(experts, self.num_experts).sum(dim=1).float()

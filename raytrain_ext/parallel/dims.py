@@ -1,4 +1,4 @@
-"""How the world splits into pipeline, data-parallel and tensor-parallel groups (later: expert).
+"""How the world splits into pipeline, data-parallel and tensor-parallel groups (and experts).
 
 A ``ParallelDims`` (torchtitan style) is pure arithmetic, checked once on the
 driver for every world size the run may take and again in each worker for the
@@ -80,6 +80,7 @@ class ParallelDims:
     def build(cls, parallel_cfg, model_cfg, world_size: int) -> "ParallelDims":
         """Validate ``parallel.*`` against ``model.*`` and ``world_size``; derive ``dp_shard``."""
         check_degrees(parallel_cfg)
+        check_expert_parallel(parallel_cfg, model_cfg)
         check_strategy_support(parallel_cfg)
         check_model_fits_tp(parallel_cfg.tp, model_cfg)
         check_pipeline(parallel_cfg, model_cfg)
@@ -92,8 +93,14 @@ class ParallelDims:
                 f"{world_size / fixed:g} x tp {parallel_cfg.tp} x pp {parallel_cfg.pp}?). "
                 f"Choose degrees whose product divides {world_size} "
                 f"(divisors: {', '.join(map(str, divisors(world_size)))}).")
-        return cls(dp_replicate=parallel_cfg.dp_replicate, dp_shard=world_size // fixed,
+        dims = cls(dp_replicate=parallel_cfg.dp_replicate, dp_shard=world_size // fixed,
                    tp=parallel_cfg.tp, pp=parallel_cfg.pp, ep=parallel_cfg.ep)
+        if dims.dp_size % dims.ep:
+            raise ParallelLayoutError(
+                f"parallel.ep: ep={dims.ep} does not divide the data-parallel size {dims.dp_size} "
+                f"(world size {world_size}); experts are sharded over groups of ep consecutive "
+                f"data-parallel ranks. Choose ep among {', '.join(map(str, divisors(dims.dp_size)))}.")
+        return dims
 
 
 def divisors(n: int) -> List[int]:
@@ -106,9 +113,36 @@ def check_degrees(parallel_cfg) -> None:
         if value < 1:
             raise ParallelLayoutError(f"parallel.{key}: must be >= 1, got {value}. "
                                       f"Set parallel.{key}=1 to disable this dimension.")
-    if parallel_cfg.ep > 1:
-        raise ParallelLayoutError(f"parallel.ep: expert parallelism (ep={parallel_cfg.ep}) is not "
-                                  "supported yet. Set parallel.ep=1.")
+
+
+def check_expert_parallel(parallel_cfg, model_cfg) -> None:
+    """``ep > 1`` shards the experts of an MoE model over DDP ranks (:mod:`raytrain_ext.parallel.ep`).
+
+    Only plain DDP: FSDP/ZeRO would shard the expert parameters a second time,
+    and TP/PP of MoE layers are not implemented.  Every rank must hold whole,
+    equally many experts.
+    """
+    ep = parallel_cfg.ep
+    if ep == 1:
+        return
+    unsupported = [f"parallel.strategy={parallel_cfg.strategy}"] if parallel_cfg.strategy != "ddp" else []
+    unsupported += [f"parallel.{key}={getattr(parallel_cfg, key)}" for key in ("tp", "pp", "dp_replicate")
+                    if getattr(parallel_cfg, key) > 1]
+    if unsupported:
+        raise ParallelLayoutError(
+            f"parallel.ep: expert parallelism (ep={ep}) is not supported yet with "
+            f"{', '.join(unsupported)}; it runs with parallel.strategy=ddp and tp = pp = "
+            "dp_replicate = 1. Change those keys, or set parallel.ep=1.")
+    experts = model_cfg.moe.num_experts
+    if not experts:
+        raise ParallelLayoutError(
+            f"parallel.ep: expert parallelism (ep={ep}) needs a mixture-of-experts model, but "
+            "model.moe.num_experts=0. Set model.moe.num_experts (a multiple of ep) or parallel.ep=1.")
+    if experts % ep:
+        raise ParallelLayoutError(
+            f"parallel.ep: model.moe.num_experts={experts} is not divisible by ep={ep} "
+            f"({experts} / {ep} = {experts / ep:g} experts per rank); every rank holds the same "
+            f"number of whole experts. Choose ep among {', '.join(map(str, divisors(experts)))}.")
 
 
 def check_strategy_support(parallel_cfg) -> None:
@@ -220,7 +254,8 @@ def check_batch_split(strategy: str, global_batch: int, micro: int, dims: Parall
     micro-batches than its peers would leave them waiting; DDP only
     communicates on the last micro-batch and tolerates uneven splits.  A
     pipeline's stages exchange activations per micro-batch, so ``pp > 1``
-    needs equal counts too (with DDP they are equal within a pipeline anyway).
+    needs equal counts too (with DDP they are equal within a pipeline anyway), and
+    so does ``ep > 1``: every forward exchanges tokens all-to-all within the EP group.
     """
     world = world_size if world_size is not None else dims.world_size
     if global_batch < dims.dp_size:
@@ -229,14 +264,21 @@ def check_batch_split(strategy: str, global_batch: int, micro: int, dims: Parall
             f"{dims.dp_size} (world {world} / (tp {dims.tp} x pp {dims.pp})); every "
             "data-parallel rank needs at least one sample per step. Raise global_batch_size.")
     counts = microbatch_counts(global_batch, dims.dp_size, micro)
-    if (strategy == "fsdp" or dims.pp > 1) and len(counts) > 1:
+    if (strategy == "fsdp" or dims.pp > 1 or dims.ep > 1) and len(counts) > 1:
         raise ParallelLayoutError(
             f"data.global_batch_size: {global_batch} samples over {dims.dp_size} data-parallel "
             f"ranks (world {world}) in micro-batches of {micro} give some ranks "
             f"{min(counts)} and others {max(counts)} micro-batches; "
-            f"{'FSDP' if strategy == 'fsdp' else 'pipeline parallelism'} needs the same count on "
+            f"{_lockstep_reason(strategy, dims)} needs the same count on "
             f"every rank. Use a global_batch_size that is a multiple of "
             f"{dims.dp_size * micro} (data-parallel size x micro_batch_size).")
+
+
+def _lockstep_reason(strategy: str, dims: ParallelDims) -> str:
+    """What makes every data-parallel rank run the same number of forwards."""
+    if strategy == "fsdp":
+        return "FSDP"
+    return "pipeline parallelism" if dims.pp > 1 else "expert parallelism (all-to-all per forward)"
 
 
 def dims_for_run(cfg, world_size: int) -> ParallelDims:

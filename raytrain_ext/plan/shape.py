@@ -100,7 +100,8 @@ def count_params(shape: ModelShape) -> ParamCounts:
     if shape.total_params_override is not None:
         scale = shape.total_params_override / total
         total, expert = shape.total_params_override, round(expert * scale)
-    largest_module = max(shape.vocab_size * d, shape.seq_len * d, d * hidden, ffn_expert)
+    one_expert = 2 * d * hidden if shape.is_moe else 0  # each expert is its own module
+    largest_module = max(shape.vocab_size * d, shape.seq_len * d, d * hidden, one_expert)
     return ParamCounts(total=total, expert=expert, largest_module=largest_module,
                        largest_fsdp_unit=max(block, root))
 

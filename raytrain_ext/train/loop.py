@@ -110,6 +110,7 @@ class TrainLoop:
         self.skip_steps: set = set()  # steps whose batch is consumed without an update
         self.nonfinite_steps = 0
         self._compute_s = 0.0
+        self._expert_tokens: Optional[torch.Tensor] = None  # MoE: this step's kept tokens per expert
         self._rollback_note: Optional[Dict[str, int]] = None
         self.stragglers = StragglerDetector(cfg.guards.straggler_factor, cfg.guards.straggler_window)
         self.profiler = StepProfiler(cfg.profile, rank, device)
@@ -192,7 +193,7 @@ class TrainLoop:
                   "peak_memory_gb": peak_memory_bytes(ctx.device) / 2**30,
                   "mfu": mfu(self.global_tokens / step_time, self.flops_per_token,
                              self.peak_flops, ctx.world_size),
-                  **self._straggler_fields(exchanged.compute_s)}
+                  **self._straggler_fields(exchanged.compute_s), **self._expert_load_field()}
         if skip_batch or decision.action != "ok":
             record["skipped"] = True
         if self._rollback_note is not None:
@@ -247,6 +248,28 @@ class TrainLoop:
             return {}
         return {"rank_compute_s": [round(s, 6) for s in compute_s], "stragglers": flagged}
 
+    def _count_expert_load(self) -> None:
+        load = self.strategy.unwrap(self.model).expert_load()
+        self._expert_tokens = load if self._expert_tokens is None else self._expert_tokens + load
+
+    def _expert_load_field(self) -> Dict[str, Any]:
+        """MoE: each expert's share of the step's kept tokens (all ranks, all layers), on rank 0.
+
+        Routing runs where the tokens are, so every rank counts all experts and
+        one small all-reduce (on every rank of an MoE run) gives the global load.
+        """
+        if not self.cfg.model.moe.num_experts:
+            return {}
+        counts = torch.zeros(self.cfg.model.moe.num_experts, dtype=torch.int64, device=self.ctx.device)
+        if self._expert_tokens is not None:
+            counts += self._expert_tokens.to(self.ctx.device)
+        self._expert_tokens = None
+        dist.all_reduce(counts)
+        total = int(counts.sum())
+        if self.ctx.rank != 0 or total == 0:
+            return {}
+        return {"expert_load": [round(c / total, 6) for c in counts.tolist()]}
+
     def _maybe_inject_fault(self) -> None:
         """``chaos.kill_rank`` dies as on a crash, ``chaos.hang_rank`` stops forever."""
         chaos = self.cfg.chaos
@@ -274,6 +297,7 @@ class TrainLoop:
             self._compute_s = time.perf_counter() - start
             return loss_sum
         aux_weight = self.cfg.model.moe.aux_loss_weight
+        self._expert_tokens = None  # a rolled-back step's counts do not carry over
         loss_sum = torch.zeros((), device=ctx.device, dtype=torch.float64)
         for j, indices in enumerate(chunks):
             inputs, targets = (t.to(ctx.device, non_blocking=True) for t in self.dataset.batch(indices))
@@ -287,6 +311,7 @@ class TrainLoop:
                 aux = self.strategy.unwrap(self.model).aux_loss()
                 if aux is not None:
                     loss = loss + aux_weight * aux * (targets.numel() * scale)
+                    self._count_expert_load()
                 loss = self._chaos_on_loss(loss)
                 if sync:  # the gradient all-reduce: from here on this rank waits for its peers
                     self._compute_s = time.perf_counter() - start

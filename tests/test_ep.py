@@ -1,0 +1,126 @@
+"""Expert parallelism (``parallel.ep``): layout checks, and ep=2 against DDP of the same MoE.
+
+Tolerance: ep=2 computes exactly what DDP computes on the unsharded model
+(routing, capacity and the combine stay on the token's rank); only float32
+summation order differs (expert matmuls over rows from both ranks, expert
+grads summed by an all-reduce of partial sums instead of inside one backward,
+the clip norm from per-rank partial squares).  As in test_training_math.py,
+that is ~1e-7 relative per step, and AdamW moves a parameter by at most ~lr =
+3e-3 per step, so ``ATOL = 1e-5`` after 8 steps is 300x tighter than one update.
+"""
+
+import pytest
+
+from raytrain_ext.config import ConfigError, load_config
+from raytrain_ext.config.validate import validate
+from raytrain_ext.parallel.dims import ParallelDims, ParallelLayoutError, check_batch_split
+from raytrain_ext.parallel.ep import group_ranks, owned_experts
+from tests.dist_helpers import train_processes
+
+MOE = ["run.max_steps=8", "data.global_batch_size=12", "data.micro_batch_size=2",
+       "model.moe.num_experts=4", "model.moe.top_k=2"]
+ATOL = 1e-5
+LOSS_ATOL = 1e-5
+
+
+def max_param_diff(a, b):
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def test_groups_are_consecutive_blocks_and_strided_replicas():
+    assert group_ranks(4, 2) == ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
+    assert group_ranks(2, 2) == ([[0, 1]], [[0], [1]])
+    assert list(owned_experts(8, 4, 3)) == [6, 7]
+
+
+def test_dims_accept_ep_dividing_experts_and_dp():
+    cfg = load_config(None, ["scaling.num_workers=4", "parallel.ep=2", *MOE[3:]])
+    dims = ParallelDims.build(cfg.parallel, cfg.model, 4)
+    assert (dims.ep, dims.dp_size) == (2, 4)
+    with pytest.raises(ParallelLayoutError, match=r"parallel\.ep: ep=2 does not divide the "
+                                                  r"data-parallel size 3 \(world size 3\)"):
+        ParallelDims.build(cfg.parallel, cfg.model, 3)
+
+
+def test_ranks_need_equal_microbatch_counts_under_ep():
+    """Each forward is an all-to-all, so no rank may run one micro-batch more than its peers."""
+    dims = ParallelDims(dp_replicate=1, dp_shard=2, tp=1, ep=2)
+    check_batch_split("ddp", 8, 2, dims)
+    with pytest.raises(ParallelLayoutError, match=r"data\.global_batch_size: 5 samples over 2 "
+                       r"data-parallel ranks .* give some ranks 1 and others 2 micro-batches; "
+                       r"expert parallelism \(all-to-all per forward\) needs the same count"):
+        check_batch_split("ddp", 5, 2, dims)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["parallel.ep=3", "scaling.num_workers=3", "data.global_batch_size=6"],
+     r"parallel\.ep: model\.moe\.num_experts=4 is not divisible by ep=3 .* Choose ep among 1, 2, 4"),
+    (["parallel.ep=4", "scaling.num_workers=2"],
+     r"parallel\.ep: ep=4 does not divide the data-parallel size 2 \(world size 2\)"),
+    (["parallel.ep=2", "parallel.strategy=fsdp"],
+     r"parallel\.ep: expert parallelism \(ep=2\) is not supported yet with parallel\.strategy=fsdp"),
+    (["parallel.ep=2", "parallel.strategy=zero"],
+     r"parallel\.ep: expert parallelism \(ep=2\) is not supported yet with parallel\.strategy=zero"),
+    (["parallel.ep=2", "scaling.num_workers=4", "parallel.pp=2"],
+     r"parallel\.ep: .* not supported yet with parallel\.pp=2"),
+    (["parallel.ep=2", "scaling.num_workers=4", "parallel.strategy=fsdp", "parallel.tp=2"],
+     r"parallel\.ep: .* not supported yet with parallel\.strategy=fsdp, parallel\.tp=2"),
+    (["parallel.ep=2", "model.moe.num_experts=0"],
+     r"parallel\.ep: expert parallelism \(ep=2\) needs a mixture-of-experts model"),
+    (["parallel.ep=2", "scaling.min_workers=2", "scaling.max_workers=4"],
+     r"parallel\.ep: .* scaling\.min_workers\.\.max_workers = 2\.\.4 .* Set min_workers = "
+     r"max_workers"),
+])
+def test_invalid_expert_layouts_name_the_key(overrides, message):
+    base = ["scaling.num_workers=2", "data.micro_batch_size=2", *MOE[3:]]
+    with pytest.raises(ConfigError, match=message):
+        validate(load_config(None, base + overrides))
+
+
+@pytest.fixture(scope="module")
+def ddp_and_ep(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ep")
+    return (train_processes(2, MOE, root / "ddp"),
+            train_processes(2, MOE + ["parallel.ep=2"], root / "ep"))
+
+
+@pytest.mark.slow
+def test_ep2_matches_ddp_of_the_same_moe(ddp_and_ep):
+    ddp, ep = ddp_and_ep
+    assert any(".experts.3.w_up" in k for k in ep[0]["params"])  # gathered from rank 1
+    assert max_param_diff(ddp[0]["params"], ep[0]["params"]) < ATOL
+    assert ep[0]["result"]["params_sha256"] == ep[1]["result"]["params_sha256"]
+    assert ep[0]["result"]["samples_digest"] == ddp[0]["result"]["samples_digest"]
+    for a, b in zip(ddp[0]["records"], ep[0]["records"]):
+        assert abs(a["loss"] - b["loss"]) < LOSS_ATOL
+        assert abs(a["grad_norm"] - b["grad_norm"]) < 1e-4 * max(1.0, a["grad_norm"])
+        assert a["expert_load"] == pytest.approx(b["expert_load"], abs=1e-6)
+    assert ep[0]["result"]["final_loss"] < 4.5
+
+
+@pytest.mark.slow
+def test_expert_load_is_reported_per_step_on_rank_zero(ddp_and_ep):
+    _, ep = ddp_and_ep
+    loads = [r["expert_load"] for r in ep[0]["records"]]
+    assert len(loads) == 8 and all(len(load) == 4 for load in loads)
+    assert all(sum(load) == pytest.approx(1.0, abs=1e-5) for load in loads)
+    assert all(min(load) > 0 for load in loads)
+    assert all("expert_load" not in r for r in ep[1]["records"])
+
+
+@pytest.mark.slow
+def test_ep2_checkpoint_resumes_on_one_ddp_rank(ddp_and_ep, tmp_path):
+    """Steps 1-4 on 2 ranks with ep=2, then 5-8 on 1 rank (plain DDP) from its checkpoint."""
+    _, ep = ddp_and_ep
+    ckpt = ["checkpoint.enabled=true", "checkpoint.every_steps=4",
+            f"checkpoint.dir={tmp_path / 'ckpt'}"]
+    first = train_processes(2, [*MOE, "run.max_steps=4", "parallel.ep=2", *ckpt], tmp_path / "a")
+    assert first[0]["result"]["steps"] == 4
+    resumed = train_processes(1, [*MOE, *ckpt], tmp_path / "b")
+    assert resumed[0]["result"]["restored"]["step"] == 4
+    continued = [r["loss"] for r in resumed[0]["records"]]
+    reference = [r["loss"] for r in ep[0]["records"][4:]]
+    assert continued == pytest.approx(reference, abs=LOSS_ATOL)
+    assert max_param_diff(resumed[0]["params"], ep[0]["params"]) < ATOL
+    assert resumed[0]["result"]["samples_digest"] == ep[0]["result"]["samples_digest"]
