@@ -3,7 +3,7 @@
 Every layout trains the same GPT with the same global batch through the real entrypoint
 (`jobs/train.py`, one subprocess each, run one after the other), and the table shows the
 median step time (warm-up steps dropped), tokens/s, rank 0's peak memory (the process's
-peak resident set on CPU, peak CUDA allocation on GPU) and the ratio of each to DDP. A
+peak resident set on CPU, peak CUDA allocation on GPU) and the ratio of each to DDP (the MoE rows change the model: compare them with each other). A
 layout the framework refuses (not supported yet, or impossible here) is listed with the
 config error instead of a number.
 
@@ -29,6 +29,9 @@ LAYOUTS = {  # name -> overrides; world size comes from --workers
     "zero-2": ["parallel.strategy=zero", "parallel.zero.stage=2"],
     "zero-3": ["parallel.strategy=zero", "parallel.zero.stage=3"],
     "pp=2 1f1b": ["parallel.pp=2", "parallel.pp_schedule=1f1b"],
+    "pp=2 gpipe": ["parallel.pp=2", "parallel.pp_schedule=gpipe"],
+    "moe ddp": ["model.moe.num_experts=4", "model.moe.top_k=2"],
+    "moe ep=2": ["model.moe.num_experts=4", "model.moe.top_k=2", "parallel.ep=2"],
 }
 
 
