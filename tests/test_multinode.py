@@ -6,7 +6,6 @@ import threading
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 import ray
 from ray.core.generated import autoscaler_pb2
