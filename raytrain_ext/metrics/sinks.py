@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Protocol, TextIO
 
-SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "step_time_s", "compute_s",
+SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "step_time_s", "compute_s", "wait_s",
            "ckpt_stall_s", "peak_memory_gb", "world_size", "recoveries")
 
 

@@ -110,9 +110,10 @@ class TrainLoop:
         self.skip_steps: set = set()  # steps whose batch is consumed without an update
         self.nonfinite_steps = 0
         self._compute_s = 0.0
-        self._expert_tokens: Optional[torch.Tensor] = None  # MoE: this step's kept tokens per expert
+        self._expert_tokens: Optional[torch.Tensor] = None  # MoE: kept tokens per expert
         self._rollback_note: Optional[Dict[str, int]] = None
-        self.stragglers = StragglerDetector(cfg.guards.straggler_factor, cfg.guards.straggler_window)
+        self.stragglers = StragglerDetector(cfg.guards.straggler_factor,
+                                            cfg.guards.straggler_window)
         self.profiler = StepProfiler(cfg.profile, rank, device)
         self.flops_per_token = model_flops_per_token(cfg.model)
         self.peak_flops = peak_flops_for(torch.cuda.get_device_name(device)) \
@@ -189,6 +190,7 @@ class TrainLoop:
         record = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": float(grad_norm),
                   "step_time_s": step_time, "tokens_per_s": self.global_tokens / step_time,
                   "compute_s": self._compute_s, "ckpt_stall_s": stall,
+                  "wait_s": max(0.0, step_time - self._compute_s - stall),  # comm + peers
                   "world_size": ctx.world_size, "time": time.time(),
                   "peak_memory_gb": peak_memory_bytes(ctx.device) / 2**30,
                   "mfu": mfu(self.global_tokens / step_time, self.flops_per_token,
@@ -260,7 +262,8 @@ class TrainLoop:
         """
         if not self.cfg.model.moe.num_experts:
             return {}
-        counts = torch.zeros(self.cfg.model.moe.num_experts, dtype=torch.int64, device=self.ctx.device)
+        counts = torch.zeros(self.cfg.model.moe.num_experts, dtype=torch.int64,
+                             device=self.ctx.device)
         if self._expert_tokens is not None:
             counts += self._expert_tokens.to(self.ctx.device)
         self._expert_tokens = None
