@@ -68,9 +68,9 @@ def test_ranks_need_equal_microbatch_counts_under_ep():
      r"parallel\.ep: .* not supported yet with parallel\.strategy=fsdp, parallel\.tp=2"),
     (["parallel.ep=2", "model.moe.num_experts=0"],
      r"parallel\.ep: expert parallelism \(ep=2\) needs a mixture-of-experts model"),
-    (["parallel.ep=2", "scaling.min_workers=2", "scaling.max_workers=4"],
-     r"parallel\.ep: .* scaling\.min_workers\.\.max_workers = 2\.\.4 .* Set min_workers = "
-     r"max_workers"),
+    (["parallel.ep=2", "scaling.min_workers=2", "scaling.max_workers=5"],
+     r"scaling\.max_workers: 5 is not a multiple of dp_replicate x tp x pp x ep = "
+     r"1 x 1 x 1 x 2 = 2"),
 ])
 def test_invalid_expert_layouts_name_the_key(overrides, message):
     base = ["scaling.num_workers=2", "data.micro_batch_size=2", *MOE[3:]]

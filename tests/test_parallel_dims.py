@@ -89,10 +89,10 @@ BAD_LAYOUTS = [
      r"parallel\.tp: tensor parallelism of mixture-of-experts layers .* not supported yet"),
     (["scaling.num_workers=4", FSDP, "parallel.tp=2", "model.dropout=0.1"],
      r"parallel\.tp: model\.dropout=0\.1 with tp=2 is not supported yet"),
-    (["scaling.num_workers=4", "scaling.min_workers=2", FSDP, "parallel.tp=2",
+    (["scaling.num_workers=4", "scaling.min_workers=3", FSDP, "parallel.tp=2",
       "data.global_batch_size=8", "data.micro_batch_size=2"],
-     r"parallel\.tp: scaling\.min_workers\.\.max_workers = 2\.\.4 includes world size 3, which is "
-     r"not a multiple of dp_replicate x tp x pp = 1 x 2 x 1 = 2"),
+     r"scaling\.min_workers: 3 is not a multiple of dp_replicate x tp x pp x ep = "
+     r"1 x 2 x 1 x 1 = 2; the world grows and shrinks in whole model-parallel groups"),
     (["scaling.num_workers=4", FSDP, "parallel.tp=2", "data.global_batch_size=6",
       "data.micro_batch_size=2"],
      r"data\.global_batch_size: 6 is not a multiple of data\.micro_batch_size x the data-parallel "
@@ -125,3 +125,21 @@ def test_runtime_check_uses_the_actual_world_size():
     with pytest.raises(ParallelLayoutError, match=r"world size 3 is not divisible by "
                                                   r"dp_replicate x tp x pp = 1 x 2 x 1 = 2"):
         dims_for_run(cfg, 3)
+
+
+def test_tp_layouts_may_resize_in_whole_model_parallel_groups():
+    """min 2, max 4 with tp=2: the controller may use 2 or 4 workers, never 3."""
+    from raytrain_ext.elastic.policy import GrowPolicy, ScalingPolicy
+    from raytrain_ext.parallel.dims import allowed_world_sizes, resize_unit
+
+    cfg = load_config(None, ["scaling.num_workers=4", "scaling.min_workers=2", FSDP,
+                             "parallel.tp=2", "data.global_batch_size=8",
+                             "data.micro_batch_size=2"])
+    assert resize_unit(cfg.parallel) == 2
+    assert allowed_world_sizes(cfg.scaling, cfg.parallel) == [2, 4]
+    policy = ScalingPolicy(2, 4, unit=2)
+    assert policy.decide(3).world_size == 2 and "multiples of 2" in policy.decide(3).reason
+    assert policy.decide(1).action == "fail"
+    grow = GrowPolicy(max_workers=4, cooldown_s=0.0, stable_s=0.0, unit=2)
+    assert grow.observe(10.0, 2, 1, last_reform_at=0.0) is None  # one more worker: not a group
+    assert grow.observe(11.0, 2, 2, last_reform_at=0.0) == 4

@@ -135,9 +135,9 @@ BAD_PP = [
       "data.micro_batch_size=4"],
      r"data\.global_batch_size: 8 samples over 1 data-parallel ranks in micro-batches of 4 give "
      r"2 micro-batches per step, fewer than the pp=4 stages parallel\.pp_schedule=1f1b needs"),
-    (["scaling.num_workers=4", "scaling.min_workers=2", "parallel.pp=2",
+    (["scaling.num_workers=4", "scaling.min_workers=1", "parallel.pp=2",
       "data.global_batch_size=8", "data.micro_batch_size=2"],
-     r"parallel\.pp: scaling\.min_workers\.\.max_workers = 2\.\.4 includes world size 3"),
+     r"scaling\.min_workers: 1 is not a multiple of dp_replicate x tp x pp x ep = 1 x 1 x 2 x 1"),
 ]
 
 

@@ -14,10 +14,18 @@ from typing import Callable, List
 from omegaconf import DictConfig
 
 from raytrain_ext.config.loader import ConfigError
-from raytrain_ext.parallel.dims import (ParallelDims, ParallelLayoutError, check_batch_split,
-                                        check_degrees, check_expert_parallel,
-                                        check_model_fits_tp,
-                                        check_pipeline_microbatches, check_strategy_support)
+from raytrain_ext.parallel.dims import (
+    ParallelDims,
+    ParallelLayoutError,
+    allowed_world_sizes,
+    check_batch_split,
+    check_degrees,
+    check_expert_parallel,
+    check_model_fits_tp,
+    check_pipeline_microbatches,
+    check_strategy_support,
+    resize_unit,
+)
 
 CHOICES = {
     "run.device": ("auto", "cpu", "cuda"),
@@ -144,7 +152,7 @@ def _check_batch(cfg: DictConfig) -> None:
         raise ConfigError(f"data.global_batch_size: {d.global_batch_size} is smaller than "
                           f"scaling.max_workers={s.max_workers}; every worker needs at least one "
                           "sample per step. Raise global_batch_size or lower max_workers.")
-    for world in range(max(1, s.min_workers), s.max_workers + 1):  # FSDP: equal micro-batch counts
+    for world in allowed_world_sizes(s, cfg.parallel):  # FSDP: equal micro-batch counts
         try:
             dims = ParallelDims.build(cfg.parallel, cfg.model, world)
             check_batch_split(cfg.parallel.strategy, d.global_batch_size, d.micro_batch_size, dims)
@@ -157,10 +165,10 @@ def _check_batch(cfg: DictConfig) -> None:
 def _check_parallel(cfg: DictConfig) -> None:
     """The layout must work for every world size the elastic controller may choose.
 
-    The controller resizes to any size in ``min_workers..max_workers``, so with
-    ``dp_replicate x tp x pp > 1`` that range must hold only multiples of the
-    product (in practice: min_workers == max_workers).  With FSDP every size in
-    the range must also split the global batch into equal micro-batch counts.
+    The controller resizes in whole model-parallel groups (multiples of
+    ``dp_replicate x tp x pp x ep``) within ``min_workers..max_workers``, so both
+    bounds and ``num_workers`` must be multiples of it.  With FSDP every allowed
+    size must also split the global batch into equal micro-batch counts.
     Workers check again with the actual world size (``ParallelDims.build``).
     """
     p, s = cfg.parallel, cfg.scaling
@@ -173,25 +181,16 @@ def _check_parallel(cfg: DictConfig) -> None:
             raise ConfigError("parallel.cpu_offload: offloads GPU parameters to host memory; "
                               "without GPUs they are there already. Set parallel.cpu_offload="
                               "false, or scaling.use_gpu=true.")
-        group = p.dp_replicate * p.tp * p.pp
-        sizes = range(max(1, s.min_workers), s.max_workers + 1)  # _check_scaling checks min
-        bad = [w for w in sizes if w % group]
-        if group > 1 and bad and s.min_workers != s.max_workers:
-            key = "tp" if p.tp > 1 else "pp" if p.pp > 1 else "dp_replicate"
-            raise ConfigError(
-                f"parallel.{key}: scaling.min_workers..max_workers = {s.min_workers}..{s.max_workers} "
-                f"includes world size {bad[0]}, which is not a multiple of "
-                f"dp_replicate x tp x pp = {p.dp_replicate} x {p.tp} x {p.pp} = {group}; the "
-                "elastic controller may resize to any size in that range. Set min_workers = "
-                f"max_workers (a multiple of {group}), or parallel.tp=1, parallel.pp=1 and "
-                "parallel.dp_replicate=1 for elastic resizing.")
-        if p.ep > 1 and s.min_workers != s.max_workers:
-            raise ConfigError(
-                f"parallel.ep: expert parallelism (ep={p.ep}) shards experts over fixed groups of "
-                f"ranks; scaling.min_workers..max_workers = {s.min_workers}..{s.max_workers} would "
-                "let the elastic controller resize the world. Set min_workers = max_workers "
-                "(= num_workers), or parallel.ep=1 for elastic resizing.")
-        for world in sizes:
+        ParallelDims.build(p, cfg.model, s.num_workers)  # the arithmetic for the usual size first
+        unit = resize_unit(p)
+        for key in ("min_workers", "num_workers", "max_workers"):
+            if s[key] % unit:
+                raise ConfigError(
+                    f"scaling.{key}: {s[key]} is not a multiple of dp_replicate x tp x pp x ep = "
+                    f"{p.dp_replicate} x {p.tp} x {p.pp} x {p.ep} = {unit}; the world grows and "
+                    f"shrinks in whole model-parallel groups. Use a multiple of {unit} such as "
+                    f"{max(unit, s[key] // unit * unit)}.")
+        for world in allowed_world_sizes(s, p):
             ParallelDims.build(p, cfg.model, world)
     except ParallelLayoutError as e:
         raise ConfigError(str(e)) from None
@@ -205,7 +204,7 @@ def _check_zero(cfg: DictConfig) -> None:
 
     try:
         check_zero_config(cfg.parallel, cfg.data.global_batch_size, cfg.data.micro_batch_size,
-                          range(max(1, cfg.scaling.min_workers), cfg.scaling.max_workers + 1))
+                          allowed_world_sizes(cfg.scaling, cfg.parallel))
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

@@ -41,6 +41,7 @@ from raytrain_ext.elastic.policy import (
 )
 from raytrain_ext.elastic.watchdog import HangWatchdog
 from raytrain_ext.metrics import MetricsSink
+from raytrain_ext.parallel.dims import resize_unit
 from raytrain_ext.worker.group import WorkerGroup
 
 log = logging.getLogger(__name__)
@@ -107,13 +108,15 @@ class Controller:
         self.watchdog = HangWatchdog(cfg.elastic.hang_factor, cfg.elastic.hang_floor_s)
         self._last_heartbeat_check = 0.0
         self.failure_policy = FailurePolicy(cfg.elastic.max_failures)
-        self.scaling_policy = ScalingPolicy(cfg.scaling.min_workers, cfg.scaling.max_workers)
+        unit = resize_unit(cfg.parallel)
+        self.scaling_policy = ScalingPolicy(cfg.scaling.min_workers, cfg.scaling.max_workers, unit)
         self._stragglers_named: set = set()
         self._eviction: Optional[int] = None
         e = cfg.elastic
         self.preemptions = 0
         self.preemption_policy = PreemptionPolicy(e.max_preemptions)
-        self.grow_policy = GrowPolicy(cfg.scaling.max_workers, e.resize_cooldown_s, e.grow_stable_s)
+        self.grow_policy = GrowPolicy(cfg.scaling.max_workers, e.resize_cooldown_s, e.grow_stable_s,
+                                      unit)
         self._last_reform_at = clock()
         self._last_grow_check = 0.0
         self._resize_target: Optional[int] = None
@@ -171,9 +174,9 @@ class Controller:
         than min fit: the placement then waits ``scaling.placement_timeout_s`` for capacity)."""
         free = free_resources_per_node()  # at the start Ray's node list is fresh: no ping needed
         capacity = workers_that_fit(free.values(), dict(self.cfg.scaling.resources_per_worker))
-        if capacity < self.scaling_policy.min_workers:
+        size = self.scaling_policy.size_for(capacity)
+        if size < self.scaling_policy.min_workers:
             return self.cfg.scaling.num_workers
-        size = min(capacity, self.scaling_policy.max_workers)
         log.info("controller: %d workers fit; starting with %d (min %d, max %d)", capacity, size,
                  self.scaling_policy.min_workers, self.scaling_policy.max_workers)
         return size

@@ -43,18 +43,30 @@ class FailurePolicy:
 
 @dataclass(frozen=True)
 class ScalingPolicy:
-    """Use as many workers as fit, within ``min_workers..max_workers``."""
+    """Use as many workers as fit, within ``min_workers..max_workers``, in multiples of ``unit``.
+
+    ``unit`` is the model-parallel group (``dp_replicate x tp x pp x ep``): a TP or
+    pipeline layout can only shrink or grow by whole groups.
+    """
 
     min_workers: int
     max_workers: int
+    unit: int = 1
+
+    def size_for(self, capacity: int) -> int:
+        """The largest allowed world size that fits ``capacity`` (may be below min)."""
+        return min(capacity, self.max_workers) // self.unit * self.unit
 
     def decide(self, capacity: int) -> Decision:
-        if capacity < self.min_workers:
+        size = self.size_for(capacity)
+        if size < self.min_workers:
             return Decision("fail", f"only {capacity} workers fit, fewer than "
-                                    f"scaling.min_workers={self.min_workers}")
-        size = min(capacity, self.max_workers)
+                                    f"scaling.min_workers={self.min_workers}"
+                                    + (f" in multiples of {self.unit}" if self.unit > 1 else ""))
         return Decision("restart", f"{capacity} workers fit; using {size} "
-                                   f"(min {self.min_workers}, max {self.max_workers})", size)
+                                   f"(min {self.min_workers}, max {self.max_workers}"
+                                   + (f", multiples of {self.unit})" if self.unit > 1 else ")"),
+                        size)
 
 
 def recovery_decision(failures: int, capacity: int, failure_policy: FailurePolicy,
@@ -129,18 +141,20 @@ class GrowPolicy:
     max_workers: int
     cooldown_s: float
     stable_s: float
+    unit: int = 1  # grow by whole model-parallel groups
     seen_since: Optional[float] = None
 
     def observe(self, now: float, world_size: int, extra_fit: int,
                 last_reform_at: float) -> Optional[int]:
-        if world_size >= self.max_workers or extra_fit <= 0:
+        target = min(self.max_workers, world_size + extra_fit) // self.unit * self.unit
+        if target <= world_size:
             self.seen_since = None
             return None
         if self.seen_since is None:
             self.seen_since = now
         if now - self.seen_since < self.stable_s or now - last_reform_at < self.cooldown_s:
             return None
-        return min(self.max_workers, world_size + extra_fit)
+        return target
 
 
 @dataclass(frozen=True)

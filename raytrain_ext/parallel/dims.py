@@ -290,3 +290,20 @@ def dims_for_run(cfg, world_size: int) -> ParallelDims:
     check_pipeline_microbatches(cfg.parallel.pp_schedule, cfg.data.global_batch_size,
                                 cfg.data.micro_batch_size, dims)
     return dims
+
+
+def resize_unit(parallel_cfg) -> int:
+    """The step by which the world may shrink or grow: whole model-parallel groups.
+
+    Any multiple of ``dp_replicate x tp x pp`` lays out (dp_shard takes the rest),
+    and expert parallelism needs the data-parallel size to be a multiple of ``ep``.
+    """
+    return (parallel_cfg.dp_replicate * parallel_cfg.tp * parallel_cfg.pp
+            * max(1, parallel_cfg.ep))
+
+
+def allowed_world_sizes(scaling_cfg, parallel_cfg) -> List[int]:
+    """The world sizes the elastic controller may choose: multiples of the unit in min..max."""
+    unit = resize_unit(parallel_cfg)
+    return [w for w in range(max(1, scaling_cfg.min_workers), scaling_cfg.max_workers + 1)
+            if w % unit == 0]
