@@ -45,7 +45,7 @@ class WorkerGroup:
               placement_timeout_s: float, runtime_env: Optional[dict] = None) -> None:
         """Place ``num_workers`` actors as a gang and form the process group."""
         selector = None
-        if self.avoid_nodes:  # evicted stragglers' nodes: Ray labels every node with its id
+        if self.avoid_nodes:  # preempted or evicted nodes; Ray labels every node with its id
             selector = [{"ray.io/node-id": f"!in({','.join(sorted(self.avoid_nodes))})"}] * num_workers
         self.pg = placement_group([dict(self.resources)] * num_workers,
                                   strategy=self.placement_strategy, bundle_label_selector=selector)
