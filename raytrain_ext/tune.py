@@ -85,6 +85,8 @@ def concurrent_trials(config: Optional[str | Path] = None, overrides: Sequence[s
                       driver_cpus: float = DRIVER_CPUS) -> int:
     """How many trials' drivers and worker groups fit the cluster's totals at once.
 
+    A trial is counted at ``scaling.max_workers`` (its elastic group may grow that
+    far), so trials never starve each other of the capacity one of them grows into.
     A bound, not a placement: workers are packed per node, so a cluster of many
     small nodes may fit fewer. ``cluster_resources`` defaults to the connected Ray
     cluster's ``ray.cluster_resources()``.
@@ -94,16 +96,16 @@ def concurrent_trials(config: Optional[str | Path] = None, overrides: Sequence[s
         import ray
 
         cluster_resources = ray.cluster_resources()
-    need = {k: float(v) * cfg.scaling.num_workers
-            for k, v in cfg.scaling.resources_per_worker.items() if v}
+    workers = cfg.scaling.max_workers
+    need = {k: float(v) * workers for k, v in cfg.scaling.resources_per_worker.items() if v}
     need["CPU"] = need.get("CPU", 0.0) + driver_cpus
     fits = min(math.floor(cluster_resources.get(k, 0.0) / v + 1e-9) for k, v in need.items())
     if fits < 1:
         raise ValueError(
-            f"one trial needs {need} (scaling.num_workers={cfg.scaling.num_workers} x "
+            f"one trial needs {need} (scaling.max_workers={workers} x "
             f"scaling.resources_per_worker, plus {driver_cpus} CPU for the trial) but the "
-            f"cluster has {dict(cluster_resources)}. Lower scaling.num_workers or "
-            "scaling.resources_per_worker, or add nodes.")
+            f"cluster has {dict(cluster_resources)}. Lower scaling.max_workers (and "
+            "num_workers) or scaling.resources_per_worker, or add nodes.")
     return fits
 
 

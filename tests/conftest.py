@@ -57,6 +57,12 @@ def ray_cluster():
                 os.environ[key] = value
 
 
+# The packaged default's model at half its width and sequence length, for tests that need
+# many steps but no time between them (chaos tests on Ray keep the default model: their
+# faults are injected between steps, which must not be over before the fault lands).
+FAST_MODEL = ["model.n_layers=2", "model.d_model=64", "model.n_heads=2", "model.seq_len=64"]
+
+
 def tiny_overrides(tmp_path, *extra):
     """The packaged default, shortened for tests, writing under tmp_path."""
     return [f"run.output_dir={tmp_path}", "run.max_steps=6", "run.log_every=2",
@@ -81,3 +87,13 @@ def s3_endpoint(aws_env):
     host, port = server.get_host_and_port()
     yield f"http://{host}:{port}"
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def ddp_layout_reference(tmp_path_factory):
+    """The 2-rank DDP run (with its checkpoints) that test_fsdp_tp and test_pp compare every
+    parallel layout with: trained once per session."""
+    from tests.test_fsdp_tp import train
+
+    tmp = tmp_path_factory.mktemp("ddp-layout-reference")
+    return {"ranks": train(2, tmp), "ckpt": tmp / "ckpt"}

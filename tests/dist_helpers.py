@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Callable, Dict, List
 
 import torch
 import torch.multiprocessing as mp
@@ -46,6 +48,25 @@ def train_processes(world: int, overrides: List[str], out_dir: Path) -> List[Dic
     cfg = load_config(None, overrides)
     out_dir.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    mp.start_processes(_run_rank, args=(world, free_port("127.0.0.1"), to_dict(cfg), str(out_dir)),
-                       nprocs=world, join=True, start_method="spawn")
+    spawn_ranks(_run_rank, (world, free_port("127.0.0.1"), to_dict(cfg), str(out_dir)), world)
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def _rank_with_deadline(rank: int, fn: Callable, deadline_s: float, *args) -> None:
+    faulthandler.dump_traceback_later(deadline_s, exit=True)  # every thread's stack, then exit 1
+    fn(rank, *args)
+
+
+def spawn_ranks(fn: Callable, args: tuple, nprocs: int, deadline_s: float = 240.0) -> None:
+    """``mp.start_processes`` that cannot hang a test: a rank still running after
+    ``deadline_s`` prints every thread's stack and exits, which fails the join; if
+    even that does not end them, the ranks are killed and the test fails."""
+    context = mp.start_processes(_rank_with_deadline, args=(fn, deadline_s, *args),
+                                 nprocs=nprocs, join=False, start_method="spawn")
+    give_up = time.monotonic() + deadline_s + 30
+    while not context.join(timeout=1.0):
+        if time.monotonic() > give_up:
+            for process in context.processes:
+                process.kill()
+            raise TimeoutError(f"{nprocs} ranks of {fn.__name__} still running after "
+                               f"{deadline_s + 30:.0f} s; killed")

@@ -12,15 +12,32 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.conftest import FAST_MODEL
+from tests.reference import uninterrupted
+
 REPO = Path(__file__).resolve().parents[1]
+STEPS = 60
 PROGRESS = re.compile(r"^step +\d+/\d+  loss [\d.]+  lr [\d.e+-]+  grad_norm [\d.]+  "
                       r"tokens/s +\d+  step_time [\d.]+ ms  world 2$", re.M)
 
 
-def run(cmd, cwd):
+def clean_env():
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("RAY_ADDRESS", None)
-    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    return env
+
+
+def run(cmd, cwd):
+    return subprocess.run(cmd, cwd=cwd, env=clean_env(), capture_output=True, text=True,
+                          timeout=300)
+
+
+def wait_for(path, proc, timeout_s=120.0):
+    """Block until ``path`` exists while ``proc`` still runs (so it can be interrupted)."""
+    deadline = time.time() + timeout_s
+    while not path.exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+    assert path.exists() and proc.poll() is None, f"{path} never appeared while the run ran"
 
 
 def raytrain_ext_cmd():
@@ -29,19 +46,16 @@ def raytrain_ext_cmd():
 
 
 @pytest.mark.slow
-def test_cli_and_job_entrypoint_train_the_same_model(tmp_path):
-    common = ["run.max_steps=6", "run.log_every=3", f"run.output_dir={tmp_path}"]
+def test_cli_trains_logs_from_rank0_and_writes_the_run_dir(tmp_path):
+    common = [f"run.max_steps={STEPS}", f"optim.decay_steps={STEPS}", "run.log_every=30",
+              f"run.output_dir={tmp_path}", *FAST_MODEL]
     cli = run([*raytrain_ext_cmd(), "train", *common, "run.name=cli"], cwd=tmp_path)
     assert cli.returncode == 0, cli.stderr[-3000:]
-    assert len(PROGRESS.findall(cli.stdout)) == 2, cli.stdout  # steps 3 and 6, rank 0 only
-    job = run([sys.executable, str(REPO / "jobs" / "train.py"), "--config",
-               str(REPO / "configs" / "tiny_cpu.yaml"), *common, "run.name=job"], cwd=tmp_path)
-    assert job.returncode == 0, job.stderr[-3000:]
-    a = json.loads((tmp_path / "cli" / "summary.json").read_text())
-    b = json.loads((tmp_path / "job" / "summary.json").read_text())
-    assert a["steps_completed"] == b["steps_completed"] == 6
-    assert a["params_sha256"] == b["params_sha256"]  # packaged default == configs/tiny_cpu.yaml
-    assert (tmp_path / "cli" / "config.yaml").read_text().count("max_steps: 6") == 1
+    assert len(PROGRESS.findall(cli.stdout)) == 2, cli.stdout  # steps 30 and 60, rank 0 only
+    summary = json.loads((tmp_path / "cli" / "summary.json").read_text())
+    assert summary["steps_completed"] == STEPS
+    assert summary["params_sha256"] == uninterrupted(STEPS, *FAST_MODEL)["result"]["params_sha256"]
+    assert (tmp_path / "cli" / "config.yaml").read_text().count(f"max_steps: {STEPS}") == 1
     assert list((tmp_path / "cli" / "tensorboard").glob("events.out.tfevents.*"))
     assert '"params_sha256"' in cli.stdout  # the summary is printed
 
@@ -63,29 +77,25 @@ def test_positional_config_and_overrides(tmp_path):
 
 
 @pytest.mark.slow
-def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path):
-    """SIGKILL the whole `raytrain-ext train` process group mid-run, rerun, compare."""
-    common = ["run.max_steps=40", "run.log_every=10", "optim.decay_steps=40",
-              "checkpoint.every_steps=5", f"run.output_dir={tmp_path}", "run.tensorboard=false"]
-    reference = run([*raytrain_ext_cmd(), "train", *common, "run.name=ref"], cwd=tmp_path)
-    assert reference.returncode == 0, reference.stderr[-3000:]
-    cmd = [*raytrain_ext_cmd(), "train", *common, "run.name=victim"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.pop("RAY_ADDRESS", None)
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
-    marker = tmp_path / "victim" / "checkpoints" / "step-00000010" / "manifest.json"
-    deadline = time.time() + 120
-    while not marker.exists() and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.05)
-    assert marker.exists() and proc.poll() is None, "the run ended before it could be killed"
+def test_killed_cli_run_resumed_by_the_job_entrypoint_ends_as_if_uninterrupted(tmp_path):
+    """SIGKILL the whole `raytrain-ext train` process group mid-run, then resume it with
+    `python jobs/train.py --config configs/tiny_cpu.yaml` (the `ray job submit` entrypoint,
+    whose config file equals the packaged default): same parameters, same samples."""
+    common = [f"run.max_steps={STEPS}", "run.log_every=10", f"optim.decay_steps={STEPS}",
+              "checkpoint.every_steps=5", f"run.output_dir={tmp_path}", "run.tensorboard=false",
+              "run.name=victim", *FAST_MODEL]
+    proc = subprocess.Popen([*raytrain_ext_cmd(), "train", *common], cwd=tmp_path, env=clean_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    wait_for(tmp_path / "victim" / "checkpoints" / "step-00000010" / "manifest.json", proc)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    resumed = run(cmd, cwd=tmp_path)
+    resumed = run([sys.executable, str(REPO / "jobs" / "train.py"), "--config",
+                   str(REPO / "configs" / "tiny_cpu.yaml"), *common], cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    a = json.loads((tmp_path / "ref" / "summary.json").read_text())
     b = json.loads((tmp_path / "victim" / "summary.json").read_text())
-    assert b["restored"]["step"] >= 10 and b["steps_completed"] == 40
+    a = uninterrupted(STEPS, *FAST_MODEL)["result"]
+    assert b["restored"]["step"] >= 10 and b["steps_completed"] == STEPS
     assert b["params_sha256"] == a["params_sha256"] and b["samples_digest"] == a["samples_digest"]
 
 
@@ -96,36 +106,28 @@ def _worker_pids(root_pid):
 
 @pytest.mark.slow
 def test_sigterm_to_a_worker_checkpoints_then_resumes_with_zero_steps_redone(tmp_path):
-    common = ["run.max_steps=150", "run.log_every=50", "optim.decay_steps=150",
-              "checkpoint.every_seconds=null", f"run.output_dir={tmp_path}",
-              "run.tensorboard=false"]
-    cmd = [*raytrain_ext_cmd(), "train", *common, "run.name=spot"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.pop("RAY_ADDRESS", None)
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+    common = [f"run.max_steps={STEPS}", "run.log_every=10", f"optim.decay_steps={STEPS}",
+              "checkpoint.every_steps=5", "checkpoint.every_seconds=null",
+              f"run.output_dir={tmp_path}", "run.tensorboard=false", "run.name=spot", *FAST_MODEL]
+    cmd = [*raytrain_ext_cmd(), "train", *common]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    while len(_worker_pids(proc.pid)) < 2 and time.time() < deadline:
-        time.sleep(0.1)
-    time.sleep(2.0)  # well into training
+    wait_for(tmp_path / "spot" / "checkpoints" / "step-00000005" / "manifest.json", proc)
     os.kill(_worker_pids(proc.pid)[1], signal.SIGTERM)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 3, stderr[-3000:]
     assert "preempted: emergency checkpoint at step" in stderr
     summary = json.loads((tmp_path / "spot" / "summary.json").read_text())
     stopped = summary["steps_completed"]
-    assert summary["status"] == "preempted" and 0 < stopped < 150
+    assert summary["status"] == "preempted" and 5 <= stopped < STEPS
     assert (tmp_path / "spot" / "checkpoints" / f"step-{stopped:08d}" / "manifest.json").exists()
     resumed = run(cmd, cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     after = json.loads((tmp_path / "spot" / "summary.json").read_text())
     assert after["restored"]["step"] == stopped  # zero steps redone
-    reference = run([*raytrain_ext_cmd(), "train", *common, "run.name=ref",
-                     "checkpoint.enabled=false"], cwd=tmp_path)
-    assert reference.returncode == 0
-    ref = json.loads((tmp_path / "ref" / "summary.json").read_text())
-    assert after["params_sha256"] == ref["params_sha256"]
-    assert after["samples_digest"] == ref["samples_digest"]
+    reference = uninterrupted(STEPS, *FAST_MODEL)["result"]
+    assert after["params_sha256"] == reference["params_sha256"]
+    assert after["samples_digest"] == reference["samples_digest"]
 
 
 def test_unusable_s3_bucket_fails_before_anything_starts(tmp_path, s3_endpoint):

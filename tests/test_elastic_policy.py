@@ -1,8 +1,8 @@
 """Elastic policies are pure: decisions as data, checked without Ray."""
 
 from raytrain_ext.elastic.policy import (
+    Budget,
     Decision,
-    FailurePolicy,
     ScalingPolicy,
     recovery_decision,
     workers_that_fit,
@@ -25,14 +25,18 @@ def test_scaling_policy_uses_what_fits_within_bounds():
     assert fail.action == "fail" and "fewer than scaling.min_workers=2" in fail.reason
 
 
+def failures(limit):
+    return Budget(limit, "elastic.max_failures")
+
+
 def test_failure_budget():
-    assert FailurePolicy(0).allows(1) is False
-    assert FailurePolicy(2).allows(2) and not FailurePolicy(2).allows(3)
-    assert FailurePolicy(-1).allows(10**6)
+    assert failures(0).allows(1) is False
+    assert failures(2).allows(2) and not failures(2).allows(3)
+    assert failures(-1).allows(10**6)
     scaling = ScalingPolicy(1, 2)
-    assert recovery_decision(1, 2, FailurePolicy(1), scaling).world_size == 2
-    out = recovery_decision(2, 2, FailurePolicy(1), scaling)
-    assert out.action == "fail" and "exceeds elastic.max_failures=1" in out.reason
+    assert recovery_decision(1, 2, failures(1), scaling).world_size == 2
+    out = recovery_decision(2, 2, failures(1), scaling)
+    assert out.action == "fail" and out.reason == "failure 2 exceeds elastic.max_failures=1"
 
 
 def test_grow_policy_waits_for_stable_capacity_and_the_cooldown():
@@ -59,8 +63,8 @@ def test_grow_policy_ignores_a_flapping_node_and_respects_the_cooldown():
 
 
 def test_preemption_budget_is_separate_from_failures():
-    from raytrain_ext.elastic.policy import FailurePolicy, PreemptionPolicy
-
-    assert PreemptionPolicy(-1).allows(1000)
-    assert PreemptionPolicy(2).allows(2) and not PreemptionPolicy(2).allows(3)
-    assert not FailurePolicy(0).allows(1)  # a run with no failure budget can still be preempted
+    preemptions = Budget(2, "elastic.max_preemptions")
+    assert Budget(-1, "elastic.max_preemptions").allows(1000)
+    assert preemptions.allows(2) and not preemptions.allows(3)
+    assert preemptions.spent(3, "preemption") == "preemption 3 exceeds elastic.max_preemptions=2"
+    assert not failures(0).allows(1)  # a run with no failure budget can still be preempted

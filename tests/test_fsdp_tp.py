@@ -25,7 +25,7 @@ import torch
 from raytrain_ext.config import load_config
 from raytrain_ext.models import build_model
 from raytrain_ext.worker.dist_env import WorkerEnv, destroy_distributed, free_port, init_distributed
-from tests.dist_helpers import train_processes
+from tests.dist_helpers import spawn_ranks, train_processes
 from tests.test_training_math import ATOL, ATOL_UNEVEN, max_param_diff
 
 BASE = ["run.max_steps=8", "data.global_batch_size=8", "data.micro_batch_size=2",
@@ -40,9 +40,9 @@ def train(world, tmp, *extra):
     return train_processes(world, BASE + [f"checkpoint.dir={tmp / 'ckpt'}", *extra], tmp / "out")
 
 
-@pytest.fixture(scope="module")
-def ddp(tmp_path_factory):
-    return train(2, tmp_path_factory.mktemp("ddp"))
+@pytest.fixture()
+def ddp(ddp_layout_reference):
+    return ddp_layout_reference["ranks"]
 
 
 @pytest.fixture(scope="module")
@@ -152,11 +152,8 @@ def _tp_forward_rank(rank: int, world: int, port: int, out_dir: str) -> None:
 def test_tp_forward_and_backward_equal_the_unsharded_model(tmp_path):
     import os
 
-    import torch.multiprocessing as mp
-
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    mp.start_processes(_tp_forward_rank, args=(2, free_port("127.0.0.1"), str(tmp_path)),
-                       nprocs=2, join=True, start_method="spawn")
+    spawn_ranks(_tp_forward_rank, (2, free_port("127.0.0.1"), str(tmp_path)), 2)
     for rank in range(2):
         measured = torch.load(tmp_path / f"rank{rank}.pt")
         assert measured["local_wq"] == (64, 128)  # 2 of 4 heads per rank

@@ -27,10 +27,9 @@ from tests.test_fsdp_tp import assert_matches, curve, train
 PP2 = ["parallel.pp=2"]
 
 
-@pytest.fixture(scope="module")
-def ddp(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("ddp")
-    return {"ranks": train(2, tmp), "ckpt": tmp / "ckpt"}
+@pytest.fixture()
+def ddp(ddp_layout_reference):
+    return ddp_layout_reference
 
 
 @pytest.fixture(scope="module")

@@ -37,12 +37,12 @@ def one_worker(tmp_path_factory):
     return train_processes(1, BASE, tmp_path_factory.mktemp("w1"))
 
 
-def test_single_rank_loss_decreases(tmp_path):
-    ranks = train_processes(1, ["run.max_steps=25", "data.global_batch_size=8",
-                                "data.micro_batch_size=4", "optim.warmup_steps=3"], tmp_path)
-    result = ranks[0]["result"]
-    assert result["steps"] == 25 and result["samples_consumed"] == 25 * 8
-    assert result["final_loss"] < 3.0 < np.log(256)  # from ~ln(256)=5.5 at init
+def test_single_rank_loss_decreases(one_worker):
+    result = one_worker[0]["result"]
+    losses = [r["loss"] for r in one_worker[0]["records"]]
+    assert result["steps"] == 8 and result["samples_consumed"] == 8 * 12
+    assert losses[0] > 5.0  # ~ln(256)=5.5 at init
+    assert result["final_loss"] < losses[0] - 1.0
 
 
 @pytest.mark.slow

@@ -31,8 +31,10 @@ def test_concurrent_trials_counts_worker_groups_plus_trial_drivers():
     assert concurrent_trials(CONFIG, cluster_resources={"CPU": 4.5}) == 2
     assert concurrent_trials(CONFIG, ["scaling.resources_per_worker.CPU=0.5"],
                              cluster_resources={"CPU": 4.0}) == 3  # 2 x 0.5 + 0.25
-    with pytest.raises(ValueError, match=r"scaling.num_workers=2 .* Lower scaling.num_workers"):
+    with pytest.raises(ValueError, match=r"scaling.max_workers=2 .* Lower scaling.max_workers"):
         concurrent_trials(CONFIG, cluster_resources={"CPU": 2.0})
+    elastic = ["scaling.min_workers=1", "scaling.max_workers=4"]  # may grow to 4 x 1 + 0.25
+    assert concurrent_trials(CONFIG, elastic, cluster_resources={"CPU": 8.5}) == 2
 
 
 def test_relative_paths_resolve_against_the_sweeps_directory_not_the_trials():

@@ -22,18 +22,17 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import ray
 
 from raytrain_ext.config import to_dict
 from raytrain_ext.elastic.diagnostics import dump_worker_stacks, newly_flagged_stragglers
 from raytrain_ext.elastic.policy import (
+    Budget,
     Decision,
-    FailurePolicy,
     GrowPolicy,
     NodeProbe,
-    PreemptionPolicy,
     ScalingPolicy,
     free_resources_per_node,
     recovery_decision,
@@ -107,14 +106,14 @@ class Controller:
         self.attempt = 0
         self.watchdog = HangWatchdog(cfg.elastic.hang_factor, cfg.elastic.hang_floor_s)
         self._last_heartbeat_check = 0.0
-        self.failure_policy = FailurePolicy(cfg.elastic.max_failures)
+        self.failure_budget = Budget(cfg.elastic.max_failures, "elastic.max_failures")
         unit = resize_unit(cfg.parallel)
         self.scaling_policy = ScalingPolicy(cfg.scaling.min_workers, cfg.scaling.max_workers, unit)
         self._stragglers_named: set = set()
         self._eviction: Optional[int] = None
         e = cfg.elastic
         self.preemptions = 0
-        self.preemption_policy = PreemptionPolicy(e.max_preemptions)
+        self.preemption_budget = Budget(e.max_preemptions, "elastic.max_preemptions")
         self.grow_policy = GrowPolicy(cfg.scaling.max_workers, e.resize_cooldown_s, e.grow_stable_s,
                                       unit)
         self._last_reform_at = clock()
@@ -173,7 +172,7 @@ class Controller:
         """Start with as many workers as fit now, within min..max (``num_workers`` when fewer
         than min fit: the placement then waits ``scaling.placement_timeout_s`` for capacity)."""
         free = free_resources_per_node()  # at the start Ray's node list is fresh: no ping needed
-        capacity = workers_that_fit(free.values(), dict(self.cfg.scaling.resources_per_worker))
+        capacity = self._workers_that_fit(free, set(free))
         size = self.scaling_policy.size_for(capacity)
         if size < self.scaling_policy.min_workers:
             return self.cfg.scaling.num_workers
@@ -252,9 +251,7 @@ class Controller:
         self._last_grow_check = now
         free = free_resources_per_node()
         self._grow_probe.add(free)  # only nodes that answer count: a listed node may be dead
-        alive = self._grow_probe.answered(timeout_s=0) - self.group.avoid_nodes
-        extra = workers_that_fit([free[node] for node in alive if node in free],
-                                 dict(self.cfg.scaling.resources_per_worker))
+        extra = self._workers_that_fit(free, self._grow_probe.answered(timeout_s=0))
         target = self.grow_policy.observe(now, self.group.world_size, extra, self._last_reform_at)
         if target is None:
             return
@@ -287,8 +284,9 @@ class Controller:
         ips = sorted({i["node_ip"] for i in self.group.infos if i["node_id"] in nodes})
         reason = (f"preemption notice (SIGTERM or node drain) for node(s) {', '.join(ips) or '?'}; "
                   f"emergency checkpoint at step {step}")
-        if not self.preemption_policy.allows(self.preemptions):
-            return RunState.PREEMPTED, f"{reason}; elastic.max_preemptions spent"
+        if not self.preemption_budget.allows(self.preemptions):
+            return RunState.PREEMPTED, (f"{reason}; "
+                                        f"{self.preemption_budget.spent(self.preemptions, 'preemption')}")
         self.group.avoid_nodes |= nodes
         self.result.recoveries.append({"kind": "preemption", "failure": self.failures,
                                        "reason": reason, "detected_at": self.clock(),
@@ -306,7 +304,7 @@ class Controller:
     def _after_failure(self, reason: str, counted: bool = True) -> Tuple[RunState, str]:
         """Count the failure; recover if the failure policy allows it, else fail."""
         self.failures += counted
-        if counted and not self.failure_policy.allows(self.failures):
+        if counted and not self.failure_budget.allows(self.failures):
             return RunState.FAILED, reason
         detected_at = self.clock()
         self._drain_events()
@@ -358,7 +356,7 @@ class Controller:
         deadline = self.clock() + wait_s
         while True:
             capacity = self._settled_capacity()
-            decision = recovery_decision(self.failures, capacity, self.failure_policy,
+            decision = recovery_decision(self.failures, capacity, self.failure_budget,
                                          self.scaling_policy)
             if decision.action == "restart" or capacity >= self.scaling_policy.min_workers \
                     or self.clock() >= deadline:
@@ -370,18 +368,21 @@ class Controller:
     def _settled_capacity(self, settle_s: float = 4.0) -> int:
         """Workers that fit on nodes that answer a ping, once the stopped group's resources
         are back; polled until ``max_workers`` fit or ``settle_s`` has passed."""
-        per_worker = dict(self.cfg.scaling.resources_per_worker)
         deadline = self.clock() + settle_s
         probe = NodeProbe(free_resources_per_node())
         capacity = 0
         while True:
-            alive = probe.answered(timeout_s=0.1) - self.group.avoid_nodes
-            free = free_resources_per_node()
-            capacity = max(capacity, workers_that_fit(
-                [free[node] for node in alive if node in free], per_worker))
+            alive = probe.answered(timeout_s=0.1)
+            capacity = max(capacity, self._workers_that_fit(free_resources_per_node(), alive))
             if capacity >= self.scaling_policy.max_workers or self.clock() > deadline:
                 return capacity
             time.sleep(0.1)
+
+    def _workers_that_fit(self, free: Dict[str, Dict[str, float]], nodes: Set[str]) -> int:
+        """Worker bundles that fit in the free resources of ``nodes``, minus avoided nodes
+        (preempted, or a straggler's)."""
+        usable = [free[node] for node in nodes - self.group.avoid_nodes if node in free]
+        return workers_that_fit(usable, dict(self.cfg.scaling.resources_per_worker))
 
     def _last_step(self) -> int:
         return self.result.records[-1]["step"] if self.result.records else 0

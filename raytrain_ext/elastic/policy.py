@@ -32,13 +32,22 @@ def workers_that_fit(free_per_node: Iterable[Mapping[str, float]],
 
 
 @dataclass(frozen=True)
-class FailurePolicy:
-    """Retry after a failure until ``max_failures`` is spent (-1: unlimited)."""
+class Budget:
+    """How many times a run may recover from one kind of event (-1: unlimited).
 
-    max_failures: int
+    Failures and preemptions have separate budgets (``elastic.max_failures``,
+    ``elastic.max_preemptions``): a spot reclaim never spends the failure budget.
+    ``key`` is the config key that sets ``limit``, named when the budget is spent.
+    """
 
-    def allows(self, failures: int) -> bool:
-        return self.max_failures < 0 or failures <= self.max_failures
+    limit: int
+    key: str
+
+    def allows(self, used: int) -> bool:
+        return self.limit < 0 or used <= self.limit
+
+    def spent(self, used: int, what: str) -> str:
+        return f"{what} {used} exceeds {self.key}={self.limit}"
 
 
 @dataclass(frozen=True)
@@ -69,12 +78,11 @@ class ScalingPolicy:
                         size)
 
 
-def recovery_decision(failures: int, capacity: int, failure_policy: FailurePolicy,
+def recovery_decision(failures: int, capacity: int, failure_budget: Budget,
                       scaling_policy: ScalingPolicy) -> Decision:
     """What to do after the ``failures``-th failure, with ``capacity`` workers placeable."""
-    if not failure_policy.allows(failures):
-        return Decision("fail", f"failure {failures} exceeds elastic.max_failures="
-                                f"{failure_policy.max_failures}")
+    if not failure_budget.allows(failures):
+        return Decision("fail", failure_budget.spent(failures, "failure"))
     return scaling_policy.decide(capacity)
 
 
@@ -155,13 +163,3 @@ class GrowPolicy:
         if now - self.seen_since < self.stable_s or now - last_reform_at < self.cooldown_s:
             return None
         return target
-
-
-@dataclass(frozen=True)
-class PreemptionPolicy:
-    """Preemptions have their own budget (-1: unlimited); they never count as failures."""
-
-    max_preemptions: int
-
-    def allows(self, preemptions: int) -> bool:
-        return self.max_preemptions < 0 or preemptions <= self.max_preemptions

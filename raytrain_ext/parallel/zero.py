@@ -140,15 +140,21 @@ def init_deepspeed_comm() -> None:
     """Point DeepSpeed's comm layer at the process group the worker group already formed.
 
     DeepSpeed reads the torchrun variables (set by ``worker.dist_env``) and, with
-    torch.distributed already initialised, reuses the default group.
+    torch.distributed already initialised, reuses the default group.  On CPU its
+    shared-memory all-reduce op is turned off: DeepSpeed JIT-compiles it (~30 s)
+    the first time each fresh node uses it, which would land inside every re-form
+    onto a new node, and gloo already reduces over the group we formed.
     """
     import deepspeed
     import torch.distributed as dist
+    from deepspeed.accelerator import get_accelerator
 
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         if key not in os.environ:
             raise RuntimeError(f"parallel.strategy=zero: environment variable {key} is not set; "
                                "DeepSpeed needs the torchrun variables (worker.dist_env sets them).")
+    if get_accelerator().device_name() == "cpu":
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
 
 

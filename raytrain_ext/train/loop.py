@@ -168,7 +168,8 @@ class TrainLoop:
             vote = max(vote, self.ckpt.request_flag())
         busy = float(self.ckpt is not None and self.ckpt.busy())
         self.mark("exchange")
-        exchanged = self._exchange(local, loss_sum, (vote, busy, self._compute_s))
+        exchanged = self._exchange(local, loss_sum, (vote, busy, self._compute_s),
+                                   self._take_expert_tokens())
         loss = exchanged.loss_sum / self.global_tokens
         decision = self._nonfinite_decision(step, loss, float(grad_norm), exchanged.consumed)
         if not skip_batch and decision.action == "ok":
@@ -195,7 +196,8 @@ class TrainLoop:
                   "peak_memory_gb": peak_memory_bytes(ctx.device) / 2**30,
                   "mfu": mfu(self.global_tokens / step_time, self.flops_per_token,
                              self.peak_flops, ctx.world_size),
-                  **self._straggler_fields(exchanged.compute_s), **self._expert_load_field()}
+                  **self._straggler_fields(exchanged.compute_s),
+                  **self._expert_load_field(exchanged.expert_tokens)}
         if skip_batch or decision.action != "ok":
             record["skipped"] = True
         if self._rollback_note is not None:
@@ -254,24 +256,25 @@ class TrainLoop:
         load = self.strategy.unwrap(self.model).expert_load()
         self._expert_tokens = load if self._expert_tokens is None else self._expert_tokens + load
 
-    def _expert_load_field(self) -> Dict[str, Any]:
-        """MoE: each expert's share of the step's kept tokens (all ranks, all layers), on rank 0.
+    def _take_expert_tokens(self) -> List[float]:
+        """MoE: this rank's kept tokens per expert this step (all its layers), then reset.
 
-        Routing runs where the tokens are, so every rank counts all experts and
-        one small all-reduce (on every rank of an MoE run) gives the global load.
+        Routing runs where the tokens are, so every rank counts all experts; the
+        counts ride in the step's all-gather (``_exchange``), which sums them.
         """
         if not self.cfg.model.moe.num_experts:
-            return {}
-        counts = torch.zeros(self.cfg.model.moe.num_experts, dtype=torch.int64,
-                             device=self.ctx.device)
-        if self._expert_tokens is not None:
-            counts += self._expert_tokens.to(self.ctx.device)
-        self._expert_tokens = None
-        dist.all_reduce(counts)
-        total = int(counts.sum())
+            return []
+        counts, self._expert_tokens = self._expert_tokens, None
+        if counts is None:
+            return [0.0] * self.cfg.model.moe.num_experts
+        return counts.to(torch.float64).tolist()
+
+    def _expert_load_field(self, global_tokens: List[float]) -> Dict[str, Any]:
+        """MoE: each expert's share of the step's kept tokens (all ranks), on rank 0."""
+        total = sum(global_tokens)
         if self.ctx.rank != 0 or total == 0:
             return {}
-        return {"expert_load": [round(c / total, 6) for c in counts.tolist()]}
+        return {"expert_load": [round(c / total, 6) for c in global_tokens]}
 
     def _maybe_inject_fault(self) -> None:
         """``chaos.kill_rank`` dies as on a crash, ``chaos.hang_rank`` stops forever."""
@@ -335,16 +338,19 @@ class TrainLoop:
             return contextlib.nullcontext()
         return torch.autocast(self.ctx.device.type, dtype=self.ctx.autocast_dtype)
 
-    def _exchange(self, local: np.ndarray, loss_sum: torch.Tensor, votes: tuple) -> "Exchanged":
-        """One all-gather of [loss sum, save request, save busy, compute time, indices].
+    def _exchange(self, local: np.ndarray, loss_sum: torch.Tensor, votes: tuple,
+                  expert_tokens: List[float]) -> "Exchanged":
+        """One all-gather of [loss sum, save request, save busy, compute time, kept tokens
+        per expert (MoE only), indices].
 
         Indices are padded with -1.  Every rank gets the consumed indices, the
         global loss sum, the max over ranks of the checkpoint votes (so all take
-        the same save decision) and every rank's compute time (for the straggler guard).
+        the same save decision), every rank's compute time (for the straggler guard)
+        and the global kept tokens per expert (float64: exact below 2**53).
         """
-        head = 1 + len(votes)
+        head = 1 + len(votes) + len(expert_tokens)
         payload = torch.full((head + self.max_local,), -1.0, dtype=torch.float64)
-        payload[1:head] = torch.tensor(votes, dtype=torch.float64)
+        payload[1:head] = torch.tensor([*votes, *expert_tokens], dtype=torch.float64)
         # one rank per data-parallel group reports its samples, one (the last stage) its loss
         if self.ctx.counts_samples:
             payload[head:head + len(local)] = torch.from_numpy(local.astype(np.float64))
@@ -358,7 +364,8 @@ class TrainLoop:
         return Exchanged(consumed=indices[indices >= 0].to(torch.int64).numpy(),
                          loss_sum=float(gathered[:, 0].sum()),
                          request=gathered[:, 1].max().item(), busy=gathered[:, 2].max().item(),
-                         compute_s=gathered[:, 3].tolist())
+                         compute_s=gathered[:, 3].tolist(),
+                         expert_tokens=gathered[:, 1 + len(votes):head].sum(dim=0).tolist())
 
 
 @dataclass
@@ -370,6 +377,7 @@ class Exchanged:
     request: float
     busy: float
     compute_s: List[float]
+    expert_tokens: List[float]  # summed over ranks; empty unless MoE
 
 
 def _all_gather_flat(output: torch.Tensor, tensor: torch.Tensor) -> None:

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import datetime
 import os
+import random
 import socket
 from dataclasses import asdict, dataclass
-from typing import List, Optional
+from pathlib import Path
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -44,9 +46,35 @@ class WorkerEnv:
         return asdict(self)
 
 
+def _ephemeral_port_range() -> Tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port(host: str = "") -> int:
-    """A TCP port that is free on this node now (the rendezvous port of rank 0)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A TCP port that is free on this node now (the rendezvous port of rank 0).
+
+    Chosen *below* the kernel's ephemeral range: a same-node rank that retries
+    ``connect()`` before rank 0 listens draws its source ports from that range,
+    and if it draws the destination port itself, TCP simultaneous open connects
+    the socket to itself and the rendezvous waits on its own echo forever.
+    Ports 20000+ also stay clear of Ray's worker ports (10002-19999).
+    """
+    low, _ = _ephemeral_port_range()
+    candidates = list(range(20000, max(low, 20001)))
+    random.shuffle(candidates)
+    for port in candidates[:200]:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # range exhausted or too small
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind((host, 0))
         return s.getsockname()[1]
