@@ -1,6 +1,8 @@
 """Shared fixtures. Ray, gloo and servers stay on loopback (see FIELD_NOTES)."""
 
 import os
+import time
+from pathlib import Path
 
 # Must be set before ray is imported: Ray then resolves its own address to 127.0.0.1.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -97,3 +99,21 @@ def ddp_layout_reference(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("ddp-layout-reference")
     return {"ranks": train(2, tmp), "ckpt": tmp / "ckpt"}
+
+
+def wait_for_checkpoint(directory: Path, min_step: int, timeout_s: float = 120.0,
+                        while_running=None) -> int:
+    """Block until a committed checkpoint of step >= ``min_step`` is in ``directory``; its step.
+
+    Not one exact step: with ``checkpoint.on_busy=skip`` (the default) a save that falls
+    due while the previous one is still persisting is skipped, which a loaded machine does
+    now and then.  ``while_running``: a ``Popen`` that must still run (to be interrupted).
+    """
+    deadline = time.time() + timeout_s
+    while time.time() < deadline and (while_running is None or while_running.poll() is None):
+        steps = [int(m.parent.name.split("-")[1]) for m in directory.glob("step-*/manifest.json")]
+        if any(step >= min_step for step in steps):
+            return max(steps)
+        time.sleep(0.02)
+    raise AssertionError(f"no checkpoint of step >= {min_step} in {directory} within "
+                         f"{timeout_s:.0f} s" + (" while the run ran" if while_running else ""))

@@ -6,13 +6,12 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
 import pytest
 
-from tests.conftest import FAST_MODEL
+from tests.conftest import FAST_MODEL, wait_for_checkpoint
 from tests.reference import uninterrupted
 
 REPO = Path(__file__).resolve().parents[1]
@@ -30,14 +29,6 @@ def clean_env():
 def run(cmd, cwd):
     return subprocess.run(cmd, cwd=cwd, env=clean_env(), capture_output=True, text=True,
                           timeout=300)
-
-
-def wait_for(path, proc, timeout_s=120.0):
-    """Block until ``path`` exists while ``proc`` still runs (so it can be interrupted)."""
-    deadline = time.time() + timeout_s
-    while not path.exists() and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.02)
-    assert path.exists() and proc.poll() is None, f"{path} never appeared while the run ran"
 
 
 def raytrain_ext_cmd():
@@ -87,7 +78,7 @@ def test_killed_cli_run_resumed_by_the_job_entrypoint_ends_as_if_uninterrupted(t
     proc = subprocess.Popen([*raytrain_ext_cmd(), "train", *common], cwd=tmp_path, env=clean_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
-    wait_for(tmp_path / "victim" / "checkpoints" / "step-00000010" / "manifest.json", proc)
+    wait_for_checkpoint(tmp_path / "victim" / "checkpoints", 10, while_running=proc)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     resumed = run([sys.executable, str(REPO / "jobs" / "train.py"), "--config",
@@ -112,7 +103,7 @@ def test_sigterm_to_a_worker_checkpoints_then_resumes_with_zero_steps_redone(tmp
     cmd = [*raytrain_ext_cmd(), "train", *common]
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    wait_for(tmp_path / "spot" / "checkpoints" / "step-00000005" / "manifest.json", proc)
+    wait_for_checkpoint(tmp_path / "spot" / "checkpoints", 5, while_running=proc)
     os.kill(_worker_pids(proc.pid)[1], signal.SIGTERM)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 3, stderr[-3000:]

@@ -68,3 +68,13 @@ def test_preemption_budget_is_separate_from_failures():
     assert preemptions.allows(2) and not preemptions.allows(3)
     assert preemptions.spent(3, "preemption") == "preemption 3 exceeds elastic.max_preemptions=2"
     assert not failures(0).allows(1)  # a run with no failure budget can still be preempted
+
+
+def test_node_probe_counts_nodes_proven_alive_without_pinging_them():
+    """After a failure, the nodes whose ranks answered the controller's poll are alive; the
+    capacity check counts them at once instead of waiting for a ping task to start there."""
+    from raytrain_ext.elastic.policy import NodeProbe
+
+    probe = NodeProbe(known_alive={"node-a"})
+    probe.add(["node-a"])  # already known: no ping task is submitted (no Ray needed)
+    assert probe.answered(timeout_s=0) == {"node-a"}

@@ -14,7 +14,7 @@ from raytrain_ext import Trainer, load_config
 from raytrain_ext.checkpoint.manifest import Manifest, checksum_file, verify_dir
 from raytrain_ext.checkpoint.memory import MemoryTier, start_memory_tier, stop_memory_tier
 from raytrain_ext.checkpoint.tier import prune
-from tests.conftest import tiny_overrides
+from tests.conftest import tiny_overrides, wait_for_checkpoint
 from raytrain_ext import TrainingFailed
 from raytrain_ext.checkpoint.disk import DiskTier
 from raytrain_ext.checkpoint.export import load_model_state
@@ -154,7 +154,7 @@ def test_ray_drain_notice_checkpoints_then_shrinks_away_from_the_node(ray_cluste
         Trainer(load_config(None, common)).fit()))
     runner.start()
     run_dir = tmp_path / "tiny"
-    wait_for(run_dir / "checkpoints" / "step-00000010" / "manifest.json")
+    wait_for_checkpoint(run_dir / "checkpoints", 10)
     gcs = ray._private.worker.global_worker.gcs_client
     accepted, why = gcs.drain_node(
         node_b.node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
@@ -185,8 +185,7 @@ def test_below_min_workers_waits_for_a_replacement_node(ray_cluster, tmp_path):
     runner = threading.Thread(target=lambda: summaries.append(
         Trainer(load_config(None, common)).fit()))
     runner.start()
-    marker = tmp_path / "tiny" / "checkpoints" / "step-00000004" / "manifest.json"
-    wait_for(marker)
+    wait_for_checkpoint(tmp_path / "tiny" / "checkpoints", 4)
     ray_cluster.remove_node(node_b, allow_graceful=False)  # 1 worker fits, min_workers is 2
     time.sleep(4.0)
     node_d = ray_cluster.add_node(num_cpus=1)  # capacity comes back
@@ -244,7 +243,7 @@ def test_node_loss_shrinks_then_grows_back_when_a_node_joins(ray_cluster, tmp_pa
     summaries = []
     runner = threading.Thread(target=lambda: summaries.append(trainer.fit()))
     runner.start()
-    wait_for(tmp_path / "tiny" / "checkpoints" / "step-00000008" / "manifest.json")
+    wait_for_checkpoint(tmp_path / "tiny" / "checkpoints", 8)
     rank0_node = trainer._controller.group.infos[0]["node_id"]
     (survivor,) = set(nodes) - {rank0_node}
     ray_cluster.remove_node(nodes[rank0_node], allow_graceful=False)

@@ -89,7 +89,7 @@ def ray_train(args, workdir: Path) -> dict:
             if rank == 0:
                 with open(config["log"], "a") as f:
                     f.write(json.dumps({"step": step, "time": time.time(),
-                                        "resumed_from": start}) + "\n")
+                                        "resumed_from": start, "pid": os.getpid()}) + "\n")
             if rank == 1 and step == config["kill_at"] and not os.path.exists(config["marker"]):
                 with open(config["marker"], "w") as f:
                     f.write(str(time.time()))
@@ -115,7 +115,10 @@ def ray_train(args, workdir: Path) -> dict:
         ray.shutdown()
     fault = float(marker.read_text())
     steps = [json.loads(line) for line in log_path.read_text().splitlines()]
-    after = [s for s in steps if s["time"] > fault]
+    # the restarted group's first step: rank 0 of the first group may still log the fault's
+    # own step just after rank 1 exited, so "after the fault" is told by a new process
+    first_pid = steps[0]["pid"]
+    after = [s for s in steps if s["pid"] != first_pid]
     return {"first_step_after_s": after[0]["time"] - fault,
             "steps_redone": args.kill_at - after[0]["resumed_from"]}
 

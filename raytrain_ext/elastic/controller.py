@@ -120,6 +120,7 @@ class Controller:
         self._last_grow_check = 0.0
         self._resize_target: Optional[int] = None
         self._drained_nodes: set = set()
+        self._answered_nodes: set = set()  # nodes whose ranks answered after the last failure
         self._grow_probe = NodeProbe()
 
     def run(self) -> ControllerResult:
@@ -315,14 +316,20 @@ class Controller:
         return RunState.RECOVERING, reason
 
     def _survivors_last_step(self) -> int:
-        """The furthest step any surviving rank completed (its heartbeat)."""
+        """The furthest step any surviving rank completed (its heartbeat).
+
+        Also notes the nodes of the ranks that answered: they are alive, so the
+        capacity check that follows need not ping them.
+        """
         polls = [actor.poll.remote() for actor in self.group.actors]
         steps = [self._last_step()]
-        for ref in polls:
+        self._answered_nodes = set()
+        for rank, ref in enumerate(polls):
             try:
                 events = ray.get(ref, timeout=5)
             except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
                 continue  # a dead rank
+            self._answered_nodes.add(self.group.infos[rank]["node_id"])
             steps.append(events["step"])
             self._forward(events["records"])  # rank 0's records not yet forwarded
         return max(steps)
@@ -366,10 +373,12 @@ class Controller:
             time.sleep(min(2.0, max(0.0, deadline - self.clock())))
 
     def _settled_capacity(self, settle_s: float = 4.0) -> int:
-        """Workers that fit on nodes that answer a ping, once the stopped group's resources
-        are back; polled until ``max_workers`` fit or ``settle_s`` has passed."""
+        """Workers that fit on nodes that answer a ping (or whose ranks just answered), once
+        the stopped group's resources are back; polled until ``max_workers`` fit or
+        ``settle_s`` has passed."""
         deadline = self.clock() + settle_s
-        probe = NodeProbe(free_resources_per_node())
+        probe = NodeProbe(free_resources_per_node(), known_alive=self._answered_nodes)
+        self._answered_nodes = set()  # proof of life is good for this decision only
         capacity = 0
         while True:
             alive = probe.answered(timeout_s=0.1)

@@ -104,10 +104,12 @@ class NodeProbe:
     fixed timeout: a slow node joins late, a dead one never does.
     """
 
-    def __init__(self, nodes: Iterable[str] = ()):
+    def __init__(self, nodes: Iterable[str] = (), known_alive: Iterable[str] = ()):
+        """``known_alive``: nodes just proven alive another way (a worker on them answered),
+        counted without a ping, which on a loaded node first has to start a worker process."""
         self._pending: Dict[Any, str] = {}
-        self._probed: Set[str] = set()
-        self._alive: Set[str] = set()
+        self._alive: Set[str] = set(known_alive)
+        self._probed: Set[str] = set(self._alive)
         self.add(nodes)
 
     def add(self, nodes: Iterable[str]) -> None:
