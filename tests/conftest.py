@@ -109,11 +109,14 @@ def wait_for_checkpoint(directory: Path, min_step: int, timeout_s: float = 120.0
     due while the previous one is still persisting is skipped, which a loaded machine does
     now and then.  ``while_running``: a ``Popen`` that must still run (to be interrupted).
     """
+    from raytrain_ext.checkpoint.disk import DiskTier
+
+    tier = DiskTier(directory)
     deadline = time.time() + timeout_s
     while time.time() < deadline and (while_running is None or while_running.poll() is None):
-        steps = [int(m.parent.name.split("-")[1]) for m in directory.glob("step-*/manifest.json")]
-        if any(step >= min_step for step in steps):
-            return max(steps)
+        steps = tier.committed_steps()
+        if steps and steps[-1] >= min_step:
+            return steps[-1]
         time.sleep(0.02)
     raise AssertionError(f"no checkpoint of step >= {min_step} in {directory} within "
                          f"{timeout_s:.0f} s" + (" while the run ran" if while_running else ""))

@@ -378,7 +378,7 @@ class Controller:
         ``settle_s`` has passed."""
         deadline = self.clock() + settle_s
         probe = NodeProbe(free_resources_per_node(), known_alive=self._answered_nodes)
-        self._answered_nodes = set()  # proof of life is good for this decision only
+        self._answered_nodes = set()  # proof of life holds for the first check only
         capacity = 0
         while True:
             alive = probe.answered(timeout_s=0.1)
