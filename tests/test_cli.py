@@ -99,6 +99,8 @@ def _worker_pids(root_pid):
 def test_sigterm_to_a_worker_checkpoints_then_resumes_with_zero_steps_redone(tmp_path):
     common = [f"run.max_steps={STEPS}", "run.log_every=10", f"optim.decay_steps={STEPS}",
               "checkpoint.every_steps=5", "checkpoint.every_seconds=null",
+              # two tiers: the ranks without the notice must join the deadline checks too
+              "checkpoint.memory=true",
               f"run.output_dir={tmp_path}", "run.tensorboard=false", "run.name=spot", *FAST_MODEL]
     cmd = [*raytrain_ext_cmd(), "train", *common]
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE,

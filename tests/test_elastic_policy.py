@@ -78,3 +78,18 @@ def test_node_probe_counts_nodes_proven_alive_without_pinging_them():
     probe = NodeProbe(known_alive={"node-a"})
     probe.add(["node-a"])  # already known: no ping task is submitted (no Ray needed)
     assert probe.answered(timeout_s=0) == {"node-a"}
+
+
+def test_failure_origin_is_the_dead_rank_not_the_peers_that_echo_it():
+    import ray
+
+    from raytrain_ext.elastic.survivors import is_peer_loss, origin_of
+
+    echo = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+                        "[127.0.0.1]:39856")
+    dead = ray.exceptions.ActorDiedError()
+    assert is_peer_loss(echo) and not is_peer_loss(ValueError("bad batch"))
+    assert origin_of({0: echo}) is None  # only an echo so far: the origin has yet to report
+    assert origin_of({0: echo, 2: dead}) == 2
+    assert origin_of({0: echo, 1: ValueError("bad batch")}) == 1  # a rank's own error
+    assert origin_of({3: dead, 1: ValueError("bad batch")}) == 3  # a dead process first

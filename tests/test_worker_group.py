@@ -110,6 +110,11 @@ def test_killed_worker_is_replaced_and_the_run_ends_as_if_nothing_happened(ray_l
     (recovery,) = summary["recoveries"]
     assert recovery["world_size"] == 2 and recovery["restored_from"] == "memory"
     assert recovery["restored_step"] == 4 and recovery["steps_redone"] == 3
+    # rank 0's collective raised first, but the failure is the dead rank 1's; rank 0's process
+    # is kept, and rank 1 restarts in its own freed slot
+    assert recovery["reason"].startswith("worker rank 1 ") and "ActorDiedError" in recovery["reason"]
+    assert recovery["decision"] == "replace"
+    assert recovery["reformed"] == {"kept": 1, "spares_used": 0, "started": 1}
     assert 0 < recovery["first_step_after_s"] < 60
     assert [t["target"] for t in summary["transitions"]] == [
         "RUNNING", "RECOVERING", "SCHEDULING", "RUNNING", "FINISHED"]
@@ -127,10 +132,13 @@ def test_hung_rank_is_detected_named_and_replaced(ray_local, tmp_path):
     reference = uninterrupted(12)["result"]
     cfg = load_config(None, tiny_overrides(
         tmp_path, *common, "run.name=hang", "chaos.hang_rank=1", "chaos.hang_at_step=6",
-        "elastic.max_failures=1", "elastic.hang_floor_s=3", "elastic.hang_factor=10"))
+        "elastic.max_failures=1", "elastic.hang_floor_s=3", "elastic.hang_factor=10",
+        "elastic.spare_workers=1"))
     summary = Trainer(cfg).fit()
     assert summary["status"] == "finished"
     (recovery,) = summary["recoveries"]
+    # the hung rank is killed; the spare, warm since the start, takes its place beside rank 0
+    assert recovery["reformed"] == {"kept": 1, "spares_used": 1, "started": 0}
     assert re.match(r"hang: rank 1 \(node 127\.0\.0\.1, pid \d+\) made no progress for "
                     r"[\d.]+ s \(deadline [\d.]+ s", recovery["reason"])
     assert recovery["restored_step"] == 4 and recovery["steps_redone"] == 2

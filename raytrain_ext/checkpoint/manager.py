@@ -21,6 +21,7 @@ that verifies on all ranks is loaded by DCP, resharded onto this world size.
 from __future__ import annotations
 
 import logging
+import math
 import shutil
 import tempfile
 import threading
@@ -153,7 +154,11 @@ class CheckpointManager:
                                             name=f"ckpt-step-{step}", daemon=True)
             self._thread.start()
         else:
-            self._persist(step, snap, deadline if request >= REQUEST_EMERGENCY else None)
+            # an emergency is agreed, its deadline is not: only the ranks that got the notice
+            # have one, and every rank must join the deadline checks' all-gathers
+            emergency = request >= REQUEST_EMERGENCY
+            self._persist(step, snap, (math.inf if deadline is None else deadline)
+                          if emergency else None)
         return stall
 
     def wait(self) -> None:

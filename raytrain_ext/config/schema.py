@@ -191,6 +191,10 @@ class ElasticConfig:
     After a worker or node failure the group is re-formed with as many workers
     as fit within ``scaling.min_workers..max_workers`` and resumes from the
     newest committed checkpoint, up to ``max_failures`` times (-1: unlimited).
+    When the lost ranks can be replaced at the same size, the group is re-formed
+    in place instead: surviving processes (on gloo, their collectives raised when
+    the peer vanished) are kept, and the lost ranks are taken over by warm spares
+    or by new processes in their freed slots.
     """
 
     poll_interval_s: float = 0.2
@@ -203,6 +207,9 @@ class ElasticConfig:
     resize_cooldown_s: float = 60.0  # ... and this long after the last re-form (hysteresis)
     max_preemptions: int = -1  # preemptions (SIGTERM, drain) survived by shrinking; -1: unlimited
     preemption_wait_s: float = 0.0  # after a preemption below min_workers: wait, then stop
+    reuse_survivors: bool = True  # after a failure, keep the processes whose collectives failed
+    reuse_wait_s: float = 5.0  # ... if they return within this long (else: restart them all)
+    spare_workers: int = 0  # warm standby processes placed with the gang (each holds a slot)
 
 
 @dataclass

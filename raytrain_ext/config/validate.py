@@ -54,7 +54,7 @@ POSITIVE_FLOATS = ("optim.lr", "optim.eps", "scaling.placement_timeout_s",
                    "elastic.hang_factor", "elastic.hang_floor_s",
                    "checkpoint.preemption_grace_s", "guards.straggler_factor")
 
-NON_NEGATIVE = ("elastic.wait_for_capacity_s", "elastic.grow_stable_s", "elastic.resize_cooldown_s",
+NON_NEGATIVE = ("elastic.reuse_wait_s", "elastic.spare_workers", "elastic.wait_for_capacity_s", "elastic.grow_stable_s", "elastic.resize_cooldown_s",
                 "elastic.preemption_wait_s", "chaos.stall_save_s", "chaos.kill_at_step", "chaos.hang_at_step", "run.seed", "data.seed", "optim.min_lr", "optim.weight_decay", "optim.warmup_steps", "optim.grad_clip",
                 "model.moe.num_experts", "model.moe.aux_loss_weight", "chaos.nan_at_step",
                 "chaos.slow_s", "guards.max_nan_steps")

@@ -1,9 +1,12 @@
 """The run controller: an explicit state machine on the driver.
 
 States: SCHEDULING -> RUNNING -> FINISHED; RUNNING -> RECOVERING -> SCHEDULING
-after a worker or node failure while ``elastic.max_failures`` allows (the
-survivors are stopped and the group re-formed with as many workers as fit,
-within min..max, restoring the newest committed checkpoint), FAILED otherwise;
+after a worker or node failure while ``elastic.max_failures`` allows, FAILED
+otherwise.  Recovering re-forms the group in place when the lost ranks can be
+replaced at the same size (surviving processes kept, lost ranks taken over by
+warm spares or new processes in their freed slots); otherwise the survivors are
+stopped and the group re-formed with as many workers as fit, within min..max.
+Either way the new group restores the newest committed checkpoint.
 RUNNING -> RECOVERING after a preemption (SIGTERM or drain: an emergency
 checkpoint, then re-form away from the preempted nodes; ``elastic.max_preemptions``
 is a separate budget; PREEMPTED when too little capacity is left); RUNNING ->
@@ -38,6 +41,7 @@ from raytrain_ext.elastic.policy import (
     recovery_decision,
     workers_that_fit,
 )
+from raytrain_ext.elastic.survivors import first_error, keepable_ranks
 from raytrain_ext.elastic.watchdog import HangWatchdog
 from raytrain_ext.metrics import MetricsSink
 from raytrain_ext.parallel.dims import resize_unit
@@ -122,6 +126,8 @@ class Controller:
         self._drained_nodes: set = set()
         self._answered_nodes: set = set()  # nodes whose ranks answered after the last failure
         self._grow_probe = NodeProbe()
+        self._hung_ranks: List[int] = []  # named by the watchdog's last verdict
+        self._keep_ranks: Optional[List[int]] = None  # the next SCHEDULING re-forms in place
 
     def run(self) -> ControllerResult:
         handlers = {RunState.SCHEDULING: self._schedule, RunState.RUNNING: self._running,
@@ -151,10 +157,18 @@ class Controller:
         s, p = self.cfg.scaling, self.cfg.parallel
         if self.attempt == 0 and s.min_workers < s.max_workers:
             self.world_size = self._initial_size()
+        keep, self._keep_ranks = self._keep_ranks, None
         try:
-            self.group.start(self.world_size, backend=p.backend, timeout_s=p.timeout_s,
-                             placement_timeout_s=s.placement_timeout_s)
+            if keep is not None:
+                filled = self.group.reform(keep, backend=p.backend, timeout_s=p.timeout_s,
+                                           placement_timeout_s=s.placement_timeout_s)
+                self.result.recoveries[-1]["reformed"] = filled
+            else:
+                self.group.start(self.world_size, backend=p.backend, timeout_s=p.timeout_s,
+                                 placement_timeout_s=s.placement_timeout_s,
+                                 spares=self.cfg.elastic.spare_workers)
         except Exception as e:  # placement timeout, rendezvous failure
+            self._fit_refs = []  # nothing ran: no survivor to keep
             self.result.error = e
             reason = f"could not form the worker group: {type(e).__name__}"
             return self._after_failure(reason) if self.attempt else (RunState.FAILED, reason)
@@ -173,7 +187,7 @@ class Controller:
         """Start with as many workers as fit now, within min..max (``num_workers`` when fewer
         than min fit: the placement then waits ``scaling.placement_timeout_s`` for capacity)."""
         free = free_resources_per_node()  # at the start Ray's node list is fresh: no ping needed
-        capacity = self._workers_that_fit(free, set(free))
+        capacity = self._workers_that_fit(free, set(free)) - self.cfg.elastic.spare_workers
         size = self.scaling_policy.size_for(capacity)
         if size < self.scaling_policy.min_workers:
             return self.cfg.scaling.num_workers
@@ -185,6 +199,7 @@ class Controller:
         """Wait for the workers, forwarding metrics every poll interval."""
         interval = self.cfg.elastic.poll_interval_s
         pending = list(self._fit_refs)
+        self._hung_ranks = []
         self.watchdog = HangWatchdog(self.cfg.elastic.hang_factor, self.cfg.elastic.hang_floor_s)
         while pending:
             done, pending = ray.wait(pending, num_returns=len(pending), timeout=interval)
@@ -233,6 +248,7 @@ class Controller:
         verdict = self.watchdog.check(now)
         if verdict is None:
             return None
+        self._hung_ranks = list(verdict.ranks)
         names = ", ".join(f"rank {r} (node {self.group.infos[r]['node_ip']}, pid "
                           f"{self.group.infos[r]['pid']})" for r in verdict.ranks)
         reason = (f"hang: {names} made no progress for {verdict.stalled_s:.1f} s (deadline "
@@ -335,10 +351,19 @@ class Controller:
         return max(steps)
 
     def _recover(self) -> Tuple[RunState, str]:
-        """Stop the survivors, see what fits now, and re-form (restoring the newest checkpoint)."""
+        """Re-form in place if the lost ranks can be replaced; else stop the survivors, see
+        what fits now, and re-form (either way restoring the newest checkpoint)."""
         recovery = self.result.recoveries[-1]
-        self.group.shutdown()
         self._resize_target = None  # a failure overtook a planned resize
+        keep = self._survivors_to_keep(recovery)
+        if keep is not None:
+            self._keep_ranks = keep
+            recovery.update(decided_s=self.clock() - recovery["detected_at"],
+                            decision="replace", world_size=self.world_size)
+            self.attempt += 1
+            return RunState.SCHEDULING, (f"re-forming {self.world_size} workers in place: "
+                                         f"{len(keep)} surviving process(es) kept")
+        self.group.shutdown()
         preempted = recovery["kind"] == "preemption"
         e = self.cfg.elastic
         decision = self._decide_with_patience(e.preemption_wait_s if preempted
@@ -353,6 +378,15 @@ class Controller:
         self.world_size = decision.world_size
         self.attempt += 1
         return RunState.SCHEDULING, decision.reason
+
+    def _survivors_to_keep(self, recovery: Dict[str, Any]) -> Optional[List[int]]:
+        """The ranks whose processes join the next group if it can be re-formed in place at
+        its size (see ``survivors.keepable_ranks``); None to restart every process."""
+        e = self.cfg.elastic
+        if not e.reuse_survivors or recovery["kind"] != "failure" \
+                or self.group.backend != "gloo" or not self._fit_refs:
+            return None  # NCCL: a communicator whose peer vanished needs an abort, not reuse
+        return keepable_ranks(self.group, self._fit_refs, self._hung_ranks, e.reuse_wait_s)
 
     def _decide_with_patience(self, wait_s: float) -> Decision:
         """Decide; below min_workers, wait up to ``wait_s`` for capacity.
@@ -379,10 +413,12 @@ class Controller:
         deadline = self.clock() + settle_s
         probe = NodeProbe(free_resources_per_node(), known_alive=self._answered_nodes)
         self._answered_nodes = set()  # proof of life holds for the first check only
+        spares = self.cfg.elastic.spare_workers  # placed with the gang: they need room too
         capacity = 0
         while True:
             alive = probe.answered(timeout_s=0.1)
-            capacity = max(capacity, self._workers_that_fit(free_resources_per_node(), alive))
+            capacity = max(capacity,
+                           self._workers_that_fit(free_resources_per_node(), alive) - spares)
             if capacity >= self.scaling_policy.max_workers or self.clock() > deadline:
                 return capacity
             time.sleep(0.1)
@@ -425,12 +461,7 @@ class Controller:
             self.group.actors[0].request_checkpoint.remote()
 
     def _first_error(self, done: List[ray.ObjectRef]) -> Optional[Tuple[int, BaseException]]:
-        for ref in done:
-            try:
-                ray.get(ref)
-            except Exception as e:
-                return self._fit_refs.index(ref), e
-        return None
+        return first_error(self._fit_refs, done, self.clock)
 
     def _drain_events(self) -> None:
         """Forward rank 0's new per-step records to the sinks."""
@@ -479,6 +510,7 @@ class Controller:
         log.info("controller: recovered from failure %d in %.2f s (restored step %d from %s, "
                  "%d steps redone)", recovery["failure"], recovery["first_step_after_s"],
                  restored_step, recovery["restored_from"], recovery["steps_redone"])
+        self.group.replenish_spares(self.cfg.elastic.spare_workers)  # off the recovery's path
 
 
 def _error_name(error: BaseException) -> str:

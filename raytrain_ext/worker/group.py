@@ -3,14 +3,19 @@
 Lifecycle: ``start`` reserves the gang (all bundles or nothing, with a
 timeout), creates one actor per bundle, ranks them node by node, lets rank 0
 publish a free port on its node, and has every worker join the process group.
-``shutdown`` kills the actors and removes the placement group; it is safe to
-call more than once and after a partial start, so nothing is left behind.
+``reform`` re-forms the same gang in place after a failure: surviving
+processes are kept, dead ranks are taken over by warm spares (extra bundles
+of the gang, ``elastic.spare_workers``) or by fresh actors in their freed
+bundles.  ``shutdown`` kills the actors and spares and removes the placement
+group; it is safe to call more than once and after a partial start, so
+nothing is left behind.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Optional
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -26,73 +31,164 @@ class PlacementTimeout(RuntimeError):
     """The cluster could not host the whole gang in time."""
 
 
+@dataclass
+class Spare:
+    """A warm standby actor in its own bundle of the gang; ``ready`` resolves to its node info."""
+
+    actor: Any
+    bundle: int
+    ready: ray.ObjectRef
+
+
 class WorkerGroup:
     def __init__(self, resources_per_worker: Dict[str, float], placement_strategy: str = "PACK"):
         self.resources = {k: float(v) for k, v in resources_per_worker.items() if v}
         self.placement_strategy = placement_strategy
         self.pg = None
         self.actors: List[Any] = []  # in rank order once started
+        self.bundles: List[int] = []  # each rank's bundle in ``pg``
         self.envs: List[WorkerEnv] = []
         self.infos: List[Dict[str, Any]] = []
+        self.spares: List[Spare] = []
+        self.vacant: List[int] = []  # bundles freed by a re-form in place, not yet refilled
         self.backend: Optional[str] = None
         self.avoid_nodes: set = set()  # node ids the next start() must not use
+        self._runtime_env: Optional[dict] = None
 
     @property
     def world_size(self) -> int:
         return len(self.actors)
 
     def start(self, num_workers: int, *, backend: str, timeout_s: float,
-              placement_timeout_s: float, runtime_env: Optional[dict] = None) -> None:
-        """Place ``num_workers`` actors as a gang and form the process group."""
+              placement_timeout_s: float, runtime_env: Optional[dict] = None,
+              spares: int = 0) -> None:
+        """Place ``num_workers`` actors (plus ``spares`` warm standbys) as one gang and form
+        the process group."""
+        total = num_workers + spares
         selector = None
         if self.avoid_nodes:  # preempted or evicted nodes; Ray labels every node with its id
-            selector = [{"ray.io/node-id": f"!in({','.join(sorted(self.avoid_nodes))})"}] * num_workers
-        self.pg = placement_group([dict(self.resources)] * num_workers,
+            selector = [{"ray.io/node-id": f"!in({','.join(sorted(self.avoid_nodes))})"}] * total
+        self.pg = placement_group([dict(self.resources)] * total,
                                   strategy=self.placement_strategy, bundle_label_selector=selector)
         ready, _ = ray.wait([self.pg.ready()], timeout=placement_timeout_s)
         if not ready:
             raise PlacementTimeout(
-                f"could not place {num_workers} workers with {self.resources} each "
+                f"could not place {total} workers with {self.resources} each "
                 f"({self.placement_strategy}) within {placement_timeout_s:.0f} s; cluster "
-                f"resources: {ray.cluster_resources()}. Lower scaling.num_workers or "
-                "scaling.resources_per_worker, or add nodes.")
-        worker_cls = remote_worker_class()
+                f"resources: {ray.cluster_resources()}. Lower scaling.num_workers, "
+                "scaling.resources_per_worker or elastic.spare_workers, or add nodes.")
+        self._runtime_env = runtime_env
+        actors = [self._create(i) for i in range(num_workers)]
+        self.spares = [self._create_spare(i) for i in range(num_workers, total)]
+        self.vacant = []
+        infos = ray.get([a.node_info.remote() for a in actors])
+        self._form(list(zip(actors, range(num_workers), infos)), backend, timeout_s)
+
+    def reform(self, keep_ranks: List[int], *, backend: str, timeout_s: float,
+               placement_timeout_s: float) -> Dict[str, int]:
+        """Re-form at the same size keeping the ``keep_ranks`` processes (their collectives
+        failed cleanly); the other ranks are killed and replaced by ready spares first, then
+        by fresh actors in their freed bundles.  Freed bundles left over host new spares,
+        which ``replenish_spares`` starts once training has resumed (a starting
+        process would compete with the recovery for CPU).  Returns how each slot was filled."""
+        keep = set(keep_ranks)
+        members = [(self.actors[r], self.bundles[r], self.infos[r]) for r in sorted(keep)]
+        freed = [self.bundles[r] for r in range(self.world_size) if r not in keep]
+        for rank in range(self.world_size):
+            if rank not in keep:
+                _kill(self.actors[rank])
+        need = self.world_size - len(members)
+        ready = self._ready_spares(need)
+        members += ready
+        fresh = [(self._create(b), b) for b in freed[:need - len(ready)]]
+        infos = ray.get([a.node_info.remote() for a, _ in fresh], timeout=placement_timeout_s)
+        members += [(a, b, info) for (a, b), info in zip(fresh, infos)]
+        self.vacant = freed[need - len(ready):]
+        self._form(members, backend, timeout_s)
+        return {"kept": len(keep), "spares_used": len(ready), "started": len(fresh)}
+
+    def replenish_spares(self, spares: int) -> None:
+        """Start new spares in vacant bundles, up to ``spares`` in all; they warm up meanwhile."""
+        while self.vacant and len(self.spares) < spares:
+            self.spares.append(self._create_spare(self.vacant.pop()))
+
+    def ready_spare_count(self) -> int:
+        if not self.spares:
+            return 0
+        done, _ = ray.wait([s.ready for s in self.spares], num_returns=len(self.spares), timeout=0)
+        return len(done)
+
+    def _ready_spares(self, wanted: int) -> List[Tuple[Any, int, Dict[str, Any]]]:
+        """Up to ``wanted`` spares that finished warming (a spare still starting stays one)."""
+        if not wanted or not self.spares:
+            return []
+        done, _ = ray.wait([s.ready for s in self.spares], num_returns=len(self.spares), timeout=0)
+        taken = []
+        for spare in list(self.spares):
+            if len(taken) == wanted or spare.ready not in done:
+                continue
+            self.spares.remove(spare)
+            try:
+                taken.append((spare.actor, spare.bundle, ray.get(spare.ready)))
+            except ray.exceptions.RayError:  # died while standing by (its node was lost)
+                _kill(spare.actor)
+        return taken
+
+    def _create(self, bundle: int):
         gpus = self.resources.get("GPU", 0.0)
         custom = {k: v for k, v in self.resources.items() if k not in ("CPU", "GPU")}
-        actors = [worker_cls.options(
+        return remote_worker_class().options(
             num_cpus=self.resources.get("CPU", 0.0), num_gpus=gpus, resources=custom or None,
             scheduling_strategy=PlacementGroupSchedulingStrategy(
-                self.pg, placement_group_bundle_index=i),
-            runtime_env=runtime_env,
-        ).remote() for i in range(num_workers)]
-        infos = ray.get([a.node_info.remote() for a in actors])
-        envs = assign_ranks([i["node_id"] for i in infos], [i["gpu_ids"] for i in infos],
-                            [i["node_ip"] for i in infos], port=0)
-        order = sorted(range(num_workers), key=lambda i: envs[i].rank)
-        self.actors = [actors[i] for i in order]
-        self.infos = [infos[i] for i in order]
-        port = ray.get(self.actors[0].free_port.remote())
+                self.pg, placement_group_bundle_index=bundle),
+            runtime_env=self._runtime_env,
+        ).remote()
+
+    def _create_spare(self, bundle: int) -> Spare:
+        actor = self._create(bundle)
+        return Spare(actor, bundle, actor.warm.remote())
+
+    def _form(self, members: List[Tuple[Any, int, Dict[str, Any]]], backend: str,
+              timeout_s: float) -> None:
+        """Rank ``members`` (actor, bundle, node info) node by node and join them in one group."""
+        envs = assign_ranks([i["node_id"] for _, _, i in members],
+                            [i["gpu_ids"] for _, _, i in members],
+                            [i["node_ip"] for _, _, i in members], port=0)
+        order = sorted(range(len(members)), key=lambda i: envs[i].rank)
+        self.actors = [members[i][0] for i in order]
+        self.bundles = [members[i][1] for i in order]
+        self.infos = [members[i][2] for i in order]
+        port = ray.get(self.actors[0].host_rendezvous.remote(timeout_s))
         self.envs = [WorkerEnv(**{**envs[i].to_dict(), "master_port": port}) for i in order]
         backends = ray.get([a.setup.remote(e.to_dict(), backend, timeout_s)
                             for a, e in zip(self.actors, self.envs)], timeout=timeout_s + 30)
         self.backend = backends[0]
-        log.info("worker group formed: %d workers, backend %s, master %s:%d", num_workers,
+        log.info("worker group formed: %d workers, backend %s, master %s:%d", len(members),
                  self.backend, self.envs[0].master_addr, port)
 
     def call_async(self, method: str, *args) -> List[ray.ObjectRef]:
         """Call ``method`` on every worker; refs are in rank order."""
         return [getattr(a, method).remote(*args) for a in self.actors]
 
+    def kill(self, ranks: List[int]) -> None:
+        """Kill these ranks' processes now (hung or stuck ones, before a re-form in place)."""
+        for rank in ranks:
+            _kill(self.actors[rank])
+
     def shutdown(self) -> None:
-        for actor in self.actors:
-            try:
-                ray.kill(actor, no_restart=True)
-            except Exception:  # already dead; nothing left to release
-                pass
-        self.actors = []
+        for actor in self.actors + [s.actor for s in self.spares]:
+            _kill(actor)
+        self.actors, self.spares, self.vacant = [], [], []
         if self.pg is not None:
             try:
                 remove_placement_group(self.pg)
             except Exception:
                 pass
             self.pg = None
+
+
+def _kill(actor) -> None:
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception:  # already dead; nothing left to release
+        pass
