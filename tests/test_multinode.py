@@ -33,6 +33,14 @@ def wait_for(path: Path, timeout_s: float = 120.0) -> None:
     assert path.exists(), f"{path} did not appear within {timeout_s:.0f} s"
 
 
+def fit_or_error(trainer):
+    """The run's summary, or the exception that ended it (for a test thread to report)."""
+    try:
+        return trainer.fit()
+    except Exception as e:
+        return e
+
+
 def add_two_worker_nodes(cluster):
     """Node B (1 CPU) and node C (2 CPUs): with SPREAD one worker lands on each, and
     after B is gone, both fit on C."""
@@ -151,7 +159,7 @@ def test_ray_drain_notice_checkpoints_then_shrinks_away_from_the_node(ray_cluste
     reference = uninterrupted(60)["result"]
     summaries = []
     runner = threading.Thread(target=lambda: summaries.append(
-        Trainer(load_config(None, common)).fit()))
+        fit_or_error(Trainer(load_config(None, common)))))
     runner.start()
     run_dir = tmp_path / "tiny"
     wait_for_checkpoint(run_dir / "checkpoints", 10)
@@ -161,7 +169,8 @@ def test_ray_drain_notice_checkpoints_then_shrinks_away_from_the_node(ray_cluste
         "spot reclaim rehearsal", int((time.time() + 30) * 1000))
     assert accepted, why
     runner.join(timeout=180)
-    summary = summaries[0]
+    (summary,) = summaries
+    assert isinstance(summary, dict), f"the run failed: {summary}"
     assert summary["status"] == "finished" and summary["steps_completed"] == 60, \
         summary["transitions"]
     (preemption,) = summary["recoveries"]
@@ -183,14 +192,15 @@ def test_below_min_workers_waits_for_a_replacement_node(ray_cluster, tmp_path):
                             "checkpoint.memory=true", "elastic.wait_for_capacity_s=60")
     summaries = []
     runner = threading.Thread(target=lambda: summaries.append(
-        Trainer(load_config(None, common)).fit()))
+        fit_or_error(Trainer(load_config(None, common)))))
     runner.start()
     wait_for_checkpoint(tmp_path / "tiny" / "checkpoints", 4)
     ray_cluster.remove_node(node_b, allow_graceful=False)  # 1 worker fits, min_workers is 2
     time.sleep(4.0)
     node_d = ray_cluster.add_node(num_cpus=1)  # capacity comes back
     runner.join(timeout=180)
-    summary = summaries[0]
+    (summary,) = summaries
+    assert isinstance(summary, dict), f"the run failed: {summary}"
     assert summary["status"] == "finished" and summary["steps_completed"] == 16
     (recovery,) = summary["recoveries"]
     assert recovery["world_size"] == 2 and recovery["decided_s"] > 3.0
@@ -241,7 +251,7 @@ def test_node_loss_shrinks_then_grows_back_when_a_node_joins(ray_cluster, tmp_pa
     trainer = Trainer(load_config(None, [*common, "elastic.max_failures=1",
                                          "checkpoint.memory=true"]))
     summaries = []
-    runner = threading.Thread(target=lambda: summaries.append(trainer.fit()))
+    runner = threading.Thread(target=lambda: summaries.append(fit_or_error(trainer)))
     runner.start()
     wait_for_checkpoint(tmp_path / "tiny" / "checkpoints", 8)
     rank0_node = trainer._controller.group.infos[0]["node_id"]
@@ -254,7 +264,8 @@ def test_node_loss_shrinks_then_grows_back_when_a_node_joins(ray_cluster, tmp_pa
         time.sleep(0.2)
     node_d = ray_cluster.add_node(num_cpus=2, object_store_memory=100 * 2**20)
     runner.join(timeout=240)
-    summary = summaries[0]
+    (summary,) = summaries
+    assert isinstance(summary, dict), f"the run failed: {summary}"
     assert summary["status"] == "finished" and summary["steps_completed"] == 60
     sizes = [h["world_size"] for h in summary["world_size_history"]]
     assert sizes == [4, 2, 4], summary["transitions"]

@@ -171,6 +171,8 @@ class Controller:
             self._fit_refs = []  # nothing ran: no survivor to keep
             self.result.error = e
             reason = f"could not form the worker group: {type(e).__name__}"
+            if keep is not None:  # the same recovery goes on, restarting every process
+                return RunState.RECOVERING, f"{reason} in place; restarting every process"
             return self._after_failure(reason) if self.attempt else (RunState.FAILED, reason)
         self.result.backend = self.group.backend
         self._last_reform_at = self.clock()

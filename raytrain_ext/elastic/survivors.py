@@ -13,8 +13,6 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 
 import ray
 
-from raytrain_ext.elastic.policy import NodeProbe
-
 PEER_LOSS_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
                      "DistNetworkError")
 
@@ -82,7 +80,9 @@ def keepable_ranks(group, fit_refs: List[ray.ObjectRef], hung_ranks: List[int],
     Hung ranks are killed first, so that their peers' collectives fail at once.  A
     survivor is a rank whose ``fit`` ended within ``wait_s`` and left a healthy process.
     The lost ranks must be refillable: by ready spares, or in their own slots, which
-    needs their nodes alive (a rank on a lost node is shrunk away or waited for instead).
+    needs their nodes alive.  A node counts as alive when a kept rank runs on it; one
+    whose every rank died is treated as lost (shrunk away or waited for instead), since
+    a ping can still be answered in the moments between its workers' and its raylet's death.
     """
     group.kill(hung_ranks)
     done, _ = ray.wait(fit_refs, num_returns=len(fit_refs), timeout=wait_s)
@@ -95,6 +95,4 @@ def keepable_ranks(group, fit_refs: List[ray.ObjectRef], hung_ranks: List[int],
         return keep
     lost_nodes = {group.infos[r]["node_id"] for r in lost}
     kept_nodes = {group.infos[r]["node_id"] for r in keep}
-    if lost_nodes - NodeProbe(lost_nodes, known_alive=kept_nodes).answered(timeout_s=0.5):
-        return None
-    return keep
+    return None if lost_nodes - kept_nodes else keep

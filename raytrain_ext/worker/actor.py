@@ -119,6 +119,7 @@ class TrainWorker:
         self.events = EventBuffer()
         self.requests = SaveRequests()
         self.sigterm_received = False
+        self.metrics_sink = None  # a former rank 0 may take another rank now
         self.env = WorkerEnv(**env)
         has_gpu = bool(ray.get_gpu_ids())
         chosen = choose_backend(backend, has_gpu)

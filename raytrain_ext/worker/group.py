@@ -101,9 +101,10 @@ class WorkerGroup:
         ready = self._ready_spares(need)
         members += ready
         fresh = [(self._create(b), b) for b in freed[:need - len(ready)]]
-        infos = ray.get([a.node_info.remote() for a, _ in fresh], timeout=placement_timeout_s)
+        infos = ray.get([a.node_info.remote() for a, _ in fresh],  # a process start, in a
+                        timeout=min(placement_timeout_s, 30.0))  # bundle the gang holds
         members += [(a, b, info) for (a, b), info in zip(fresh, infos)]
-        self.vacant = freed[need - len(ready):]
+        self.vacant += freed[need - len(ready):]
         self._form(members, backend, timeout_s)
         return {"kept": len(keep), "spares_used": len(ready), "started": len(fresh)}
 
@@ -113,26 +114,35 @@ class WorkerGroup:
             self.spares.append(self._create_spare(self.vacant.pop()))
 
     def ready_spare_count(self) -> int:
+        """Spares warm and alive now (a dead one is dropped, its bundle left vacant)."""
+        self._drop_dead_spares()
         if not self.spares:
             return 0
         done, _ = ray.wait([s.ready for s in self.spares], num_returns=len(self.spares), timeout=0)
         return len(done)
 
+    def _drop_dead_spares(self) -> None:
+        if not self.spares:
+            return
+        done, _ = ray.wait([s.ready for s in self.spares], num_returns=len(self.spares), timeout=0)
+        for spare in [s for s in self.spares if s.ready in done]:
+            try:
+                ray.get(spare.ready)
+            except ray.exceptions.RayError:  # died while standing by (its node was lost)
+                _kill(spare.actor)
+                self.spares.remove(spare)
+                self.vacant.append(spare.bundle)
+
     def _ready_spares(self, wanted: int) -> List[Tuple[Any, int, Dict[str, Any]]]:
         """Up to ``wanted`` spares that finished warming (a spare still starting stays one)."""
+        self._drop_dead_spares()
         if not wanted or not self.spares:
             return []
         done, _ = ray.wait([s.ready for s in self.spares], num_returns=len(self.spares), timeout=0)
-        taken = []
-        for spare in list(self.spares):
-            if len(taken) == wanted or spare.ready not in done:
-                continue
+        taken = [s for s in self.spares if s.ready in done][:wanted]
+        for spare in taken:
             self.spares.remove(spare)
-            try:
-                taken.append((spare.actor, spare.bundle, ray.get(spare.ready)))
-            except ray.exceptions.RayError:  # died while standing by (its node was lost)
-                _kill(spare.actor)
-        return taken
+        return [(s.actor, s.bundle, ray.get(s.ready)) for s in taken]
 
     def _create(self, bundle: int):
         gpus = self.resources.get("GPU", 0.0)
