@@ -67,16 +67,21 @@ class TrainWorker:
     """Remote methods are called by :class:`raytrain_ext.worker.group.WorkerGroup`."""
 
     def __init__(self) -> None:
-        self.events = EventBuffer()
+        self._reset_run_state()
         self.env: WorkerEnv | None = None
         self.device = None
-        self.metrics_sink = None
-        self.requests = SaveRequests()
         self.hosted_store = None  # rank 0's rendezvous store, between host_rendezvous and setup
         self.grace_s = 30.0
-        self.sigterm_received = False
         # Actor __init__ runs on the process's main thread, where handlers can be installed.
         signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _reset_run_state(self) -> None:
+        """What one group's run accumulates: heartbeats and records, save requests, the
+        SIGTERM mark and rank 0's metrics sink (a former rank 0 may take another rank)."""
+        self.events = EventBuffer()
+        self.requests = SaveRequests()
+        self.sigterm_received = False
+        self.metrics_sink = None
 
     def _on_sigterm(self, signum, frame) -> None:
         """Preemption notice: checkpoint at the next step boundary, then stop."""
@@ -116,10 +121,7 @@ class TrainWorker:
         buffers start empty, as in a new process.
         """
         destroy_distributed()
-        self.events = EventBuffer()
-        self.requests = SaveRequests()
-        self.sigterm_received = False
-        self.metrics_sink = None  # a former rank 0 may take another rank now
+        self._reset_run_state()
         self.env = WorkerEnv(**env)
         has_gpu = bool(ray.get_gpu_ids())
         chosen = choose_backend(backend, has_gpu)

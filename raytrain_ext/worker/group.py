@@ -114,32 +114,29 @@ class WorkerGroup:
             self.spares.append(self._create_spare(self.vacant.pop()))
 
     def ready_spare_count(self) -> int:
-        """Spares warm and alive now (a dead one is dropped, its bundle left vacant)."""
-        self._drop_dead_spares()
-        if not self.spares:
-            return 0
-        done, _ = ray.wait([s.ready for s in self.spares], num_returns=len(self.spares), timeout=0)
-        return len(done)
+        return len(self._warm_spares())
 
-    def _drop_dead_spares(self) -> None:
+    def _warm_spares(self) -> List[Spare]:
+        """The spares done warming and alive, in order; one that died while standing by
+        (its node was lost) is dropped, its bundle left vacant."""
         if not self.spares:
-            return
+            return []
         done, _ = ray.wait([s.ready for s in self.spares], num_returns=len(self.spares), timeout=0)
+        warm = []
         for spare in [s for s in self.spares if s.ready in done]:
             try:
                 ray.get(spare.ready)
-            except ray.exceptions.RayError:  # died while standing by (its node was lost)
+            except ray.exceptions.RayError:
                 _kill(spare.actor)
                 self.spares.remove(spare)
                 self.vacant.append(spare.bundle)
+                continue
+            warm.append(spare)
+        return warm
 
     def _ready_spares(self, wanted: int) -> List[Tuple[Any, int, Dict[str, Any]]]:
-        """Up to ``wanted`` spares that finished warming (a spare still starting stays one)."""
-        self._drop_dead_spares()
-        if not wanted or not self.spares:
-            return []
-        done, _ = ray.wait([s.ready for s in self.spares], num_returns=len(self.spares), timeout=0)
-        taken = [s for s in self.spares if s.ready in done][:wanted]
+        """Up to ``wanted`` warm spares, taken out of the pool (a spare still starting stays)."""
+        taken = self._warm_spares()[:wanted]
         for spare in taken:
             self.spares.remove(spare)
         return [(s.actor, s.bundle, ray.get(s.ready)) for s in taken]
