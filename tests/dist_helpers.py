@@ -16,22 +16,26 @@ from raytrain_ext.worker.dist_env import WorkerEnv, destroy_distributed, free_po
 
 
 def _run_rank(rank: int, world: int, port: int, cfg_dict: dict, out_dir: str) -> None:
-    from raytrain_ext.train.loop import TrainLoop
-
     env = WorkerEnv(rank=rank, local_rank=rank, world_size=world, local_world_size=world,
                     node_rank=0, master_addr="127.0.0.1", master_port=port)
     torch.set_num_threads(1)
     device = init_distributed(env, "gloo", timeout_s=60)
     try:
-        records: List[Dict] = []
-        loop = TrainLoop(config_from_dict(cfg_dict), rank, world, rank, device, records.append,
-                         chaos_armed=True)
-        result = loop.fit()
-        params = {k: v.clone() for k, v in loop.strategy.full_parameters(loop.model).items()}
-        torch.save({"result": result, "params": params, "records": records},
-                   Path(out_dir) / f"rank{rank}.pt")
+        _fit_and_save(rank, world, cfg_dict, out_dir, device)
     finally:
-        destroy_distributed()
+        destroy_distributed()  # after the loop (and its DDP Reducer) is gone: see its docstring
+
+
+def _fit_and_save(rank: int, world: int, cfg_dict: dict, out_dir: str, device) -> None:
+    from raytrain_ext.train.loop import TrainLoop
+
+    records: List[Dict] = []
+    loop = TrainLoop(config_from_dict(cfg_dict), rank, world, rank, device, records.append,
+                     chaos_armed=True)
+    result = loop.fit()
+    params = {k: v.clone() for k, v in loop.strategy.full_parameters(loop.model).items()}
+    torch.save({"result": result, "params": params, "records": records},
+               Path(out_dir) / f"rank{rank}.pt")
 
 
 def train_processes(world: int, overrides: List[str], out_dir: Path) -> List[Dict]:

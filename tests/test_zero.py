@@ -179,3 +179,41 @@ def test_zero2_checkpoint_resumes_on_fewer_workers_and_in_ddp(ddp, tmp_path):
         restored = run[0]["result"]["restored"]
         assert (restored["step"], restored["saved_world_size"]) == (2, 2)
         assert_matches(run, ddp, steps=slice(2, None))
+
+
+@pytest.mark.slow
+def test_native_deepspeed_files_are_committed_and_restored_through_load_checkpoint(ddp, tmp_path):
+    """``parallel.zero.native_checkpoint``: DeepSpeed's own files ride in the manifest, its
+    ``zero_to_fp32`` reads them, a same-size resume loads them through ``load_checkpoint``,
+    and a resume on another world size reshards the DCP files instead."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from raytrain_ext.checkpoint import native
+
+    native_on = zero(2, "parallel.zero.native_checkpoint=true")
+    saved = train(2, tmp_path / "save", *native_on, "run.max_steps=2",
+                  f"checkpoint.dir={tmp_path / 'ckpt'}")
+    step_dir = tmp_path / "ckpt" / "step-00000002"
+    manifest = json.loads((step_dir / "manifest.json").read_text())
+    assert manifest["native"] == {"format": "deepspeed", "stage": 2, "tag": "step-00000002"}
+    names = sorted(n for n in manifest["files"] if native.is_native(n))
+    tag = "native--step-00000002--"
+    assert {f"{tag}mp_rank_00_model_states.pt", f"{tag}zero_pp_rank_0_mp_rank_00_optim_states.pt",
+            f"{tag}zero_pp_rank_1_mp_rank_00_optim_states.pt"} <= set(names)
+    assert not list(step_dir.glob(".native-rank*"))  # private save dirs are emptied into the step
+
+    tree = native.rebuild(step_dir, names, tmp_path / "tree")
+    fp32 = get_fp32_state_dict_from_zero_checkpoint(str(tree), tag="step-00000002")
+    assert max_param_diff(fp32, saved[0]["params"]) == 0.0
+
+    for name, world, expect_native in (("same", 2, True), ("fewer", 1, False)):
+        run = train(world, tmp_path / name, *native_on, f"scaling.num_workers={world}",
+                    f"checkpoint.resume={step_dir}", f"checkpoint.dir={tmp_path / name / 'ck'}")
+        restored = run[0]["result"]["restored"]
+        assert (restored["step"], restored["native"]) == (2, expect_native)
+        assert_matches(run, ddp, steps=slice(2, None))
+
+
+def test_native_checkpoint_needs_the_zero_strategy():
+    with pytest.raises(ConfigError, match=r"parallel.zero.native_checkpoint.*strategy=zero"):
+        load_config(None, [*SMALL, "parallel.zero.native_checkpoint=true"])

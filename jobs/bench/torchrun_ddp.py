@@ -66,6 +66,7 @@ def main() -> None:
         Path(args.out).write_text(json.dumps({"step_times": [t for t, _ in times],
                                               "first_step_at": times[0][1],
                                               "final_loss": total.item() / tokens}))
+    del model, opt  # DDP's Reducer must not be the last owner of the group (worker/dist_env.py)
     dist.destroy_process_group()
 
 

@@ -16,6 +16,12 @@ per-step exchange):
 Restore: rank 0 lists committed checkpoints (newest first, local before S3 on
 a tie), every rank fetches and verifies the files, and the first candidate
 that verifies on all ranks is loaded by DCP, resharded onto this world size.
+
+A strategy with its own checkpoint format (DeepSpeed, ``native_checkpoint``)
+also writes it in step 1, on the training thread (it is a collective on the
+training group); its files join the same manifest (:mod:`.native`).  A restore
+at the world size and stage they were saved with loads them through the
+engine's own loader; any other restore reshards the DCP files.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from raytrain_ext.checkpoint import native
 from raytrain_ext.checkpoint import state as ckpt_state
 from raytrain_ext.checkpoint.manifest import (
     Manifest,
@@ -140,6 +147,7 @@ class CheckpointManager:
             return 0.0
         start = time.perf_counter()
         self.wait()  # the previous snapshot's buffers are free again
+        native_files = self._save_native(loop, step)
         snap = ckpt_state.snapshot(ckpt_state.capture(loop), reuse=self._buffers)
         self._buffers = snap
         if torch.cuda.is_available() and loop.ctx.device.type == "cuda":
@@ -150,7 +158,8 @@ class CheckpointManager:
         self.stats["stalls_s"].append(round(stall, 6))
         self._last_save_time = time.time()
         if self.cfg.async_save and not urgent:
-            self._thread = threading.Thread(target=self._persist, args=(step, snap),
+            self._thread = threading.Thread(target=self._persist, args=(step, snap, None,
+                                                                        native_files),
                                             name=f"ckpt-step-{step}", daemon=True)
             self._thread.start()
         else:
@@ -158,8 +167,20 @@ class CheckpointManager:
             # have one, and every rank must join the deadline checks' all-gathers
             emergency = request >= REQUEST_EMERGENCY
             self._persist(step, snap, (math.inf if deadline is None else deadline)
-                          if emergency else None)
+                          if emergency else None, native_files)
         return stall
+
+    def _save_native(self, loop, step: int) -> native.NativeFiles:
+        """The strategy's own checkpoint files of this step, moved into its staging dir."""
+        strategy = loop.strategy
+        if not getattr(strategy, "native_checkpoint", False):
+            return native.NativeFiles()
+        step_dir = self.staging / step_dir_name(step)
+        saved_root = native.private_dir(step_dir, self.rank)
+        shutil.rmtree(saved_root, ignore_errors=True)
+        strategy.native_save(loop.model, saved_root, step_dir_name(step))
+        return native.NativeFiles(native.collect(saved_root, step_dir),
+                                  {**strategy.native_info(), "tag": step_dir_name(step)})
 
     def wait(self) -> None:
         if self._thread is not None:
@@ -167,16 +188,19 @@ class CheckpointManager:
             self._thread = None
 
     # ---- saving ---------------------------------------------------------------------------
-    def _persist(self, step: int, snap: Dict[str, Any], deadline: Optional[float] = None) -> None:
+    def _persist(self, step: int, snap: Dict[str, Any], deadline: Optional[float] = None,
+                 native_files: Optional[native.NativeFiles] = None) -> None:
         try:
+            native_files = native_files or native.NativeFiles()
             step_dir = self.staging / step_dir_name(step)
             timing: Dict[str, Any] = {"step": step, "tiers_s": {}}
-            mine, entries = self._write(snap, step_dir, timing)
+            mine, entries = self._write(snap, step_dir, timing, native_files.names)
             files = {name: entry for part in self._all_gather(entries)
                      for name, entry in part.items()}
             timing["bytes"] = sum(entry.size for entry in files.values())
             manifest = Manifest(step=step, world_size=self.world_size, tier="", files=files,
-                                config_digest=self.config_digest, versions=_versions())
+                                config_digest=self.config_digest, versions=_versions(),
+                                native=native_files.info)
             time.sleep(self.stall_s)
             for index, tier in enumerate(self.tiers):
                 if index and self._agree_past(deadline):
@@ -196,20 +220,20 @@ class CheckpointManager:
             self.stats["failed"].append({"step": step, "error": str(e)})
             log.error("ALARM: checkpoint of step %d failed on rank %d: %s", step, self.rank, e)
 
-    def _write(self, snap: Dict[str, Any], step_dir: Path,
-               timing: Dict[str, Any]) -> Tuple[List[str], Dict[str, Any]]:
+    def _write(self, snap: Dict[str, Any], step_dir: Path, timing: Dict[str, Any],
+               native_names: List[str]) -> Tuple[List[str], Dict[str, Any]]:
         """DCP-write this rank's shards; returns (its files, their manifest entries).
 
         The data files are checksummed as they are written (``ChecksummingWriter``);
         only files it did not write (rank 0's small ``.metadata``, leftovers of an
-        interrupted save of the same step) are read back.
+        interrupted save of the same step, the strategy's native files) are read back.
         """
         chunk = self.cfg.checksum_chunk_kb * 1024
         started = time.perf_counter()
         writer = ChecksummingWriter(step_dir, chunk, thread_count=self.cfg.write_threads)
         dcp.save(snap, storage_writer=writer, process_group=self.group)
         timing["write_s"] = time.perf_counter() - started
-        mine, written = self._own_files(step_dir), writer.entries
+        mine, written = sorted(self._own_files(step_dir) + native_names), writer.entries
         entries = {name: written.get(name) or checksum_file(step_dir / name, chunk)
                    for name in mine}
         timing["checksum_s"] = time.perf_counter() - started - timing["write_s"]
@@ -299,11 +323,12 @@ class CheckpointManager:
     def _try_load(self, loop, tier: Tier, step: int, problems_seen: List[str]):
         started = time.perf_counter()
         manifest = tier.read_manifest(step)
-        problem, reader, targets = "manifest unreadable", None, None
+        problem, reader, targets, use_native = "manifest unreadable", None, None, False
         if manifest is not None:
             targets = ckpt_state.load_targets(loop, manifest.world_size)
+            use_native = self._native_loadable(loop, manifest)
             try:
-                reader, problem = self._fetch(tier, step, manifest, targets)
+                reader, problem = self._fetch(tier, step, manifest, targets, whole=use_native)
             except CheckpointMismatch:
                 raise
             except Exception as e:
@@ -317,17 +342,29 @@ class CheckpointManager:
                             "checkpoint", text)
             return None
         fetched = time.perf_counter() - started
-        info = self._load(loop, manifest, reader, targets, tier.name)
+        info = self._load(loop, manifest, reader, targets, tier.name, use_native)
         info["fetch_verify_s"] = fetched
         return info
 
-    def _fetch(self, tier: Tier, step: int, manifest: Manifest, targets: Dict[str, Any]):
+    def _native_loadable(self, loop, manifest: Manifest) -> bool:
+        """Whether the strategy's own loader can take this checkpoint: it holds native
+        files of the same format and stage, saved at this world size (same on every rank)."""
+        strategy = loop.strategy
+        if not (manifest.native and getattr(strategy, "native_checkpoint", False)):
+            return False
+        wanted = strategy.native_info()
+        return (manifest.world_size == self.world_size
+                and all(manifest.native.get(key) == value for key, value in wanted.items()))
+
+    def _fetch(self, tier: Tier, step: int, manifest: Manifest, targets: Dict[str, Any],
+               whole: bool = False):
         """Bring what this rank will read to it, verified; returns (reader, problem or None).
 
         From S3 only the byte ranges of this rank's load plan are fetched when that
-        is less than half the bytes; other tiers hand over whole verified files.
+        is less than half the bytes (unless ``whole``: a native load reads whole
+        files); other tiers hand over whole verified files.
         """
-        if isinstance(tier, S3Tier):
+        if isinstance(tier, S3Tier) and not whole:
             fetch = PlannedS3Fetch(tier, step, manifest, self.cache, tier.max_concurrency)
             problem = fetch.fetch_metadata()
             if problem is None:
@@ -351,19 +388,30 @@ class CheckpointManager:
                 "with (model.*), or use a new run.name / checkpoint.dir.")
 
     def _load(self, loop, manifest: Manifest, reader, targets: Dict[str, Any],
-              tier_name: str) -> Dict[str, Any]:
+              tier_name: str, use_native: bool = False) -> Dict[str, Any]:
         start = time.perf_counter()
+        if use_native:  # model and optimizer come from the strategy's own files
+            targets = ckpt_state.without_model(targets)
         dcp.load(targets, storage_reader=reader, process_group=self.group)
-        items = ckpt_state.apply(loop, targets)
+        if use_native:
+            self._load_native(loop, manifest, Path(reader.path))
+            items = ckpt_state.apply_train(loop, targets)
+        else:
+            items = ckpt_state.apply(loop, targets)
         self._last_save_time = time.time()
         info = {"step": items["step"], "tier": tier_name, "path": str(reader.path),
                 "saved_world_size": manifest.world_size, "seconds": time.perf_counter() - start,
-                "ranged": isinstance(reader, ChunkReader)}
+                "ranged": isinstance(reader, ChunkReader), "native": use_native}
         if self.rank == 0:
             log.info("restored step %d from %s (%s), saved by %d workers, into %d workers "
                      "in %.2f s", info["step"], tier_name, reader.path, manifest.world_size,
                      self.world_size, info["seconds"])
         return info
+
+    def _load_native(self, loop, manifest: Manifest, directory: Path) -> None:
+        names = [name for name in manifest.files if native.is_native(name)]
+        tree = native.rebuild(directory, names, self.cache / f"native-{manifest.step}")
+        loop.strategy.native_load(loop.model, tree, manifest.native["tag"])
 
     def close(self) -> None:
         """Wait for the save in flight; record per-tier retry counts in ``stats``."""

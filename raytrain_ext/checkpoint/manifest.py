@@ -14,7 +14,7 @@ import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import xxhash
 
@@ -57,6 +57,7 @@ class Manifest:
     format_version: int = FORMAT_VERSION
     config_digest: str = ""
     versions: Dict[str, str] = field(default_factory=dict)
+    native: Dict[str, Any] = field(default_factory=dict)  # a strategy's own files: format, tag
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)

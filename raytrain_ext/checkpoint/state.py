@@ -124,6 +124,11 @@ def load_targets(loop, saved_world_size: int) -> Dict[str, Any]:
     return targets
 
 
+def without_model(targets: Dict[str, Any]) -> Dict[str, Any]:
+    """The targets a native load still needs from DCP: train items and RNG."""
+    return {key: value for key, value in targets.items() if key not in ("model", "optim")}
+
+
 def apply(loop, loaded: Dict[str, Any]) -> Dict[str, Any]:
     """Install loaded state into the loop; returns the ``train`` items."""
     own = getattr(loop.strategy, "load_state_dicts", None)
@@ -132,6 +137,11 @@ def apply(loop, loaded: Dict[str, Any]) -> Dict[str, Any]:
     else:
         set_state_dict(loop.model, loop.optimizer, model_state_dict=loaded["model"],
                        optim_state_dict=loaded["optim"])
+    return apply_train(loop, loaded)
+
+
+def apply_train(loop, loaded: Dict[str, Any]) -> Dict[str, Any]:
+    """Install the ``train`` items and this rank's RNG; returns the items."""
     items = json.loads(loaded[TRAIN_KEY].getvalue())
     loop.step = items["step"]
     loop.sampler.load_state_dict(items["sampler"])

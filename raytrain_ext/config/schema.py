@@ -111,6 +111,9 @@ class ZeroConfig:
     offload_param: str = "none"  # none | cpu | nvme (stage 3 only)
     nvme_path: Optional[str] = None  # directory for nvme offload
     extra: Dict[str, Any] = field(default_factory=dict)  # raw DeepSpeed keys, merged last
+    # also write DeepSpeed's own save_checkpoint files into every checkpoint (same manifest
+    # and tiers), and restore through load_checkpoint at the same world size and stage
+    native_checkpoint: bool = False
 
 
 @dataclass

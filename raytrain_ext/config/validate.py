@@ -199,6 +199,11 @@ def _check_parallel(cfg: DictConfig) -> None:
 def _check_zero(cfg: DictConfig) -> None:
     """``parallel.zero.*`` (only when ``parallel.strategy=zero``); see :mod:`raytrain_ext.parallel.zero`."""
     if cfg.parallel.strategy != "zero":
+        if cfg.parallel.zero.native_checkpoint:
+            raise ConfigError(
+                "parallel.zero.native_checkpoint: DeepSpeed's own checkpoint files come from a "
+                f"DeepSpeed engine, but parallel.strategy={cfg.parallel.strategy}. Set "
+                "parallel.strategy=zero, or parallel.zero.native_checkpoint=false.")
         return
     from raytrain_ext.parallel.zero import check_zero_config
 

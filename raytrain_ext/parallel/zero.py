@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+from pathlib import Path
 from typing import Any, Dict, Iterable, Iterator, List, Optional
 
 import torch
@@ -260,3 +261,28 @@ class ZeroStrategy:
         from raytrain_ext.parallel.zero_checkpoint import load_zero_state_dicts
 
         load_zero_state_dicts(wrapped, self.group_names, model_sd, optim_sd)
+
+    # ---- DeepSpeed's own checkpoint files (parallel.zero.native_checkpoint) --------------
+    @property
+    def native_checkpoint(self) -> bool:
+        return bool(self.zero_cfg.native_checkpoint)
+
+    def native_info(self) -> Dict[str, Any]:
+        """What a native checkpoint must match to be loaded by ``native_load``."""
+        return {"format": "deepspeed", "stage": self.zero_cfg.stage}
+
+    def native_save(self, wrapped: nn.Module, save_dir: Path, tag: str) -> None:
+        """``engine.save_checkpoint`` into ``save_dir/tag`` (a collective: every rank calls it).
+
+        ``save_dir`` is this rank's own; DeepSpeed creates it only on rank 0.
+        """
+        (save_dir / tag).mkdir(parents=True, exist_ok=True)
+        wrapped.save_checkpoint(str(save_dir), tag=tag, save_latest=False)
+
+    def native_load(self, wrapped: nn.Module, load_dir: Path, tag: str) -> None:
+        """``engine.load_checkpoint``: module, fp32 partitions and optimizer state, at the
+        world size it was saved with (the LR schedule is ours, restored with the rest)."""
+        path, _ = wrapped.load_checkpoint(str(load_dir), tag=tag, load_optimizer_states=True,
+                                          load_lr_scheduler_states=False)
+        if path is None:
+            raise RuntimeError(f"DeepSpeed found no checkpoint at {load_dir}/{tag}")

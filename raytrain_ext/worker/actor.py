@@ -134,7 +134,10 @@ class TrainWorker:
         ``chaos.attempts`` of them)."""
         try:
             result = self._train(cfg_dict, attempt)
-        except BaseException:
+        except BaseException as e:
+            # the failed loop (and its DDP Reducer) must not outlive the groups it holds:
+            # the traceback's frames keep it alive, so their locals go first (dist_env)
+            traceback.clear_frames(e.__traceback__)
             self._release_peers()
             raise
         result["sigterm"] = self.sigterm_received  # the controller shrinks away from this node

@@ -9,6 +9,7 @@ the config forces one; on loopback rendezvous gloo is pinned to ``lo``.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import random
 import socket
@@ -18,6 +19,7 @@ from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 
 @dataclass(frozen=True)
@@ -128,8 +130,25 @@ def init_distributed(env: WorkerEnv, backend: str, timeout_s: float,
 
 
 def destroy_distributed() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    """Destroy every process group so that no group is freed while holding the GIL.
+
+    A gloo worker thread may still hold the last reference to a finished
+    collective's tensors when the caller moves on; freeing them takes the GIL,
+    under the group's work lock.  ``ProcessGroupGloo``'s destructor takes that
+    lock, so it must run with the GIL released: it does when the last
+    reference is a Python handle, not when it is a C++ owner such as DDP's
+    ``Reducer`` (seen: a rank deadlocked in ``~Reducer`` -> ``~ProcessGroupGloo``,
+    1 run in 60 on a loaded 2-core machine).  So unreachable objects (a DDP
+    model in a cycle) are collected while the groups live, this function keeps
+    a handle to every group through ``destroy_process_group`` and drops them
+    last.  Callers drop the models they hold before calling it.
+    """
+    if not dist.is_initialized():
+        return
+    gc.collect()
+    handles = list(distributed_c10d._world.pg_map)
+    dist.destroy_process_group()
+    del handles  # the groups' destructors run here, with the GIL released
 
 
 def assign_ranks(node_ids: List[str], gpu_ids: List[List[str]], master_addrs: List[str],
