@@ -126,7 +126,8 @@ class ParallelConfig:
     need ``strategy: fsdp``.  ``pp > 1`` splits the blocks into pipeline stages
     (``strategy: ddp`` or ``fsdp`` over each stage's data-parallel group).
     ``ep > 1`` shards the experts of an MoE model over groups of ``ep``
-    consecutive DDP ranks (tokens exchanged all-to-all; ``strategy: ddp`` only).
+    consecutive data-parallel ranks (tokens exchanged all-to-all; ``strategy:
+    ddp`` or ``fsdp``, any ``tp``; no ``pp`` or ``dp_replicate``).
     """
 
     strategy: str = "ddp"  # ddp | fsdp (FSDP2)

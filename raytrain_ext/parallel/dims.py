@@ -116,23 +116,25 @@ def check_degrees(parallel_cfg) -> None:
 
 
 def check_expert_parallel(parallel_cfg, model_cfg) -> None:
-    """``ep > 1`` shards the experts of an MoE model over DDP ranks (:mod:`raytrain_ext.parallel.ep`).
+    """``ep > 1`` shards the experts of an MoE model over data-parallel ranks
+    (:mod:`raytrain_ext.parallel.ep`), under DDP or FSDP (which composes with TP).
 
-    Only plain DDP: FSDP/ZeRO would shard the expert parameters a second time,
-    and TP/PP of MoE layers are not implemented.  Every rank must hold whole,
-    equally many experts.
+    ZeRO would shard the experts a second time, pipeline stages of MoE models
+    and expert sharding across HSDP replica groups are not implemented.  Every
+    rank must hold whole, equally many experts.
     """
     ep = parallel_cfg.ep
     if ep == 1:
         return
-    unsupported = [f"parallel.strategy={parallel_cfg.strategy}"] if parallel_cfg.strategy != "ddp" else []
-    unsupported += [f"parallel.{key}={getattr(parallel_cfg, key)}" for key in ("tp", "pp", "dp_replicate")
+    unsupported = ([f"parallel.strategy={parallel_cfg.strategy}"]
+                   if parallel_cfg.strategy not in ("ddp", "fsdp") else [])
+    unsupported += [f"parallel.{key}={getattr(parallel_cfg, key)}" for key in ("pp", "dp_replicate")
                     if getattr(parallel_cfg, key) > 1]
     if unsupported:
         raise ParallelLayoutError(
             f"parallel.ep: expert parallelism (ep={ep}) is not supported yet with "
-            f"{', '.join(unsupported)}; it runs with parallel.strategy=ddp and tp = pp = "
-            "dp_replicate = 1. Change those keys, or set parallel.ep=1.")
+            f"{', '.join(unsupported)}; it runs with parallel.strategy=ddp or fsdp (with any tp) "
+            "and pp = dp_replicate = 1. Change those keys, or set parallel.ep=1.")
     experts = model_cfg.moe.num_experts
     if not experts:
         raise ParallelLayoutError(
@@ -225,11 +227,6 @@ def check_model_fits_tp(tp: int, model_cfg) -> None:
             f"parallel.tp: model.n_heads={model_cfg.n_heads} is not divisible by tp={tp} "
             f"({model_cfg.n_heads} / {tp} = {model_cfg.n_heads / tp:g} heads per rank); each TP "
             "rank must hold whole heads. Choose tp dividing n_heads.")
-    if model_cfg.moe.num_experts:
-        raise ParallelLayoutError(
-            f"parallel.tp: tensor parallelism of mixture-of-experts layers "
-            f"(model.moe.num_experts={model_cfg.moe.num_experts}) is not supported yet. "
-            "Set parallel.tp=1 or model.moe.num_experts=0.")
     if model_cfg.dropout > 0:
         raise ParallelLayoutError(
             f"parallel.tp: model.dropout={model_cfg.dropout} with tp={tp} is not supported yet "

@@ -1,10 +1,15 @@
-"""Expert parallelism: MoE experts sharded over groups of DDP ranks (DeepSpeed-MoE / torchtitan).
+"""Expert parallelism: MoE experts sharded over groups of data-parallel ranks
+(DeepSpeed-MoE / torchtitan), under DDP or FSDP (with or without TP).
 
-EP reuses the data-parallel ranks.  Ranks ``[g*ep, (g+1)*ep)`` form one EP
+EP reuses the data-parallel ranks.  Along each line of data-parallel ranks
+(the ranks that share a TP coordinate), ``ep`` consecutive ones form an EP
 group; EP rank ``i`` of every group holds experts ``[i*E/ep, (i+1)*E/ep)``
 under their global names (``blocks.0.ffn.experts.3.w_up``), so checkpoints
-reshard by name.  The ranks holding the same experts (``i, i+ep, ...``,
-``world/ep`` of them) form the expert-data-parallel (EDP) group.
+reshard by name.  The ranks of a line holding the same experts (``i, i+ep,
+...``, ``dp/ep`` of them) form the expert-data-parallel (EDP) group.  Under TP
+a MoE feed-forward is not split (parallel/tp.py): the ranks of a TP group hold
+the same experts and see the same tokens, so each EP exchange stays within
+one TP coordinate.
 
 Per MoE forward, each rank routes its own tokens (router, top-k, capacity: as
 without EP), sends every kept (token, choice) row to the expert's owner with
@@ -17,14 +22,15 @@ on every rank is scaled by ``dp_size / global_tokens`` and DDP averages the
 non-expert gradients over ``dp_size`` ranks.  An expert's owner accumulates
 the gradient of its EP group's tokens; summing that over the EDP group gives
 the sum over all ranks, and dividing by ``dp_size`` makes it DDP's average.
-Expert parameters are excluded from DDP, which never sees them.
+Expert parameters are excluded from DDP and FSDP (``ignored_params``), which
+never see them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from typing import Dict, Iterator, List, Tuple
+from typing import Any, Dict, Iterator, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -35,6 +41,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from raytrain_ext.models.moe import Expert, MoEFeedForward
 from raytrain_ext.parallel.ddp import DDPStrategy
+from raytrain_ext.parallel.fsdp import FSDPStrategy, _group_by_mesh, global_grad_norm
 from raytrain_ext.parallel.pp import StageStateDict
 from raytrain_ext.parallel.strategy import DistContext
 
@@ -43,6 +50,22 @@ def group_ranks(world_size: int, ep: int) -> Tuple[List[List[int]], List[List[in
     """(EP groups, EDP groups): consecutive blocks of ``ep`` ranks; ranks ``ep`` apart."""
     ep_groups = [list(range(start, start + ep)) for start in range(0, world_size, ep)]
     edp_groups = [list(range(offset, world_size, ep)) for offset in range(ep)]
+    return ep_groups, edp_groups
+
+
+def expert_group_ranks(dims, world_size: int) -> Tuple[List[List[int]], List[List[int]]]:
+    """``group_ranks`` along each line of data-parallel ranks (one line per TP coordinate),
+    in global ranks."""
+    lines: Dict[int, List[int]] = {}
+    for rank in range(world_size):
+        lines.setdefault(dims.tp_rank(rank), []).append(rank)
+    ep_groups: List[List[int]] = []
+    edp_groups: List[List[int]] = []
+    for tp_rank in sorted(lines):
+        line = sorted(lines[tp_rank], key=dims.dp_rank)
+        eps, edps = group_ranks(len(line), dims.ep)
+        ep_groups += [[line[i] for i in group] for group in eps]
+        edp_groups += [[line[i] for i in group] for group in edps]
     return ep_groups, edp_groups
 
 
@@ -80,88 +103,59 @@ class AllToAllDispatch:
         return returned[torch.argsort(order)]  # back to (token, choice) order
 
 
-class ExpertParallelStrategy(DDPStrategy):
-    """DDP for the dense parameters; experts sharded over ``parallel.ep`` ranks."""
+class ExpertShards:
+    """This rank's experts and the groups that move their tokens and gradients.
 
-    name = "ddp"
+    Built on the unwrapped model, before DDP/FSDP: experts this rank does not
+    own are deleted, each MoE layer's ``dispatch`` becomes the all-to-all, and
+    ``params`` are the experts the wrapper must leave alone.
+    """
 
-    def wrap(self, model: nn.Module, ctx: DistContext) -> nn.Module:
-        ep = ctx.dims.ep
+    def __init__(self, model: nn.Module, ctx: DistContext):
         self.ctx = ctx
-        self.ep_group, self.edp_group = self._new_groups(ctx.world_size, ep, ctx.rank)
+        ep_groups, edp_groups = expert_group_ranks(ctx.dims, ctx.world_size)
+        self.ep_group = _new_groups(ep_groups, ctx.rank)
+        self.edp_group = _new_groups(edp_groups, ctx.rank)
+        ep_rank = next(g.index(ctx.rank) for g in ep_groups if ctx.rank in g)
         self.full_order = [name for name, _ in model.named_parameters()]
         for moe in (m for m in model.modules() if isinstance(m, MoEFeedForward)):
-            keep = owned_experts(moe.num_experts, ep, ctx.rank % ep)
+            keep = owned_experts(moe.num_experts, ctx.dims.ep, ep_rank)
             for key in [k for k in moe.experts if int(k) not in keep]:
                 del moe.experts[key]
-            moe.dispatch = AllToAllDispatch(self.ep_group, ep, len(keep))
-        model = model.to(ctx.device)
-        self.expert_names = sorted(name for name, _ in _expert_parameters(model))
-        self.expert_params = [p for _, p in _expert_parameters(model)]
-        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
-            model, self.expert_names)
-        device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=device_ids)
+            moe.dispatch = AllToAllDispatch(self.ep_group, ctx.dims.ep, len(keep))
+        self.names = sorted(name for name, _ in _expert_parameters(model))
+        self.params = [p for _, p in _expert_parameters(model)]  # kept by .to(device)
 
-    @staticmethod
-    def _new_groups(world_size: int, ep: int, rank: int):
-        """Every rank creates every group, in the same order (``new_group`` is collective)."""
-        ep_groups, edp_groups = group_ranks(world_size, ep)
-        mine = {}
-        for kind, groups in (("ep", ep_groups), ("edp", edp_groups)):
-            for ranks in groups:
-                group = dist.new_group(ranks)
-                if rank in ranks:
-                    mine[kind] = group
-        return mine["ep"], mine["edp"]
-
-    @contextlib.contextmanager
-    def accumulate(self, wrapped: nn.Module, sync: bool) -> Iterator[None]:
-        """DDP's accumulation for dense grads; expert grads averaged after the sync backward."""
-        with super().accumulate(wrapped, sync):
-            yield
-        if sync:
-            self._average_expert_gradients()
-
-    def _average_expert_gradients(self) -> None:
+    def average_gradients(self) -> None:
         """Sum over the EDP group (one flat all-reduce), divide by ``dp_size`` (module doc)."""
-        for p in self.expert_params:
+        for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        flat = torch.cat([p.grad.reshape(-1) for p in self.expert_params])
+        flat = torch.cat([p.grad.reshape(-1) for p in self.params])
         if dist.get_world_size(self.edp_group) > 1:
             dist.all_reduce(flat, group=self.edp_group)
         flat /= self.ctx.dp_size
         offset = 0
-        for p in self.expert_params:
+        for p in self.params:
             p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
             offset += p.numel()
 
-    def clip_grad_norm(self, wrapped: nn.Module, max_norm: float) -> torch.Tensor:
-        """The norm of the whole model's gradient: dense grads are replicated, expert
-        grads are sharded over the EP group, so their squares are summed over it."""
-        expert_ids = {id(p) for p in self.expert_params}
-        params = [p for p in wrapped.module.parameters() if p.grad is not None]
-        dense = [p.grad for p in params if id(p) not in expert_ids]
-        experts = [p.grad for p in params if id(p) in expert_ids]
-        expert_sq = torch.nn.utils.get_total_norm(experts).double() ** 2
-        dist.all_reduce(expert_sq, group=self.ep_group)
-        total = torch.sqrt(torch.nn.utils.get_total_norm(dense).double() ** 2 + expert_sq).float()
-        if max_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
-        return total
+    def grad_norm_squared(self) -> torch.Tensor:
+        """The squared norm of all experts' gradients: this rank's, summed over its EP group."""
+        squares = torch.nn.utils.get_total_norm([p.grad for p in self.params]).double() ** 2
+        dist.all_reduce(squares, group=self.ep_group)
+        return squares
 
-    def full_parameters(self, wrapped: nn.Module) -> Dict[str, torch.Tensor]:
-        """Every parameter under its global name: the EP group's experts gathered."""
-        params = {name: p.detach() for name, p in wrapped.module.named_parameters()}
-        own = {name: params[name].cpu() for name in self.expert_names}
+    def gather(self, params: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """``params`` with the EP group's experts added (a collective over it)."""
+        own = {name: params[name].detach().cpu() for name in self.names}
         parts: List[Dict[str, torch.Tensor]] = [None] * self.ctx.dims.ep  # type: ignore[list-item]
         dist.all_gather_object(parts, own, group=self.ep_group)
         for part in parts:
             params.update(part)
         return params
 
-    def state_dicts(self, wrapped: nn.Module, optimizer: torch.optim.Optimizer):
+    def state_dicts(self, model_sd: Dict[str, Any], optim_sd: Dict[str, Any]):
         """FQN-keyed state, each expert on its owner only, with whole-model param groups.
 
         As for pipeline stages (:meth:`PipelineStrategy.state_dicts`): DCP keeps
@@ -170,7 +164,6 @@ class ExpertParallelStrategy(DDPStrategy):
         ``whole_model_keys`` tells the restore check that the other ranks'
         experts belong to this model.
         """
-        model_sd, optim_sd = get_state_dict(wrapped, optimizer)
         own = ([list(group["params"]) for group in optim_sd["param_groups"]], list(model_sd))
         parts: List[tuple] = [None] * self.ctx.dims.ep  # type: ignore[list-item]
         dist.all_gather_object(parts, own, group=self.ep_group)
@@ -181,6 +174,99 @@ class ExpertParallelStrategy(DDPStrategy):
         sharded_sd = StageStateDict(model_sd)
         sharded_sd.whole_model_keys = {key for _, keys in parts for key in keys}
         return sharded_sd, optim_sd
+
+
+def _new_groups(groups: List[List[int]], rank: int):
+    """Every rank creates every group, in the same order (``new_group`` is collective);
+    returns this rank's."""
+    mine = None
+    for ranks in groups:
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine = group
+    return mine
+
+
+class ExpertParallelStrategy(DDPStrategy):
+    """DDP for the dense parameters; experts sharded over ``parallel.ep`` ranks."""
+
+    name = "ddp"
+
+    def wrap(self, model: nn.Module, ctx: DistContext) -> nn.Module:
+        self.experts = ExpertShards(model, ctx)
+        model = model.to(ctx.device)
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            model, self.experts.names)
+        device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=device_ids)
+
+    @contextlib.contextmanager
+    def accumulate(self, wrapped: nn.Module, sync: bool) -> Iterator[None]:
+        """DDP's accumulation for dense grads; expert grads averaged after the sync backward."""
+        with super().accumulate(wrapped, sync):
+            yield
+        if sync:
+            self.experts.average_gradients()
+
+    def clip_grad_norm(self, wrapped: nn.Module, max_norm: float) -> torch.Tensor:
+        """The norm of the whole model's gradient: dense grads are replicated, expert
+        grads are sharded over the EP group, so their squares are summed over it."""
+        expert_ids = {id(p) for p in self.experts.params}
+        params = [p for p in wrapped.module.parameters() if p.grad is not None]
+        dense = [p.grad for p in params if id(p) not in expert_ids]
+        dense_sq = torch.nn.utils.get_total_norm(dense).double() ** 2
+        total = torch.sqrt(dense_sq + self.experts.grad_norm_squared()).float()
+        if max_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return total
+
+    def full_parameters(self, wrapped: nn.Module) -> Dict[str, torch.Tensor]:
+        """Every parameter under its global name: the EP group's experts gathered."""
+        params = {name: p.detach() for name, p in wrapped.module.named_parameters()}
+        return self.experts.gather(params)
+
+    def state_dicts(self, wrapped: nn.Module, optimizer: torch.optim.Optimizer):
+        return self.experts.state_dicts(*get_state_dict(wrapped, optimizer))
+
+
+class FSDPExpertParallelStrategy(FSDPStrategy):
+    """FSDP (optionally with TP) for the dense parameters; experts sharded over ``parallel.ep``
+    ranks and left out of FSDP, which would shard them a second time."""
+
+    name = "fsdp"
+    optimizer_foreach = False  # plain expert tensors beside FSDP's DTensors (train/optim.py)
+
+    def wrap(self, model: nn.Module, ctx: DistContext) -> nn.Module:
+        self.experts = ExpertShards(model, ctx)
+        return super().wrap(model, ctx)
+
+    def ignored_params(self) -> set:
+        return set(self.experts.params)
+
+    @contextlib.contextmanager
+    def accumulate(self, wrapped: nn.Module, sync: bool) -> Iterator[None]:
+        with super().accumulate(wrapped, sync):
+            yield
+        if sync:
+            self.experts.average_gradients()
+
+    def clip_grad_norm(self, wrapped: nn.Module, max_norm: float) -> torch.Tensor:
+        """FSDP's per-mesh norms of the dense gradients plus the experts' (see ``ExpertShards``)."""
+        expert_ids = {id(p) for p in self.experts.params}
+        dense = [p for p in wrapped.parameters() if p.grad is not None and id(p) not in expert_ids]
+        groups = _group_by_mesh(dense)
+        dense_sq = global_grad_norm(groups).double() ** 2
+        total = torch.sqrt(dense_sq + self.experts.grad_norm_squared()).float()
+        if max_norm > 0:
+            for params in groups + [self.experts.params]:
+                torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return total
+
+    def full_parameters(self, wrapped: nn.Module) -> Dict[str, torch.Tensor]:
+        return self.experts.gather(super().full_parameters(wrapped))
+
+    def state_dicts(self, wrapped: nn.Module, optimizer: torch.optim.Optimizer):
+        return self.experts.state_dicts(*get_state_dict(wrapped, optimizer))
 
 
 def _expert_parameters(model: nn.Module):

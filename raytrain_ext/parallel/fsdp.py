@@ -55,10 +55,15 @@ class FSDPStrategy:
         options = {"mesh": dp_mesh, "mp_policy": self._mixed_precision(ctx)}
         if self.cfg.cpu_offload:
             options["offload_policy"] = CPUOffloadPolicy()
+        ignored = self.ignored_params()
         for block in model.blocks:
-            fully_shard(block, **options)
-        fully_shard(model, **options)
+            fully_shard(block, **options, ignored_params=ignored & set(block.parameters()) or None)
+        fully_shard(model, **options, ignored_params=ignored or None)
         return model
+
+    def ignored_params(self) -> set:
+        """Parameters FSDP must not shard or reduce (expert parallelism owns its experts')."""
+        return set()
 
     @staticmethod
     def _mixed_precision(ctx: DistContext) -> MixedPrecisionPolicy:

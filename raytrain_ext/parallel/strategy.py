@@ -92,9 +92,11 @@ def build_strategy(parallel_cfg: Any) -> Strategy:
         from raytrain_ext.parallel.pp import PipelineStrategy
 
         return PipelineStrategy(parallel_cfg, strategies[name](parallel_cfg))
-    if parallel_cfg.ep > 1:  # DDP with the MoE experts sharded over groups of ep ranks
-        from raytrain_ext.parallel.ep import ExpertParallelStrategy
+    if parallel_cfg.ep > 1:  # DDP or FSDP with the MoE experts sharded over groups of ep ranks
+        from raytrain_ext.parallel.ep import ExpertParallelStrategy, FSDPExpertParallelStrategy
 
+        if name == "fsdp":
+            return FSDPExpertParallelStrategy(parallel_cfg)
         return ExpertParallelStrategy(parallel_cfg)
     return strategies[name](parallel_cfg)
 

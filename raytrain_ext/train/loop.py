@@ -95,7 +95,8 @@ class TrainLoop:
                                      cfg.data.seed, cfg.data.shuffle)
         self.strategy = build_strategy(cfg.parallel)
         self.model = self.strategy.wrap(build_model(cfg.model, cfg.run.seed), self.ctx)
-        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.optimizer = build_optimizer(self.model, cfg.optim,
+                                         foreach=getattr(self.strategy, "optimizer_foreach", True))
         self.scheduler = build_scheduler(self.optimizer, cfg.optim)
         self.model = hook(self.strategy, "prepare")(self.model, self.optimizer, cfg)
         self.ledger = SampleLedger()

@@ -8,8 +8,12 @@ import torch
 import torch.nn as nn
 
 
-def build_optimizer(model: nn.Module, optim_cfg) -> torch.optim.Optimizer:
-    """AdamW; weight decay applies to matrices only (not norms, biases)."""
+def build_optimizer(model: nn.Module, optim_cfg, foreach: bool = True) -> torch.optim.Optimizer:
+    """AdamW; weight decay applies to matrices only (not norms, biases).
+
+    ``foreach=False`` for models that mix DTensor and plain parameters in a
+    group (experts left out of FSDP), which the fused multi-tensor step refuses.
+    """
     decay, no_decay = [], []
     for p in model.parameters():
         if p.requires_grad:
@@ -17,7 +21,7 @@ def build_optimizer(model: nn.Module, optim_cfg) -> torch.optim.Optimizer:
     groups = [{"params": decay, "weight_decay": optim_cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas),
-                             eps=optim_cfg.eps, foreach=True)
+                             eps=optim_cfg.eps, foreach=foreach)
 
 
 def lr_factor(step: int, optim_cfg) -> float:
