@@ -139,8 +139,6 @@ BAD_PP = [
      r"parallel\.pp: pipeline parallelism \(pp=2\) .*parallel\.strategy.*zero"),
     (["scaling.num_workers=4", "parallel.pp=4", "model.n_layers=3"],
      r"parallel\.pp: model\.n_layers=3 cannot fill pp=4 stages.*Choose pp <= 3"),
-    (["scaling.num_workers=2", "parallel.pp=2", "model.moe.num_experts=4"],
-     r"parallel\.pp: pipeline parallelism of mixture-of-experts models .* not supported yet"),
     (["scaling.num_workers=4", "parallel.pp=4", "data.global_batch_size=8",
       "data.micro_batch_size=4"],
      r"data\.global_batch_size: 8 samples over 1 data-parallel ranks in micro-batches of 4 give "

@@ -127,7 +127,7 @@ class ParallelConfig:
     (``strategy: ddp`` or ``fsdp`` over each stage's data-parallel group).
     ``ep > 1`` shards the experts of an MoE model over groups of ``ep``
     consecutive data-parallel ranks (tokens exchanged all-to-all; ``strategy:
-    ddp`` or ``fsdp``, any ``tp``; no ``pp`` or ``dp_replicate``).
+    ddp`` or ``fsdp``, any ``tp`` and ``pp``; no ``dp_replicate``).
     """
 
     strategy: str = "ddp"  # ddp | fsdp (FSDP2)
@@ -138,7 +138,7 @@ class ParallelConfig:
     dp_replicate: int = 1  # HSDP replica groups; dp_shard = world / (dp_replicate x tp x pp)
     pp: int = 1  # pipeline stages (blocks split by layer count; strategy ddp or fsdp)
     pp_schedule: str = "1f1b"  # gpipe | 1f1b (micro-batches: data.micro_batch_size each)
-    ep: int = 1  # expert-parallel degree: MoE experts sharded over ep DDP ranks
+    ep: int = 1  # expert-parallel degree: MoE experts sharded over ep data-parallel ranks
     activation_checkpointing: bool = False  # recompute each block's activations in backward
     cpu_offload: bool = False  # FSDP CPUOffloadPolicy: sharded params/grads/optimizer on host
     compile: bool = False  # torch.compile each transformer block

@@ -119,22 +119,21 @@ def check_expert_parallel(parallel_cfg, model_cfg) -> None:
     """``ep > 1`` shards the experts of an MoE model over data-parallel ranks
     (:mod:`raytrain_ext.parallel.ep`), under DDP or FSDP (which composes with TP).
 
-    ZeRO would shard the experts a second time, pipeline stages of MoE models
-    and expert sharding across HSDP replica groups are not implemented.  Every
-    rank must hold whole, equally many experts.
+    ZeRO would shard the experts a second time; HSDP replica groups do not
+    exclude them yet.  Every rank must hold whole, equally many experts.
     """
     ep = parallel_cfg.ep
     if ep == 1:
         return
-    unsupported = ([f"parallel.strategy={parallel_cfg.strategy}"]
-                   if parallel_cfg.strategy not in ("ddp", "fsdp") else [])
-    unsupported += [f"parallel.{key}={getattr(parallel_cfg, key)}" for key in ("pp", "dp_replicate")
-                    if getattr(parallel_cfg, key) > 1]
+    strategy = parallel_cfg.strategy
+    unsupported = [f"parallel.strategy={strategy}"] if strategy not in ("ddp", "fsdp") else []
+    if parallel_cfg.dp_replicate > 1:
+        unsupported.append(f"parallel.dp_replicate={parallel_cfg.dp_replicate}")
     if unsupported:
         raise ParallelLayoutError(
             f"parallel.ep: expert parallelism (ep={ep}) is not supported yet with "
-            f"{', '.join(unsupported)}; it runs with parallel.strategy=ddp or fsdp (with any tp) "
-            "and pp = dp_replicate = 1. Change those keys, or set parallel.ep=1.")
+            f"{', '.join(unsupported)}; it runs with parallel.strategy=ddp or fsdp (any tp and pp) "
+            "and dp_replicate=1. Change those keys, or set parallel.ep=1.")
     experts = model_cfg.moe.num_experts
     if not experts:
         raise ParallelLayoutError(
@@ -172,9 +171,8 @@ def check_pipeline(parallel_cfg, model_cfg) -> None:
     """Every stage holds at least one block, on a strategy and model the stages support.
 
     Blocks split as evenly as layer counts allow (earlier stages take the
-    remainder), so ``n_layers`` need not divide by ``pp``.  MoE is refused: its
-    balance loss is summed per stage and would need a second loss path through
-    the schedule.  ZeRO owns the backward itself, which the pipeline schedule needs.
+    remainder), so ``n_layers`` need not divide by ``pp``.  ZeRO owns the
+    backward itself, which the pipeline schedule needs.
     """
     pp = parallel_cfg.pp
     if pp == 1:
@@ -192,11 +190,6 @@ def check_pipeline(parallel_cfg, model_cfg) -> None:
         raise ParallelLayoutError(
             f"parallel.pp: model.n_layers={model_cfg.n_layers} cannot fill pp={pp} stages; every "
             f"stage needs at least one block. Choose pp <= {model_cfg.n_layers}.")
-    if model_cfg.moe.num_experts:
-        raise ParallelLayoutError(
-            f"parallel.pp: pipeline parallelism of mixture-of-experts models "
-            f"(model.moe.num_experts={model_cfg.moe.num_experts}) is not supported yet. "
-            "Set parallel.pp=1 or model.moe.num_experts=0.")
 
 
 def check_pipeline_microbatches(schedule: str, global_batch: int, micro: int,

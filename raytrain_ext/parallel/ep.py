@@ -2,8 +2,8 @@
 (DeepSpeed-MoE / torchtitan), under DDP or FSDP (with or without TP).
 
 EP reuses the data-parallel ranks.  Along each line of data-parallel ranks
-(the ranks that share a TP coordinate), ``ep`` consecutive ones form an EP
-group; EP rank ``i`` of every group holds experts ``[i*E/ep, (i+1)*E/ep)``
+(the ranks that share a pipeline stage and a TP coordinate), ``ep``
+consecutive ones form an EP group; EP rank ``i`` of every group holds experts ``[i*E/ep, (i+1)*E/ep)``
 under their global names (``blocks.0.ffn.experts.3.w_up``), so checkpoints
 reshard by name.  The ranks of a line holding the same experts (``i, i+ep,
 ...``, ``dp/ep`` of them) form the expert-data-parallel (EDP) group.  Under TP
@@ -54,15 +54,15 @@ def group_ranks(world_size: int, ep: int) -> Tuple[List[List[int]], List[List[in
 
 
 def expert_group_ranks(dims, world_size: int) -> Tuple[List[List[int]], List[List[int]]]:
-    """``group_ranks`` along each line of data-parallel ranks (one line per TP coordinate),
-    in global ranks."""
-    lines: Dict[int, List[int]] = {}
+    """``group_ranks`` along each line of data-parallel ranks (one line per pipeline stage
+    and TP coordinate), in global ranks."""
+    lines: Dict[Tuple[int, int], List[int]] = {}
     for rank in range(world_size):
-        lines.setdefault(dims.tp_rank(rank), []).append(rank)
+        lines.setdefault((dims.pp_rank(rank), dims.tp_rank(rank)), []).append(rank)
     ep_groups: List[List[int]] = []
     edp_groups: List[List[int]] = []
-    for tp_rank in sorted(lines):
-        line = sorted(lines[tp_rank], key=dims.dp_rank)
+    for coordinate in sorted(lines):
+        line = sorted(lines[coordinate], key=dims.dp_rank)
         eps, edps = group_ranks(len(line), dims.ep)
         ep_groups += [[line[i] for i in group] for group in eps]
         edp_groups += [[line[i] for i in group] for group in edps]
@@ -238,10 +238,8 @@ class FSDPExpertParallelStrategy(FSDPStrategy):
 
     def wrap(self, model: nn.Module, ctx: DistContext) -> nn.Module:
         self.experts = ExpertShards(model, ctx)
+        self.ignored = set(self.experts.params)
         return super().wrap(model, ctx)
-
-    def ignored_params(self) -> set:
-        return set(self.experts.params)
 
     @contextlib.contextmanager
     def accumulate(self, wrapped: nn.Module, sync: bool) -> Iterator[None]:

@@ -38,6 +38,7 @@ class FSDPStrategy:
     def __init__(self, parallel_cfg):
         self.cfg = parallel_cfg
         self.mesh = None  # the ("dp_replicate", "dp_shard", "tp") DeviceMesh, set by wrap
+        self.ignored: set = set()  # parameters FSDP must not shard or reduce (EP's experts)
 
     def wrap(self, model: nn.Module, ctx: DistContext) -> nn.Module:
         model = model.to(ctx.device)
@@ -55,15 +56,11 @@ class FSDPStrategy:
         options = {"mesh": dp_mesh, "mp_policy": self._mixed_precision(ctx)}
         if self.cfg.cpu_offload:
             options["offload_policy"] = CPUOffloadPolicy()
-        ignored = self.ignored_params()
+        ignored = self.ignored
         for block in model.blocks:
             fully_shard(block, **options, ignored_params=ignored & set(block.parameters()) or None)
         fully_shard(model, **options, ignored_params=ignored or None)
         return model
-
-    def ignored_params(self) -> set:
-        """Parameters FSDP must not shard or reduce (expert parallelism owns its experts')."""
-        return set()
 
     @staticmethod
     def _mixed_precision(ctx: DistContext) -> MixedPrecisionPolicy:

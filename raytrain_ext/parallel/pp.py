@@ -21,7 +21,14 @@ Invariants the loop relies on:
 - ``forward_backward`` returns the token-loss sum on the last stage and 0
   elsewhere (``DistContext.counts_loss`` reports it);
 - gradient norms, full parameters and checkpoint param-group names are
-  assembled over the ``pp`` group, so every stage sees whole-model values.
+  assembled over the ``pp`` group, so every stage sees whole-model values;
+- a MoE block's balance loss enters the backward where it arises: the schedule
+  backpropagates only from a stage's output, so the stage ties each MoE
+  layer's weighted loss to its activations (``AttachAuxLoss``), with the
+  weight the loop's own path gives it;
+- with ``parallel.ep`` a stage's experts are split over its data-parallel
+  ranks (``ExpertShards``), left out of the stage's DDP-style averaging or
+  FSDP, and averaged over their expert-data-parallel group after the schedule.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+from raytrain_ext.models.moe import MoEFeedForward
 from raytrain_ext.parallel.fsdp import _group_by_mesh, global_grad_norm
 from raytrain_ext.parallel.strategy import DistContext
 
@@ -72,6 +80,21 @@ class StageBlocks(nn.Module):
         return len(self._modules)
 
 
+class AttachAuxLoss(torch.autograd.Function):
+    """Identity on ``x`` whose backward also seeds ``weighted_aux`` with gradient 1, as if
+    it had been added to the loss (Megatron's MoE aux-loss scaler does the same)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weighted_aux: torch.Tensor) -> torch.Tensor:
+        ctx.aux_like = (weighted_aux.shape, weighted_aux.dtype, weighted_aux.device)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        shape, dtype, device = ctx.aux_like
+        return grad, torch.ones(shape, dtype=dtype, device=device)
+
+
 class GPTStage(nn.Module):
     """One pipeline stage of a ``GPT``; its modules are the GPT's own (shared, not copied)."""
 
@@ -84,6 +107,9 @@ class GPTStage(nn.Module):
         self.blocks = StageBlocks({i: model.blocks[i] for i in layers})
         if self.is_last:
             self.ln_f, self.lm_head = model.ln_f, model.lm_head
+        self.aux_weight = 0.0  # per micro-batch: moe.aux_loss_weight x its tokens x loss scale
+        self.training_forward = False  # set by TrainingForwardStage around a micro-batch
+        self.kept_tokens: Optional[torch.Tensor] = None  # MoE: per expert, since the last take
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Token ids -> activations on the first stage, activations -> logits on the last."""
@@ -92,7 +118,24 @@ class GPTStage(nn.Module):
             x = self.tok_emb(x) + self.pos_emb(positions)
         for block in self.blocks:
             x = block(x)
+            if isinstance(block.ffn, MoEFeedForward):
+                x = self._moe_bookkeeping(x, block.ffn)
         return self.lm_head(self.ln_f(x)) if self.is_last else x
+
+    def _moe_bookkeeping(self, x: torch.Tensor, moe: MoEFeedForward) -> torch.Tensor:
+        """Count the layer's kept tokens and tie its weighted balance loss to ``x``, in
+        training forwards only (``TrainingForwardStage``)."""
+        if not self.training_forward:
+            return x
+        load = moe.expert_load
+        self.kept_tokens = load if self.kept_tokens is None else self.kept_tokens + load
+        if self.aux_weight:
+            x = AttachAuxLoss.apply(x, moe.aux_loss * self.aux_weight)
+        return x
+
+    def take_kept_tokens(self) -> Optional[torch.Tensor]:
+        tokens, self.kept_tokens = self.kept_tokens, None
+        return tokens
 
 
 class TokenLossSum:
@@ -114,6 +157,25 @@ class TokenLossSum:
         return token_loss.double() * self.scale
 
 
+class TrainingForwardStage(PipelineStage):
+    """A ``PipelineStage`` that tells its ``GPTStage`` which forwards train a micro-batch.
+
+    On its first step the schedule also runs the stage on placeholder inputs to
+    infer shapes; MoE bookkeeping (expert load, balance loss) must skip those.
+    """
+
+    def __init__(self, stage_module: GPTStage, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.stage_module = stage_module
+
+    def forward_one_chunk(self, *args, **kwargs):
+        self.stage_module.training_forward = True
+        try:
+            return super().forward_one_chunk(*args, **kwargs)
+        finally:
+            self.stage_module.training_forward = False
+
+
 class PipelineStrategy:
     """``parallel.pp > 1``: this rank's stage, data-parallel under ``inner`` (DDP or FSDP)."""
 
@@ -125,6 +187,7 @@ class PipelineStrategy:
         self.ctx: Optional[DistContext] = None
         self.mesh = None  # the ("pp", "dp_replicate", "dp_shard", "tp") DeviceMesh
         self.stage: Optional[PipelineStage] = None
+        self.experts = None  # parallel.ep > 1: this stage's ExpertShards (parallel/ep.py)
         self.loss_fn = TokenLossSum()
         self._schedules: Dict[int, object] = {}
 
@@ -134,15 +197,22 @@ class PipelineStrategy:
 
     def wrap(self, model: nn.Module, ctx: DistContext) -> nn.Module:
         self.ctx, dims = ctx, ctx.dims
-        stage = GPTStage(model, dims.pp_rank(ctx.rank), dims.pp).to(ctx.device)
+        stage = GPTStage(model, dims.pp_rank(ctx.rank), dims.pp)
+        if dims.ep > 1:  # experts split over this stage's data-parallel ranks
+            from raytrain_ext.parallel.ep import ExpertShards
+
+            self.experts = ExpertShards(stage, ctx)
+        stage = self.stage_module = stage.to(ctx.device)
         if self.inner.name == "fsdp":
+            if self.experts is not None:
+                self.inner.ignored = set(self.experts.params)
             wrapped = self.inner.wrap(stage, ctx)  # builds the 4-D mesh, shards over dp
             self.mesh = self.inner.mesh
         else:  # DDP: gradients all-reduced after the schedule (see average_gradients)
             self.mesh = dims.build_mesh(ctx.device.type)
             wrapped = stage
-        self.stage = PipelineStage(wrapped, dims.pp_rank(ctx.rank), dims.pp, ctx.device,
-                                   group=self.pp_group)
+        self.stage = TrainingForwardStage(stage, wrapped, dims.pp_rank(ctx.rank), dims.pp,
+                                          ctx.device, group=self.pp_group)
         return wrapped
 
     def _schedule(self, n_microbatches: int):
@@ -154,14 +224,19 @@ class PipelineStrategy:
 
     def forward_backward(self, wrapped: nn.Module,
                          batches: Sequence[Tuple[torch.Tensor, torch.Tensor]], loss_scale: float,
-                         autocast: Callable[[], ContextManager]) -> torch.Tensor:
+                         autocast: Callable[[], ContextManager],
+                         aux_weight: float = 0.0) -> torch.Tensor:
         """Run this step's micro-batches through the schedule; the last stage's token-loss sum.
 
         The first stage feeds the token ids, the last the targets; the
         schedule splits both back into the same ``len(batches)`` micro-batches.
+        A MoE layer's balance loss weighs ``aux_weight x its micro-batch's tokens
+        x loss_scale``, as in the loop's own path.
         """
         schedule = self._schedule(len(batches))
         self.loss_fn.scale = loss_scale
+        tokens_per_micro = sum(targets.numel() for _, targets in batches) / len(batches)
+        self.stage_module.aux_weight = aux_weight * tokens_per_micro * loss_scale
         dims, rank = self.ctx.dims, self.ctx.rank
         losses: List[torch.Tensor] = []
         with autocast():
@@ -173,18 +248,33 @@ class PipelineStrategy:
             else:
                 schedule.step()
         if not isinstance(wrapped, FSDPModule) and self.ctx.dp_size > 1:
-            average_gradients(wrapped, self.mesh["dp_shard"].get_group())
+            average_gradients(wrapped, self.mesh["dp_shard"].get_group(), self._expert_ids())
+        if self.experts is not None:
+            self.experts.average_gradients()
         if not losses:
             return torch.zeros((), device=self.ctx.device, dtype=torch.float64)
         return torch.stack([loss.detach() for loss in losses]).sum() / loss_scale
+
+    def _expert_ids(self) -> set:
+        return {id(p) for p in self.experts.params} if self.experts is not None else set()
+
+    def take_kept_tokens(self) -> Optional[torch.Tensor]:
+        """MoE: tokens each expert kept in this stage's layers since the last call."""
+        return self.stage_module.take_kept_tokens()
 
     def accumulate(self, wrapped: nn.Module, sync: bool) -> ContextManager:
         """Unused: the schedule decides when gradients are reduced (see ``forward_backward``)."""
         return contextlib.nullcontext()
 
+    @property
+    def optimizer_foreach(self) -> bool:
+        """Plain expert tensors beside FSDP's DTensors need the per-tensor step (train/optim.py)."""
+        return not (self.experts is not None and self.inner.name == "fsdp")
+
     def clip_grad_norm(self, wrapped: nn.Module, max_norm: float) -> torch.Tensor:
         """Clip by the whole model's norm: each stage's squared norm, summed over the pp group."""
-        params = [p for p in wrapped.parameters() if p.grad is not None]
+        expert_ids = self._expert_ids()
+        params = [p for p in wrapped.parameters() if p.grad is not None and id(p) not in expert_ids]
         if isinstance(wrapped, FSDPModule):
             groups = _group_by_mesh(params)
             stage_norm = global_grad_norm(groups)
@@ -192,6 +282,9 @@ class PipelineStrategy:
             groups = [params]
             stage_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         squares = stage_norm.detach().to(self.ctx.device, torch.float64) ** 2
+        if self.experts is not None:  # sharded over the EP group: their squares summed over it
+            squares = squares + self.experts.grad_norm_squared().to(squares.device)
+            groups = groups + [self.experts.params]
         dist.all_reduce(squares, group=self.pp_group)
         total = squares.sqrt().to(torch.float32)
         if max_norm > 0:
@@ -207,6 +300,8 @@ class PipelineStrategy:
         stage_params = (self.inner.full_parameters(wrapped) if isinstance(wrapped, FSDPModule)
                         else dict(wrapped.named_parameters()))
         own = {name: p.detach().cpu() for name, p in stage_params.items()}
+        if self.experts is not None:
+            own = self.experts.gather(own)
         stages: List[Dict[str, torch.Tensor]] = [None] * self.ctx.dims.pp  # type: ignore[list-item]
         dist.all_gather_object(stages, own, group=self.pp_group)
         return {name: p for stage in stages for name, p in stage.items()}
@@ -221,7 +316,10 @@ class PipelineStrategy:
         restore check tell other stages' keys from a different model.
         """
         model_sd, optim_sd = get_state_dict(wrapped, optimizer)
-        own = ([list(group["params"]) for group in optim_sd["param_groups"]], list(model_sd))
+        if self.experts is not None:  # first the stage's whole lists over its EP group
+            model_sd, optim_sd = self.experts.state_dicts(model_sd, optim_sd)
+        keys = getattr(model_sd, "whole_model_keys", None) or list(model_sd)
+        own = ([list(group["params"]) for group in optim_sd["param_groups"]], list(keys))
         stages: List[tuple] = [None] * self.ctx.dims.pp  # type: ignore[list-item]
         dist.all_gather_object(stages, own, group=self.pp_group)
         for index, group in enumerate(optim_sd["param_groups"]):
@@ -231,16 +329,17 @@ class PipelineStrategy:
         return stage_sd, optim_sd
 
 
-def average_gradients(stage: nn.Module, dp_group) -> None:
+def average_gradients(stage: nn.Module, dp_group, skip: set = frozenset()) -> None:
     """DDP's gradient averaging over the stage's data-parallel group, in one flat all-reduce.
 
     ``DistributedDataParallel`` itself cannot wrap a stage here: the schedule's
     per-micro-batch backwards double its bucket-rebuild bookkeeping on the
     first step (torch 2.13: "rebuilt parameter indices size is not same as
     original model parameters size").  One all-reduce after the last backward
-    is what DDP's ``no_sync`` accumulation does, minus the overlap.
+    is what DDP's ``no_sync`` accumulation does, minus the overlap.  ``skip``:
+    ids of parameters averaged elsewhere (experts, over their EDP group).
     """
-    grads = [p.grad for p in stage.parameters() if p.grad is not None]
+    grads = [p.grad for p in stage.parameters() if p.grad is not None and id(p) not in skip]
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat, group=dp_group)
     flat /= dist.get_world_size(dp_group)

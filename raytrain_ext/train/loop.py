@@ -300,7 +300,9 @@ class TrainLoop:
         own = getattr(self.strategy, "forward_backward", None)
         if own is not None:  # a pipeline schedule: compute_s includes waiting for other stages
             batches = [tuple(t.to(ctx.device) for t in self.dataset.batch(i)) for i in chunks]
-            loss_sum = own(self.model, batches, scale, self._autocast)
+            loss_sum = own(self.model, batches, scale, self._autocast,
+                           aux_weight=self.cfg.model.moe.aux_loss_weight)
+            self._expert_tokens = self.strategy.take_kept_tokens()
             self._compute_s = time.perf_counter() - start
             return loss_sum
         aux_weight = self.cfg.model.moe.aux_loss_weight
