@@ -85,6 +85,18 @@ def test_deepspeed_config_from_our_config():
     json.dumps(config)  # DeepSpeed takes it as JSON
 
 
+def test_nvme_offload_without_libaio_names_the_key_and_the_fix():
+    from raytrain_ext.parallel.zero import check_nvme_support
+
+    cfg = zero_cfg("parallel.zero.stage=3", "parallel.zero.offload_param=nvme",
+                   "parallel.zero.nvme_path=/local_nvme")
+    with pytest.raises(RuntimeError, match=r"parallel\.zero\.offload_param: nvme offload needs "
+                                           r"DeepSpeed's async_io op.*libaio-dev.*or offload to cpu"):
+        check_nvme_support(cfg, async_io_available=False)
+    check_nvme_support(cfg, async_io_available=True)
+    check_nvme_support(zero_cfg("parallel.zero.offload_optimizer=cpu"), async_io_available=False)
+
+
 def test_nvme_offload_carries_its_path():
     cfg = zero_cfg("parallel.zero.stage=3", "parallel.zero.offload_optimizer=nvme",
                    "parallel.zero.nvme_path=/local_nvme")

@@ -171,16 +171,26 @@ class CheckpointManager:
         return stall
 
     def _save_native(self, loop, step: int) -> native.NativeFiles:
-        """The strategy's own checkpoint files of this step, moved into its staging dir."""
+        """The strategy's own checkpoint files of this step, moved into its staging dir.
+
+        A failed native save leaves the step with its DCP files only (which any
+        restore can load); like a failed persist, it never stops training.
+        """
         strategy = loop.strategy
         if not getattr(strategy, "native_checkpoint", False):
             return native.NativeFiles()
         step_dir = self.staging / step_dir_name(step)
         saved_root = native.private_dir(step_dir, self.rank)
-        shutil.rmtree(saved_root, ignore_errors=True)
-        strategy.native_save(loop.model, saved_root, step_dir_name(step))
-        return native.NativeFiles(native.collect(saved_root, step_dir),
-                                  {**strategy.native_info(), "tag": step_dir_name(step)})
+        try:
+            shutil.rmtree(saved_root, ignore_errors=True)
+            strategy.native_save(loop.model, saved_root, step_dir_name(step))
+            return native.NativeFiles(native.collect(saved_root, step_dir),
+                                      {**strategy.native_info(), "tag": step_dir_name(step)})
+        except Exception as e:
+            self.stats["failed"].append({"step": step, "tier": "native", "error": str(e)})
+            log.error("ALARM: native checkpoint of step %d failed on rank %d (its DCP files "
+                      "are still saved): %s", step, self.rank, e)
+            return native.NativeFiles()
 
     def wait(self) -> None:
         if self._thread is not None:
@@ -195,12 +205,14 @@ class CheckpointManager:
             step_dir = self.staging / step_dir_name(step)
             timing: Dict[str, Any] = {"step": step, "tiers_s": {}}
             mine, entries = self._write(snap, step_dir, timing, native_files.names)
-            files = {name: entry for part in self._all_gather(entries)
-                     for name, entry in part.items()}
+            parts = self._all_gather((entries, bool(native_files.info)))
+            files = {name: entry for part, _ in parts for name, entry in part.items()}
             timing["bytes"] = sum(entry.size for entry in files.values())
+            # native files are loadable only if every rank saved its own
+            native_info = native_files.info if all(saved for _, saved in parts) else {}
             manifest = Manifest(step=step, world_size=self.world_size, tier="", files=files,
                                 config_digest=self.config_digest, versions=_versions(),
-                                native=native_files.info)
+                                native=native_info)
             time.sleep(self.stall_s)
             for index, tier in enumerate(self.tiers):
                 if index and self._agree_past(deadline):

@@ -135,6 +135,8 @@ class ParallelConfig:
     timeout_s: float = 120.0
     mixed_precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32
     tp: int = 1  # tensor-parallel degree (consecutive ranks, keep it within a node)
+    # with tp > 1: the residual stream, LayerNorms and embeddings split along the sequence
+    sequence_parallel: bool = False
     dp_replicate: int = 1  # HSDP replica groups; dp_shard = world / (dp_replicate x tp x pp)
     pp: int = 1  # pipeline stages (blocks split by layer count; strategy ddp or fsdp)
     pp_schedule: str = "1f1b"  # gpipe | 1f1b (micro-batches: data.micro_batch_size each)

@@ -83,6 +83,7 @@ class ParallelDims:
         check_expert_parallel(parallel_cfg, model_cfg)
         check_strategy_support(parallel_cfg)
         check_model_fits_tp(parallel_cfg.tp, model_cfg)
+        check_sequence_parallel(parallel_cfg, model_cfg)
         check_pipeline(parallel_cfg, model_cfg)
         fixed = parallel_cfg.tp * parallel_cfg.dp_replicate * parallel_cfg.pp
         if world_size % fixed:
@@ -205,6 +206,30 @@ def check_pipeline_microbatches(schedule: str, global_batch: int, micro: int,
             f"than the pp={dims.pp} stages parallel.pp_schedule=1f1b needs. Use a "
             f"global_batch_size of at least {dims.dp_size * micro * dims.pp}, a smaller "
             "micro_batch_size, or parallel.pp_schedule=gpipe.")
+
+
+def check_sequence_parallel(parallel_cfg, model_cfg) -> None:
+    """Sequence parallelism splits each TP rank's activations along the sequence.
+
+    A MoE feed-forward would then route only part of the tokens on each TP rank
+    (the rank-local expert gradients of :mod:`raytrain_ext.parallel.tp` assume
+    whole sequences), and pipeline stages pass whole-sequence activations.
+    """
+    if not parallel_cfg.sequence_parallel:
+        return
+    tp = parallel_cfg.tp
+    problems = [f"parallel.tp={tp} (needs tp > 1)"] if tp == 1 else []
+    if parallel_cfg.pp > 1:
+        problems.append(f"parallel.pp={parallel_cfg.pp}")
+    if model_cfg.moe.num_experts:
+        problems.append(f"model.moe.num_experts={model_cfg.moe.num_experts}")
+    if tp > 1 and model_cfg.seq_len % tp:
+        problems.append(f"model.seq_len={model_cfg.seq_len} (not divisible by tp={tp})")
+    if problems:
+        raise ParallelLayoutError(
+            f"parallel.sequence_parallel: not available with {', '.join(problems)}; it splits "
+            "dense, unpipelined TP layers along the sequence. Change those keys, or set "
+            "parallel.sequence_parallel=false.")
 
 
 def check_model_fits_tp(tp: int, model_cfg) -> None:

@@ -45,7 +45,7 @@ class FSDPStrategy:
         dims = ctx.dims
         self.mesh = dims.build_mesh(ctx.device.type)
         if dims.tp > 1:
-            apply_tensor_parallel(model, self.mesh["tp"])
+            apply_tensor_parallel(model, self.mesh["tp"], self.cfg.sequence_parallel)
         for block in model.blocks:
             if self.cfg.activation_checkpointing:
                 checkpoint_activations(block)

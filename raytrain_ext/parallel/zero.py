@@ -77,6 +77,17 @@ def check_zero_config(parallel_cfg, global_batch: int, micro: int, world_sizes: 
             check_stage3_split(global_batch, micro, world)
 
 
+def check_nvme_support(zero_cfg, async_io_available: bool) -> None:
+    """NVMe offload swaps through DeepSpeed's ``async_io`` op, which needs libaio on the
+    worker's node; without it DeepSpeed fails deep inside ``initialize``."""
+    nvme = [k for k in ("offload_optimizer", "offload_param") if getattr(zero_cfg, k) == "nvme"]
+    if nvme and not async_io_available:
+        raise RuntimeError(
+            f"parallel.zero.{nvme[0]}: nvme offload needs DeepSpeed's async_io op, which needs "
+            "libaio on this node (apt install libaio-dev, then reinstall deepspeed or let it "
+            "JIT-build the op). Install it in the worker image, or offload to cpu.")
+
+
 def check_stage3_split(global_batch: int, micro: int, dp_size: int) -> None:
     """ZeRO-3 all-gathers parameters in every forward: equal micro-batch counts per rank."""
     counts = microbatch_counts(global_batch, dp_size, micro)
@@ -186,6 +197,10 @@ class ZeroStrategy:
             check_stage3_split(cfg.data.global_batch_size, cfg.data.micro_batch_size,
                                self.ctx.dp_size)
         self.group_names = group_param_names(model, optimizer)
+        if "nvme" in (self.zero_cfg.offload_optimizer, self.zero_cfg.offload_param):
+            from deepspeed.ops.op_builder import AsyncIOBuilder
+
+            check_nvme_support(self.zero_cfg, AsyncIOBuilder().is_compatible(verbose=False))
         init_deepspeed_comm()
         config = deepspeed_config(self.zero_cfg, cfg.data.micro_batch_size, cfg.optim.grad_clip,
                                   bf16=self.ctx.autocast_dtype == torch.bfloat16)
