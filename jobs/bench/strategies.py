@@ -25,6 +25,7 @@ LAYOUTS = {  # name -> overrides; world size comes from --workers
     "fsdp": ["parallel.strategy=fsdp"],
     "fsdp+ac": ["parallel.strategy=fsdp", "parallel.activation_checkpointing=true"],
     "fsdp tp=2": ["parallel.strategy=fsdp", "parallel.tp=2"],
+    "fsdp tp=2 sp": ["parallel.strategy=fsdp", "parallel.tp=2", "parallel.sequence_parallel=true"],
     "zero-1": ["parallel.strategy=zero", "parallel.zero.stage=1"],
     "zero-2": ["parallel.strategy=zero", "parallel.zero.stage=2"],
     "zero-3": ["parallel.strategy=zero", "parallel.zero.stage=3"],
@@ -32,6 +33,11 @@ LAYOUTS = {  # name -> overrides; world size comes from --workers
     "pp=2 gpipe": ["parallel.pp=2", "parallel.pp_schedule=gpipe"],
     "moe ddp": ["model.moe.num_experts=4", "model.moe.top_k=2"],
     "moe ep=2": ["model.moe.num_experts=4", "model.moe.top_k=2", "parallel.ep=2"],
+    "moe fsdp ep=2": ["model.moe.num_experts=4", "model.moe.top_k=2", "parallel.strategy=fsdp",
+                      "parallel.ep=2"],
+    "moe fsdp tp=2": ["model.moe.num_experts=4", "model.moe.top_k=2", "parallel.strategy=fsdp",
+                      "parallel.tp=2"],
+    "moe pp=2": ["model.moe.num_experts=4", "model.moe.top_k=2", "parallel.pp=2"],
 }
 
 
@@ -66,15 +72,15 @@ def main() -> None:
             print(f"  {name}: {results[name]}", file=sys.stderr, flush=True)
     base = results.get("ddp", {})
     print(f"\n{args.workers} workers, {args.steps} steps; ratios are to DDP\n")
-    print(f"{'layout':<12} {'step ms':>9} {'x ddp':>7} {'tokens/s':>10} {'peak GB':>8} "
+    print(f"{'layout':<15} {'step ms':>9} {'x ddp':>7} {'tokens/s':>10} {'peak GB':>8} "
           f"{'x ddp':>7} {'loss':>8}")
     for name, r in results.items():
         if "error" in r:
-            print(f"{name:<12} n/a: {r['error']}")
+            print(f"{name:<15} n/a: {r['error']}")
             continue
         step_ratio = r["step_s"] / base["step_s"] if "step_s" in base else float("nan")
         mem_ratio = r["peak_gb"] / base["peak_gb"] if base.get("peak_gb") else float("nan")
-        print(f"{name:<12} {r['step_s'] * 1e3:>9.1f} {step_ratio:>7.2f} {r['tokens_per_s']:>10.0f} "
+        print(f"{name:<15} {r['step_s'] * 1e3:>9.1f} {step_ratio:>7.2f} {r['tokens_per_s']:>10.0f} "
               f"{r['peak_gb']:>8.3f} {mem_ratio:>7.2f} {r['loss']:>8.4f}")
 
 
