@@ -28,6 +28,23 @@ def max_param_diff(a, b):
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
+def assert_curves_match(ddp, run):
+    """Every step's loss, pre-clip grad norm and expert load on rank 0 equal DDP's."""
+    for a, b in zip(ddp[0]["records"], run[0]["records"]):
+        assert abs(a["loss"] - b["loss"]) < LOSS_ATOL
+        assert abs(a["grad_norm"] - b["grad_norm"]) < 1e-4 * max(1.0, a["grad_norm"])
+        assert a["expert_load"] == pytest.approx(b["expert_load"], abs=1e-6)
+
+
+def resume_on_one_ddp_rank(tmp_path, ckpt):
+    """Steps 5-8 on 1 DDP rank from the step-4 checkpoint under ``tmp_path / 'ckpt'``."""
+    resumed = train_processes(1, [*MOE, *ckpt[:2], f"checkpoint.resume={tmp_path / 'ckpt'}/"
+                                  "step-00000004", f"checkpoint.dir={tmp_path / 'ck1'}"],
+                              tmp_path / "one")
+    assert resumed[0]["result"]["restored"]["step"] == 4
+    return resumed
+
+
 def test_groups_are_consecutive_blocks_and_strided_replicas():
     assert group_ranks(4, 2) == ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
     assert group_ranks(2, 2) == ([[0, 1]], [[0], [1]])
@@ -103,10 +120,7 @@ def test_ep2_matches_ddp_of_the_same_moe(ddp_and_ep):
     assert max_param_diff(ddp[0]["params"], ep[0]["params"]) < ATOL
     assert ep[0]["result"]["params_sha256"] == ep[1]["result"]["params_sha256"]
     assert ep[0]["result"]["samples_digest"] == ddp[0]["result"]["samples_digest"]
-    for a, b in zip(ddp[0]["records"], ep[0]["records"]):
-        assert abs(a["loss"] - b["loss"]) < LOSS_ATOL
-        assert abs(a["grad_norm"] - b["grad_norm"]) < 1e-4 * max(1.0, a["grad_norm"])
-        assert a["expert_load"] == pytest.approx(b["expert_load"], abs=1e-6)
+    assert_curves_match(ddp, ep)
     assert ep[0]["result"]["final_loss"] < 4.5
 
 
@@ -148,10 +162,7 @@ def test_moe_under_tp2_matches_ddp_of_the_same_moe(ddp_and_ep, tmp_path):
     assert tp[0]["result"]["params_sha256"] == tp[1]["result"]["params_sha256"]
     assert max_param_diff(ddp[0]["params"], tp[0]["params"]) < ATOL
     assert tp[0]["result"]["samples_digest"] == ddp[0]["result"]["samples_digest"]
-    for a, b in zip(ddp[0]["records"], tp[0]["records"]):
-        assert abs(a["loss"] - b["loss"]) < LOSS_ATOL
-        assert abs(a["grad_norm"] - b["grad_norm"]) < 1e-4 * max(1.0, a["grad_norm"])
-        assert a["expert_load"] == pytest.approx(b["expert_load"], abs=1e-6)
+    assert_curves_match(ddp, tp)
 
 
 @pytest.mark.slow
@@ -168,16 +179,10 @@ def test_ep2_under_fsdp_x_tp2_matches_ddp_and_resumes_on_one_ddp_rank(ddp_and_ep
     run = train_processes(4, MOE + layout + ckpt, tmp_path / "4d")
     assert len({r["result"]["params_sha256"] for r in run}) == 1
     assert max_param_diff(ddp[0]["params"], run[0]["params"]) < ATOL
-    for a, b in zip(ddp[0]["records"], run[0]["records"]):
-        assert abs(a["loss"] - b["loss"]) < LOSS_ATOL
-        assert abs(a["grad_norm"] - b["grad_norm"]) < 1e-4 * max(1.0, a["grad_norm"])
-        assert a["expert_load"] == pytest.approx(b["expert_load"], abs=1e-6)
+    assert_curves_match(ddp, run)
     assert run[0]["result"]["samples_digest"] == ddp[0]["result"]["samples_digest"]
 
-    resumed = train_processes(1, [*MOE, *ckpt[:2], f"checkpoint.resume={tmp_path / 'ckpt'}/"
-                                  "step-00000004", f"checkpoint.dir={tmp_path / 'ck1'}"],
-                              tmp_path / "one")
-    assert resumed[0]["result"]["restored"]["step"] == 4
+    resumed = resume_on_one_ddp_rank(tmp_path, ckpt)
     assert max_param_diff(resumed[0]["params"], ddp[0]["params"]) < ATOL
     assert resumed[0]["result"]["samples_digest"] == ddp[0]["result"]["samples_digest"]
 
@@ -193,10 +198,7 @@ def test_moe_in_two_pipeline_stages_matches_ddp_of_the_same_moe(ddp_and_ep, tmp_
     pp = train_processes(2, MOE + ["parallel.pp=2"], tmp_path)
     assert max_param_diff(ddp[0]["params"], pp[0]["params"]) < ATOL
     assert pp[0]["result"]["params_sha256"] == pp[1]["result"]["params_sha256"]
-    for a, b in zip(ddp[0]["records"], pp[0]["records"]):
-        assert abs(a["loss"] - b["loss"]) < LOSS_ATOL
-        assert abs(a["grad_norm"] - b["grad_norm"]) < 1e-4 * max(1.0, a["grad_norm"])
-        assert a["expert_load"] == pytest.approx(b["expert_load"], abs=1e-6)
+    assert_curves_match(ddp, pp)
 
 
 @pytest.mark.slow
@@ -211,16 +213,10 @@ def test_ep2_in_two_pipeline_stages_matches_ddp_and_resumes_on_one_ddp_rank(ddp_
     run = train_processes(4, MOE + ["parallel.pp=2", "parallel.ep=2"] + ckpt, tmp_path / "pp")
     assert len({r["result"]["params_sha256"] for r in run}) == 1
     assert max_param_diff(ddp[0]["params"], run[0]["params"]) < ATOL
-    for a, b in zip(ddp[0]["records"], run[0]["records"]):
-        assert abs(a["loss"] - b["loss"]) < LOSS_ATOL
-        assert abs(a["grad_norm"] - b["grad_norm"]) < 1e-4 * max(1.0, a["grad_norm"])
-        assert a["expert_load"] == pytest.approx(b["expert_load"], abs=1e-6)
+    assert_curves_match(ddp, run)
     assert run[0]["result"]["samples_digest"] == ddp[0]["result"]["samples_digest"]
 
-    resumed = train_processes(1, [*MOE, *ckpt[:2], f"checkpoint.resume={tmp_path / 'ckpt'}/"
-                                  "step-00000004", f"checkpoint.dir={tmp_path / 'ck1'}"],
-                              tmp_path / "one")
-    assert resumed[0]["result"]["restored"]["step"] == 4
+    resumed = resume_on_one_ddp_rank(tmp_path, ckpt)
     assert max_param_diff(resumed[0]["params"], ddp[0]["params"]) < ATOL
 
 
@@ -234,8 +230,5 @@ def test_ep2_in_dp2_x_tp2_x_pp2_on_eight_processes_matches_ddp(ddp_and_ep, tmp_p
     run = train_processes(8, MOE + layout, tmp_path)
     assert len({r["result"]["params_sha256"] for r in run}) == 1
     assert max_param_diff(ddp[0]["params"], run[0]["params"]) < ATOL
-    for a, b in zip(ddp[0]["records"], run[0]["records"]):
-        assert abs(a["loss"] - b["loss"]) < LOSS_ATOL
-        assert abs(a["grad_norm"] - b["grad_norm"]) < 1e-4 * max(1.0, a["grad_norm"])
-        assert a["expert_load"] == pytest.approx(b["expert_load"], abs=1e-6)
+    assert_curves_match(ddp, run)
     assert run[0]["result"]["samples_digest"] == ddp[0]["result"]["samples_digest"]

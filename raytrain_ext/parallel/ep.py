@@ -125,6 +125,7 @@ class ExpertShards:
             moe.dispatch = AllToAllDispatch(self.ep_group, ctx.dims.ep, len(keep))
         self.names = sorted(name for name, _ in _expert_parameters(model))
         self.params = [p for _, p in _expert_parameters(model)]  # kept by .to(device)
+        self.ids = {id(p) for p in self.params}
 
     def average_gradients(self) -> None:
         """Sum over the EDP group (one flat all-reduce), divide by ``dp_size`` (module doc)."""
@@ -187,7 +188,26 @@ def _new_groups(groups: List[List[int]], rank: int):
     return mine
 
 
-class ExpertParallelStrategy(DDPStrategy):
+class _ShardedExperts:
+    """What DDP and FSDP with sharded experts share: the experts' gradients are averaged
+    after the step's synchronising backward, and state dicts hold each expert once."""
+
+    experts: ExpertShards
+
+    @contextlib.contextmanager
+    def accumulate(self, wrapped: nn.Module, sync: bool) -> Iterator[None]:
+        """The wrapper's accumulation for dense grads; expert grads averaged after the sync
+        backward."""
+        with super().accumulate(wrapped, sync):  # type: ignore[misc]
+            yield
+        if sync:
+            self.experts.average_gradients()
+
+    def state_dicts(self, wrapped: nn.Module, optimizer: torch.optim.Optimizer):
+        return self.experts.state_dicts(*get_state_dict(wrapped, optimizer))
+
+
+class ExpertParallelStrategy(_ShardedExperts, DDPStrategy):
     """DDP for the dense parameters; experts sharded over ``parallel.ep`` ranks."""
 
     name = "ddp"
@@ -200,20 +220,11 @@ class ExpertParallelStrategy(DDPStrategy):
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=device_ids)
 
-    @contextlib.contextmanager
-    def accumulate(self, wrapped: nn.Module, sync: bool) -> Iterator[None]:
-        """DDP's accumulation for dense grads; expert grads averaged after the sync backward."""
-        with super().accumulate(wrapped, sync):
-            yield
-        if sync:
-            self.experts.average_gradients()
-
     def clip_grad_norm(self, wrapped: nn.Module, max_norm: float) -> torch.Tensor:
         """The norm of the whole model's gradient: dense grads are replicated, expert
         grads are sharded over the EP group, so their squares are summed over it."""
-        expert_ids = {id(p) for p in self.experts.params}
         params = [p for p in wrapped.module.parameters() if p.grad is not None]
-        dense = [p.grad for p in params if id(p) not in expert_ids]
+        dense = [p.grad for p in params if id(p) not in self.experts.ids]
         dense_sq = torch.nn.utils.get_total_norm(dense).double() ** 2
         total = torch.sqrt(dense_sq + self.experts.grad_norm_squared()).float()
         if max_norm > 0:
@@ -225,11 +236,8 @@ class ExpertParallelStrategy(DDPStrategy):
         params = {name: p.detach() for name, p in wrapped.module.named_parameters()}
         return self.experts.gather(params)
 
-    def state_dicts(self, wrapped: nn.Module, optimizer: torch.optim.Optimizer):
-        return self.experts.state_dicts(*get_state_dict(wrapped, optimizer))
 
-
-class FSDPExpertParallelStrategy(FSDPStrategy):
+class FSDPExpertParallelStrategy(_ShardedExperts, FSDPStrategy):
     """FSDP (optionally with TP) for the dense parameters; experts sharded over ``parallel.ep``
     ranks and left out of FSDP, which would shard them a second time."""
 
@@ -241,17 +249,10 @@ class FSDPExpertParallelStrategy(FSDPStrategy):
         self.ignored = set(self.experts.params)
         return super().wrap(model, ctx)
 
-    @contextlib.contextmanager
-    def accumulate(self, wrapped: nn.Module, sync: bool) -> Iterator[None]:
-        with super().accumulate(wrapped, sync):
-            yield
-        if sync:
-            self.experts.average_gradients()
-
     def clip_grad_norm(self, wrapped: nn.Module, max_norm: float) -> torch.Tensor:
         """FSDP's per-mesh norms of the dense gradients plus the experts' (see ``ExpertShards``)."""
-        expert_ids = {id(p) for p in self.experts.params}
-        dense = [p for p in wrapped.parameters() if p.grad is not None and id(p) not in expert_ids]
+        dense = [p for p in wrapped.parameters()
+                 if p.grad is not None and id(p) not in self.experts.ids]
         groups = _group_by_mesh(dense)
         dense_sq = global_grad_norm(groups).double() ** 2
         total = torch.sqrt(dense_sq + self.experts.grad_norm_squared()).float()
@@ -262,9 +263,6 @@ class FSDPExpertParallelStrategy(FSDPStrategy):
 
     def full_parameters(self, wrapped: nn.Module) -> Dict[str, torch.Tensor]:
         return self.experts.gather(super().full_parameters(wrapped))
-
-    def state_dicts(self, wrapped: nn.Module, optimizer: torch.optim.Optimizer):
-        return self.experts.state_dicts(*get_state_dict(wrapped, optimizer))
 
 
 def _expert_parameters(model: nn.Module):

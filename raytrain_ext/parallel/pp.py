@@ -256,7 +256,7 @@ class PipelineStrategy:
         return torch.stack([loss.detach() for loss in losses]).sum() / loss_scale
 
     def _expert_ids(self) -> set:
-        return {id(p) for p in self.experts.params} if self.experts is not None else set()
+        return self.experts.ids if self.experts is not None else set()
 
     def take_kept_tokens(self) -> Optional[torch.Tensor]:
         """MoE: tokens each expert kept in this stage's layers since the last call."""
