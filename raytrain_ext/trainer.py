@@ -38,6 +38,7 @@ class Trainer:
             self.cfg = load_config(config, overrides)
         self.cfg = absolute_paths(self.cfg)
         self._controller: Optional[Controller] = None
+        self._stop_reason: Optional[str] = None
         self.run_dir = Path(self.cfg.run.output_dir) / self.cfg.run.name
 
     def fit(self) -> Dict[str, Any]:
@@ -54,6 +55,8 @@ class Trainer:
             memory_actors = self._start_memory_tier()
             sink = FanOut(self._sinks())
             self._controller = Controller(self.cfg, sink)
+            if self._stop_reason is not None:  # stop() came before the controller existed
+                self._controller.stop(self._stop_reason)
             try:
                 result = self._controller.run()
             except TrainingFailed as e:
@@ -84,6 +87,14 @@ class Trainer:
         """Checkpoint at the next step boundary; callable from another thread during fit()."""
         if self._controller is not None:
             self._controller.request_checkpoint()
+
+    def stop(self, reason: str = "stopped by the user") -> None:
+        """End a fit() running in another thread (a notebook cell, a test): its workers are
+        shut down within a poll interval and fit() raises ``TrainingFailed`` naming ``reason``.
+        Committed checkpoints are kept; the next fit() of the same run resumes from them."""
+        self._stop_reason = reason
+        if self._controller is not None:
+            self._controller.stop(reason)
 
     def _write_summary(self, result: ControllerResult, start: float,
                        error: Optional[BaseException] = None) -> Dict[str, Any]:

@@ -1,6 +1,9 @@
 """Shared fixtures. Ray, gloo and servers stay on loopback (see FIELD_NOTES)."""
 
+import faulthandler
 import os
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -46,17 +49,40 @@ def ray_cluster():
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 0, "object_store_memory": 150 * 1024**2, "include_dashboard": False,
         "node_ip_address": "127.0.0.1"})
-    ray.init(address=cluster.address, log_to_driver=False)
     try:
+        ray.init(address=cluster.address, log_to_driver=False)
         yield cluster
     finally:
-        ray.shutdown()
-        cluster.shutdown()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        _tear_down(cluster, saved)
+
+
+def _tear_down(cluster, saved_env: dict) -> None:
+    """Every step runs even when one fails (a node that died on its own, a zombie), so a
+    failed test leaves no cluster, driver or environment behind for the next one."""
+    import ray
+
+    errors = []
+    for step in (ray.shutdown, cluster.shutdown):
+        try:
+            step()
+        except Exception as e:
+            errors.append(e)
+    for node in [*cluster.worker_nodes, *([cluster.head_node] if cluster.head_node else [])]:
+        try:
+            node.kill_all_processes(check_alive=False, allow_graceful=False, wait=True)
+        except Exception as e:
+            errors.append(e)
+    # what Cluster.shutdown does last, in case it stopped before: forget the dead cluster
+    ray.experimental.internal_kv._internal_kv_reset()
+    ray._common.utils.reset_ray_address()
+    ray._private.services.find_gcs_addresses.cache_clear()
+    for key, value in saved_env.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    if errors:
+        raise RuntimeError(f"tearing the cluster down: {errors!r}")
 
 
 # The packaged default's model at half its width and sequence length, for tests that need
@@ -120,3 +146,48 @@ def wait_for_checkpoint(directory: Path, min_step: int, timeout_s: float = 120.0
         time.sleep(0.02)
     raise AssertionError(f"no checkpoint of step >= {min_step} in {directory} within "
                          f"{timeout_s:.0f} s" + (" while the run ran" if while_running else ""))
+
+
+class FitThread:
+    """``trainer.fit()`` in a thread, for tests that inject faults while it runs.
+
+    A test cannot leave the run behind: leaving the ``with`` block (an assertion
+    failed, or the run outlived ``result``'s timeout) stops the trainer and joins
+    its thread, so a cluster fixture never tears Ray down under a live run.
+    """
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.outcome: list = []
+        self.thread = threading.Thread(target=self._fit, daemon=True, name="fit")
+
+    def _fit(self) -> None:
+        try:
+            self.outcome.append(self.trainer.fit())
+        except Exception as e:
+            self.outcome.append(e)
+
+    def __enter__(self) -> "FitThread":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        if self.thread.is_alive():
+            self.trainer.stop("the test ended before the run")
+            self.thread.join(timeout=120)
+
+    def join(self, timeout_s: float):
+        """The run's summary, or the exception that ended it."""
+        self.thread.join(timeout=timeout_s)
+        if self.thread.is_alive():
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+            raise AssertionError(f"the run was still going after {timeout_s:.0f} s "
+                                 "(every thread's stack is on stderr)")
+        (outcome,) = self.outcome
+        return outcome
+
+    def summary(self, timeout_s: float) -> dict:
+        """The summary of a run that must finish."""
+        outcome = self.join(timeout_s)
+        assert isinstance(outcome, dict), f"the run failed: {outcome!r}"
+        return outcome

@@ -2,7 +2,6 @@
 
 import os
 import re
-import threading
 import time
 from pathlib import Path
 
@@ -14,7 +13,7 @@ from raytrain_ext import Trainer, load_config
 from raytrain_ext.checkpoint.manifest import Manifest, checksum_file, verify_dir
 from raytrain_ext.checkpoint.memory import MemoryTier, start_memory_tier, stop_memory_tier
 from raytrain_ext.checkpoint.tier import prune
-from tests.conftest import tiny_overrides, wait_for_checkpoint
+from tests.conftest import FitThread, tiny_overrides, wait_for_checkpoint
 from raytrain_ext import TrainingFailed
 from raytrain_ext.checkpoint.disk import DiskTier
 from raytrain_ext.checkpoint.export import load_model_state
@@ -31,14 +30,6 @@ def wait_for(path: Path, timeout_s: float = 120.0) -> None:
     while not path.exists() and time.time() < deadline:
         time.sleep(0.02)
     assert path.exists(), f"{path} did not appear within {timeout_s:.0f} s"
-
-
-def fit_or_error(trainer):
-    """The run's summary, or the exception that ended it (for a test thread to report)."""
-    try:
-        return trainer.fit()
-    except Exception as e:
-        return e
 
 
 def add_two_worker_nodes(cluster):
@@ -124,22 +115,13 @@ def test_node_lost_during_a_save_never_loads_the_half_written_step(ray_cluster, 
                             "parallel.timeout_s=15", "checkpoint.on_busy=wait")
     ckpt = tmp_path / "tiny" / "checkpoints"
     partial = ckpt / "step-00000010"
-    errors = []
-
-    def run_until_node_loss():
-        try:
-            Trainer(load_config(None, [*common, "chaos.stall_save_s=3"])).fit()
-        except TrainingFailed as e:
-            errors.append(e)
-
-    runner = threading.Thread(target=run_until_node_loss)
-    runner.start()
-    wait_for(partial / ".metadata")
-    assert not (partial / "manifest.json").exists()
-    ray_cluster.remove_node(node_b, allow_graceful=False)  # mid-save: files written, no commit
-    runner.join(timeout=120)
+    with FitThread(Trainer(load_config(None, [*common, "chaos.stall_save_s=3"]))) as run:
+        wait_for(partial / ".metadata")
+        assert not (partial / "manifest.json").exists()
+        ray_cluster.remove_node(node_b, allow_graceful=False)  # mid-save: files, no commit
+        error = run.join(timeout_s=120)
     # the dead rank (ActorDiedError) or a peer whose collective broke reports first
-    assert errors and re.search(r"worker rank \d .* raised", str(errors[0]))
+    assert isinstance(error, TrainingFailed) and re.search(r"worker rank \d .* raised", str(error))
     assert not (partial / "manifest.json").exists()
     resumed = Trainer(load_config(None, common)).fit()
     assert resumed["restored"]["step"] == 5 and resumed["restored"]["tier"] == "local"
@@ -157,20 +139,14 @@ def test_ray_drain_notice_checkpoints_then_shrinks_away_from_the_node(ray_cluste
                             "checkpoint.every_steps=10", "checkpoint.memory=false",
                             "elastic.max_failures=0")
     reference = uninterrupted(60)["result"]
-    summaries = []
-    runner = threading.Thread(target=lambda: summaries.append(
-        fit_or_error(Trainer(load_config(None, common)))))
-    runner.start()
-    run_dir = tmp_path / "tiny"
-    wait_for_checkpoint(run_dir / "checkpoints", 10)
-    gcs = ray._private.worker.global_worker.gcs_client
-    accepted, why = gcs.drain_node(
-        node_b.node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
-        "spot reclaim rehearsal", int((time.time() + 30) * 1000))
-    assert accepted, why
-    runner.join(timeout=180)
-    (summary,) = summaries
-    assert isinstance(summary, dict), f"the run failed: {summary}"
+    with FitThread(Trainer(load_config(None, common))) as run:
+        wait_for_checkpoint(tmp_path / "tiny" / "checkpoints", 10)
+        gcs = ray._private.worker.global_worker.gcs_client
+        accepted, why = gcs.drain_node(
+            node_b.node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+            "spot reclaim rehearsal", int((time.time() + 30) * 1000))
+        assert accepted, why
+        summary = run.summary(timeout_s=180)
     assert summary["status"] == "finished" and summary["steps_completed"] == 60, \
         summary["transitions"]
     (preemption,) = summary["recoveries"]
@@ -190,17 +166,12 @@ def test_below_min_workers_waits_for_a_replacement_node(ray_cluster, tmp_path):
                             "checkpoint.every_steps=2", "scaling.placement_strategy=SPREAD",
                             "parallel.timeout_s=15", "elastic.max_failures=1",
                             "checkpoint.memory=true", "elastic.wait_for_capacity_s=60")
-    summaries = []
-    runner = threading.Thread(target=lambda: summaries.append(
-        fit_or_error(Trainer(load_config(None, common)))))
-    runner.start()
-    wait_for_checkpoint(tmp_path / "tiny" / "checkpoints", 4)
-    ray_cluster.remove_node(node_b, allow_graceful=False)  # 1 worker fits, min_workers is 2
-    time.sleep(4.0)
-    node_d = ray_cluster.add_node(num_cpus=1)  # capacity comes back
-    runner.join(timeout=180)
-    (summary,) = summaries
-    assert isinstance(summary, dict), f"the run failed: {summary}"
+    with FitThread(Trainer(load_config(None, common))) as run:
+        wait_for_checkpoint(tmp_path / "tiny" / "checkpoints", 4)
+        ray_cluster.remove_node(node_b, allow_graceful=False)  # 1 worker fits, min is 2
+        time.sleep(4.0)
+        node_d = ray_cluster.add_node(num_cpus=1)  # capacity comes back
+        summary = run.summary(timeout_s=180)
     assert summary["status"] == "finished" and summary["steps_completed"] == 16
     (recovery,) = summary["recoveries"]
     assert recovery["world_size"] == 2 and recovery["decided_s"] > 3.0
@@ -250,22 +221,19 @@ def test_node_loss_shrinks_then_grows_back_when_a_node_joins(ray_cluster, tmp_pa
     reference = uninterrupted(60)
     trainer = Trainer(load_config(None, [*common, "elastic.max_failures=1",
                                          "checkpoint.memory=true"]))
-    summaries = []
-    runner = threading.Thread(target=lambda: summaries.append(fit_or_error(trainer)))
-    runner.start()
-    wait_for_checkpoint(tmp_path / "tiny" / "checkpoints", 8)
-    rank0_node = trainer._controller.group.infos[0]["node_id"]
-    (survivor,) = set(nodes) - {rank0_node}
-    assert [i["node_id"] for i in trainer._controller.group.infos].count(survivor) == 2
-    ray_cluster.remove_node(nodes[rank0_node], allow_graceful=False)
-    deadline = time.time() + 120
-    while time.time() < deadline and not (  # the shrunk group is training
-            trainer._controller.state.value == "RUNNING" and trainer._controller.world_size == 2):
-        time.sleep(0.2)
-    node_d = ray_cluster.add_node(num_cpus=2, object_store_memory=100 * 2**20)
-    runner.join(timeout=240)
-    (summary,) = summaries
-    assert isinstance(summary, dict), f"the run failed: {summary}"
+    with FitThread(trainer) as run:
+        wait_for_checkpoint(tmp_path / "tiny" / "checkpoints", 8)
+        rank0_node = trainer._controller.group.infos[0]["node_id"]
+        (survivor,) = set(nodes) - {rank0_node}
+        assert [i["node_id"] for i in trainer._controller.group.infos].count(survivor) == 2
+        ray_cluster.remove_node(nodes[rank0_node], allow_graceful=False)
+        deadline = time.time() + 120
+        while time.time() < deadline and not (  # the shrunk group is training
+                trainer._controller.state.value == "RUNNING"
+                and trainer._controller.world_size == 2):
+            time.sleep(0.2)
+        node_d = ray_cluster.add_node(num_cpus=2, object_store_memory=100 * 2**20)
+        summary = run.summary(timeout_s=240)
     assert summary["status"] == "finished" and summary["steps_completed"] == 60
     sizes = [h["world_size"] for h in summary["world_size_history"]]
     assert sizes == [4, 2, 4], summary["transitions"]

@@ -10,7 +10,7 @@ import ray
 from raytrain_ext import Trainer, TrainingFailed, load_config
 from raytrain_ext.worker.dist_env import assign_ranks
 from raytrain_ext.worker.group import PlacementTimeout, WorkerGroup
-from tests.conftest import tiny_overrides
+from tests.conftest import FitThread, tiny_overrides, wait_for_checkpoint
 from tests.leaks import assert_nothing_left
 from tests.reference import uninterrupted
 
@@ -183,3 +183,22 @@ def test_run_starts_with_as_many_workers_as_fit_up_to_max(ray_local, tmp_path):
     assert summary["world_size_history"] == [{"step": 0, "world_size": 3}]
     assert summary["samples_consumed"] == 2 * 16  # uneven 6/5/5 split, every sample once
     assert_nothing_left()
+
+
+@pytest.mark.slow
+def test_stopped_run_leaves_nothing_and_the_next_fit_resumes_its_checkpoint(ray_local, tmp_path):
+    """Trainer.stop() from another thread (a notebook cell): fit() raises naming the reason,
+    the workers are gone, and the committed checkpoints stay for the next fit()."""
+    cfg = load_config(None, tiny_overrides(tmp_path, "run.max_steps=40", "optim.decay_steps=40",
+                                           "checkpoint.every_steps=2"))
+    trainer = Trainer(cfg)
+    with FitThread(trainer) as run:
+        wait_for_checkpoint(tmp_path / "tiny" / "checkpoints", 4)
+        trainer.stop("rehearsal")
+        error = run.join(timeout_s=60)
+    assert isinstance(error, TrainingFailed) and "stopped: rehearsal" in str(error)
+    assert_nothing_left()
+    summary = json.loads((tmp_path / "tiny" / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["steps_completed"] < 40
+    resumed = Trainer(cfg).fit()
+    assert resumed["restored"]["step"] >= 4 and resumed["steps_completed"] == 40

@@ -16,6 +16,7 @@ Usage: python jobs/bench/recovery.py [--steps 30 --kill-at 12]
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -141,10 +142,13 @@ def main():
     ray.init(num_cpus=3, include_dashboard=False, _node_ip_address="127.0.0.1",
              log_to_driver=False)
     try:
-        runs = {spares: ours(args, workdir, spares) for spares in (0, 1)}
+        try:
+            runs = {spares: ours(args, workdir, spares) for spares in (0, 1)}
+        finally:
+            ray.shutdown()
+        b = ray_train(args, workdir)
     finally:
-        ray.shutdown()
-    b = ray_train(args, workdir)
+        shutil.rmtree(workdir, ignore_errors=True)
     print(f"fault: rank 1's process exits after step {args.kill_at} of {args.steps}, 2 workers")
     for spares, a in runs.items():
         print(f"raytrain-ext, {spares} spare(s) (checkpoint every {args.ours_every} step(s), "

@@ -128,6 +128,7 @@ class Controller:
         self._grow_probe = NodeProbe()
         self._hung_ranks: List[int] = []  # named by the watchdog's last verdict
         self._keep_ranks: Optional[List[int]] = None  # the next SCHEDULING re-forms in place
+        self._stop_reason: Optional[str] = None  # set from another thread by ``stop``
 
     def run(self) -> ControllerResult:
         handlers = {RunState.SCHEDULING: self._schedule, RunState.RUNNING: self._running,
@@ -135,14 +136,16 @@ class Controller:
         try:
             while self.state not in TERMINAL:
                 target, reason = handlers[self.state]()
+                if self._stop_reason is not None and target not in TERMINAL:
+                    target, reason = RunState.FAILED, f"stopped: {self._stop_reason}"
                 self._transition(target, reason)
         finally:
             self.group.shutdown()
         self.result.state = self.state
         if self.state is RunState.FAILED:
             reason = self.result.transitions[-1].reason
-            raise TrainingFailed(f"training failed: {reason}:\n{self.result.error}") \
-                from self.result.error
+            detail = "" if self.result.error is None else f":\n{self.result.error}"
+            raise TrainingFailed(f"training failed: {reason}{detail}") from self.result.error
         return self.result
 
     def _transition(self, target: RunState, reason: str) -> None:
@@ -203,7 +206,7 @@ class Controller:
         pending = list(self._fit_refs)
         self._hung_ranks = []
         self.watchdog = HangWatchdog(self.cfg.elastic.hang_factor, self.cfg.elastic.hang_floor_s)
-        while pending:
+        while pending and self._stop_reason is None:
             done, pending = ray.wait(pending, num_returns=len(pending), timeout=interval)
             failed = self._first_error(done)
             if failed is not None:
@@ -224,6 +227,8 @@ class Controller:
             if hung is not None:
                 self._dump_stacks()
                 return self._after_failure(hung)
+        if self._stop_reason is not None:
+            return RunState.FAILED, f"stopped: {self._stop_reason}"
         self.result.worker_results = ray.get(self._fit_refs)
         self._drain_events()
         preempted = self.result.worker_results[0].get("preempted_at")
@@ -402,7 +407,7 @@ class Controller:
             decision = recovery_decision(self.failures, capacity, self.failure_budget,
                                          self.scaling_policy)
             if decision.action == "restart" or capacity >= self.scaling_policy.min_workers \
-                    or self.clock() >= deadline:
+                    or self.clock() >= deadline or self._stop_reason is not None:
                 return decision
             log.warning("controller: %s; waiting up to %.0f s more for capacity",
                         decision.reason, deadline - self.clock())
@@ -456,6 +461,13 @@ class Controller:
         for rank in ranks:
             self.group.actors[rank].preempt.remote(grace)
         self._drain_forwarded = True
+
+    def stop(self, reason: str) -> None:
+        """End the run from another thread: the loop ends at its next poll (within
+        ``elastic.poll_interval_s`` while running) in FAILED, and ``run`` shuts the group
+        down and raises ``TrainingFailed`` naming ``reason``.  Committed checkpoints stay,
+        so a later fit() resumes from the newest one."""
+        self._stop_reason = reason
 
     def request_checkpoint(self) -> None:
         """Ask for a checkpoint at the next step boundary (thread-safe, on-demand API)."""
