@@ -97,3 +97,31 @@ def test_chunk_checksums_cover_the_file_in_order(tmp_path):
     assert entry.size == 1280 and entry.chunk_size == 300 and len(entry.chunk_xxh3) == 5
     assert entry.chunk_xxh3 == [checksum_bytes(data[i:i + 300]) for i in range(0, 1280, 300)]
     assert entry.xxh3_128 == checksum_bytes(data)
+
+
+def test_dcp_loads_verified_in_memory_files_and_bad_buffers_are_named(tmp_path):
+    """The memory tier's restore path: DCP files held as buffers load without a disk round
+    trip; a truncated or corrupted buffer is reported (by name) before anything loads."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from raytrain_ext.checkpoint.buffers import BufferReader, verify_buffers
+
+    saved = {"w": torch.randn(64, 32), "b": torch.arange(7.0), "step": 12}
+    dcp.save(saved, checkpoint_id=tmp_path, no_dist=True)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    manifest = Manifest(step=12, world_size=1, tier="memory",
+                        files={n: checksum_file(tmp_path / n) for n in names})
+    buffers = {n: memoryview((tmp_path / n).read_bytes()) for n in names}
+    assert verify_buffers(buffers, manifest, "memory://run/step-12") is None
+    loaded = {"w": torch.zeros(64, 32), "b": torch.zeros(7), "step": 0}
+    dcp.load(loaded, storage_reader=BufferReader(buffers, "memory://run/step-12"), no_dist=True)
+    assert torch.equal(loaded["w"], saved["w"]) and torch.equal(loaded["b"], saved["b"])
+    assert loaded["step"] == 12
+    data = next(n for n in names if n.endswith(".distcp"))
+    flipped = bytearray(buffers[data])
+    flipped[-1] ^= 0xFF
+    problem = verify_buffers({**buffers, data: memoryview(flipped)}, manifest, "memory://r")
+    assert problem.startswith(f"memory://r/{data} checksum") and "(corrupted)" in problem
+    problem = verify_buffers({**buffers, data: buffers[data][:-1]}, manifest, "memory://r")
+    assert f"memory://r/{data} has" in problem and "(truncated?)" in problem

@@ -49,6 +49,8 @@ from raytrain_ext.checkpoint.manifest import (
     step_dir_name,
     verify_dir,
 )
+from raytrain_ext.checkpoint.buffers import BufferReader, verify_buffers
+from raytrain_ext.checkpoint.memory import MemoryTier
 from raytrain_ext.checkpoint.ranged import ChunkReader, PlannedS3Fetch
 from raytrain_ext.checkpoint.s3 import S3Tier
 from raytrain_ext.checkpoint.tier import Tier, prune
@@ -223,8 +225,10 @@ class CheckpointManager:
                                   "reached tier %s", step, tier.name)
                     continue
                 tier_start = time.perf_counter()
-                self._persist_to(tier, manifest, step_dir, mine)
+                committed = self._persist_to(tier, manifest, step_dir, mine)
                 timing["tiers_s"][tier.name] = time.perf_counter() - tier_start
+                if committed:  # retention once the step is safe, outside its save time
+                    self._retain(tier)
             self.stats["timings"].append(timing)
             if not self.cfg.local:
                 shutil.rmtree(step_dir, ignore_errors=True)
@@ -269,7 +273,8 @@ class CheckpointManager:
             names.append(".metadata")
         return sorted(names)
 
-    def _persist_to(self, tier: Tier, manifest: Manifest, step_dir: Path, mine: List[str]) -> None:
+    def _persist_to(self, tier: Tier, manifest: Manifest, step_dir: Path, mine: List[str]) -> bool:
+        """Upload every rank's files, then commit; True once the step is committed there."""
         error = None
         try:
             tier.upload(manifest.step, step_dir, mine)
@@ -282,16 +287,22 @@ class CheckpointManager:
             if self.rank == 0:
                 log.error("ALARM: step %d not committed to tier %s: %s", manifest.step,
                           tier.name, "; ".join(errors))
-            return
+            return False
         if self._commits(tier):
             tier.commit(manifest.for_tier(tier.name))
-            keep = self.cfg.keep_in_memory if tier.name == "memory" else self.cfg.keep_last
-            deleted = prune(tier, keep)
-            if deleted and self.rank == 0:
-                log.info("checkpoint retention (%s): deleted steps %s", tier.name, deleted)
         self.stats["committed"][tier.name] = manifest.step
         if self.rank == 0:
             log.info("checkpoint step %d committed to %s", manifest.step, tier.name)
+        return True
+
+    def _retain(self, tier: Tier) -> None:
+        """Keep the tier's last K committed steps; the committing rank deletes the rest."""
+        if not self._commits(tier):
+            return
+        keep = self.cfg.keep_in_memory if tier.name == "memory" else self.cfg.keep_last
+        deleted = prune(tier, keep)
+        if deleted and self.rank == 0:
+            log.info("checkpoint retention (%s): deleted steps %s", tier.name, deleted)
 
     def _commits(self, tier: Tier) -> bool:
         """Node-local tiers are committed by each node's first rank, shared ones by rank 0."""
@@ -374,7 +385,8 @@ class CheckpointManager:
 
         From S3 only the byte ranges of this rank's load plan are fetched when that
         is less than half the bytes (unless ``whole``: a native load reads whole
-        files); other tiers hand over whole verified files.
+        files); DCP loads the memory tier's verified files where they are held, in
+        memory; other tiers hand over whole verified files.
         """
         if isinstance(tier, S3Tier) and not whole:
             fetch = PlannedS3Fetch(tier, step, manifest, self.cache, tier.max_concurrency)
@@ -383,6 +395,14 @@ class CheckpointManager:
                 self._check_shapes(fetch.metadata, targets, tier.key(step))
                 problem = fetch.prepare(targets, self.rank == 0)
             return fetch.reader(), problem
+        if isinstance(tier, MemoryTier) and not whole:
+            where = f"memory://{tier.run}/{step_dir_name(step)}"
+            buffers = tier.read_files(step, sorted(manifest.files))
+            problem = verify_buffers(buffers, manifest, where)
+            reader = BufferReader(buffers, where)
+            if problem is None:
+                self._check_shapes(reader.read_metadata(), targets, where)
+            return reader, problem
         directory = tier.materialize(step, sorted(manifest.files), self.cache)
         problem = verify_dir(directory, manifest)
         reader = dcp.FileSystemReader(directory)

@@ -5,10 +5,10 @@ own the only copy.  One ``ShardHolder`` actor per node (detached, zero CPUs)
 owns the copies: the holder on the writer's node reads each file DCP wrote
 from that node's disk and puts it itself, and a holder on another node pulls
 it and puts it again, so losing any one node (or every training worker) loses
-no committed file.  The object store is the ceiling here: a put of a file's
-bytes runs at about 0.7-1.4 GB/s on the development machine, under half of a
-plain memory copy.  A named, detached
-``CheckpointRegistry`` records which steps are committed, their manifests and
+no committed file.  The object store is the ceiling here: the holder maps the
+file (page cache, no read copy) and ``ray.put`` copies it once, at about 2.4
+GB/s on the development machine, a fifth of a plain memory copy by both
+cores.  A named, detached ``CheckpointRegistry`` records which steps are committed, their manifests and
 where each file is held, and releases steps beyond ``keep_in_memory``.
 
 Invariant: a step is listed by ``committed_steps`` only after every rank's
@@ -18,6 +18,7 @@ files have been replicated and rank 0 committed its manifest.
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
@@ -30,6 +31,7 @@ from raytrain_ext.checkpoint.tier import TierError
 
 log = logging.getLogger(__name__)
 NAMESPACE = "raytrain_ext"
+HOLDER_CONCURRENCY = 8  # files in flight per holder: a node's ranks, and replicas to pull
 
 
 def registry_name(run: str) -> str:
@@ -40,15 +42,36 @@ def holder_name(run: str, node_id: str) -> str:
     return f"ckpt-holder-{run}-{node_id[:16]}"
 
 
+def file_bytes(path) -> np.ndarray:
+    """A file's bytes as an array mapped from the page cache, for ``ray.put`` to copy once.
+
+    ``np.fromfile`` first copies into a fresh allocation (page faults included):
+    a put of a mapped 146 MB file ran at 2.4 GB/s here, the speed of a put from
+    memory, against 0.3-1.4 GB/s after ``np.fromfile``.
+    """
+    if Path(path).stat().st_size == 0:
+        return np.empty(0, dtype=np.uint8)  # mmap refuses an empty file
+    return np.asarray(np.memmap(path, dtype=np.uint8, mode="r"))
+
+
 class ShardHolder:
-    """Owns copies of checkpoint files on its node."""
+    """Owns copies of checkpoint files on its node.
+
+    A threaded actor (``HOLDER_CONCURRENCY``): the ranks of a node hand it their
+    files at the same moment, and their puts and pulls run side by side.
+    """
 
     def __init__(self) -> None:
         self.objects: Dict[tuple, ray.ObjectRef] = {}
+        self._lock = threading.Lock()
+
+    def _keep(self, step: int, name: str, ref: ray.ObjectRef) -> None:
+        with self._lock:
+            self.objects[(step, name)] = ref
 
     def hold(self, step: int, name: str, wrapped: List[ray.ObjectRef]) -> int:
         data = ray.get(wrapped[0])  # a zero-copy view once the bytes are on this node
-        self.objects[(step, name)] = ray.put(data)  # this process now owns a copy
+        self._keep(step, name, ray.put(data))  # this process now owns a copy
         return data.nbytes
 
     def hold_file(self, step: int, name: str, path: str) -> List[ray.ObjectRef]:
@@ -57,17 +80,19 @@ class ShardHolder:
         Reading the file here rather than in the writer saves a whole copy of the
         bytes: the writer's own ``ray.put`` and this holder's pull and re-put.
         """
-        ref = ray.put(np.fromfile(path, dtype=np.uint8))
-        self.objects[(step, name)] = ref
+        ref = ray.put(file_bytes(path))
+        self._keep(step, name, ref)
         return [ref]
 
     def fetch(self, step: int, name: str) -> Optional[List[ray.ObjectRef]]:
-        ref = self.objects.get((step, name))
+        with self._lock:
+            ref = self.objects.get((step, name))
         return None if ref is None else [ref]
 
     def release(self, step: int) -> None:
-        for key in [k for k in self.objects if k[0] == step]:
-            del self.objects[key]
+        with self._lock:
+            for key in [k for k in self.objects if k[0] == step]:
+                del self.objects[key]
 
 
 class CheckpointRegistry:
@@ -129,7 +154,8 @@ def start_memory_tier(run: str) -> List[ray.actor.ActorHandle]:
     for node in ray.nodes():
         if node["Alive"]:
             holders.append(ray.remote(ShardHolder).options(
-                name=holder_name(run, node["NodeID"]), **options,
+                name=holder_name(run, node["NodeID"]), max_concurrency=HOLDER_CONCURRENCY,
+                **options,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False),
             ).remote())
     ray.get(actors[0].__ray_ready__.remote())
@@ -216,7 +242,7 @@ class MemoryTier:
                 replicas = [h for key, h in holders.items() if key != local]
                 pending += [wrapped] + [h.hold.remote(step, name, wrapped) for h in replicas]
             else:
-                wrapped = [ray.put(np.fromfile(src_dir / name, dtype=np.uint8))]
+                wrapped = [ray.put(file_bytes(src_dir / name))]
                 pending += [h.hold.remote(step, name, wrapped) for h in holders.values()]
             pending.append(self.registry.add_locations.remote(step, name, list(holders)))
         ray.get(pending)
@@ -237,10 +263,16 @@ class MemoryTier:
     def materialize(self, step: int, names: List[str], cache_dir: Path) -> Path:
         target = cache_dir / step_dir_name(step)
         target.mkdir(parents=True, exist_ok=True)
-        where = ray.get(self.registry.where.remote(step))
-        for name in names:
-            self._fetch(step, name, where.get(name, [])).tofile(target / name)
+        for name, data in self.read_files(step, names).items():
+            (target / name).write_bytes(data)
         return target
+
+    def read_files(self, step: int, names: List[str]) -> Dict[str, memoryview]:
+        """Each file's bytes as held: a zero-copy view when this node holds a copy (what a
+        restore loads from directly, see ``checkpoint.buffers``)."""
+        where = ray.get(self.registry.where.remote(step))
+        return {name: memoryview(self._fetch(step, name, where.get(name, [])))
+                for name in names}
 
     def _fetch(self, step: int, name: str, holders: List[str]) -> np.ndarray:
         for holder in holders:
