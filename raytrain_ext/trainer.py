@@ -89,9 +89,11 @@ class Trainer:
             self._controller.request_checkpoint()
 
     def stop(self, reason: str = "stopped by the user") -> None:
-        """End a fit() running in another thread (a notebook cell, a test): its workers are
-        shut down within a poll interval and fit() raises ``TrainingFailed`` naming ``reason``.
-        Committed checkpoints are kept; the next fit() of the same run resumes from them."""
+        """End a fit() running in another thread (a notebook cell, a test): at the
+        controller's next poll (``elastic.poll_interval_s`` while training; a group still
+        being placed is placed first) its workers are shut down and fit() raises
+        ``TrainingFailed`` naming ``reason``.  Committed checkpoints are kept; the next
+        fit() of the same run resumes from them."""
         self._stop_reason = reason
         if self._controller is not None:
             self._controller.stop(reason)

@@ -152,8 +152,9 @@ class FitThread:
     """``trainer.fit()`` in a thread, for tests that inject faults while it runs.
 
     A test cannot leave the run behind: leaving the ``with`` block (an assertion
-    failed, or the run outlived ``result``'s timeout) stops the trainer and joins
-    its thread, so a cluster fixture never tears Ray down under a live run.
+    failed, or the run outlived the timeout of ``join``/``summary``) stops the
+    trainer and joins its thread, so a cluster fixture never tears Ray down under
+    a live run.
     """
 
     def __init__(self, trainer):

@@ -37,3 +37,40 @@ def test_writer_checksums_match_the_files_and_torch_loads_them(tmp_path):
     dcp_to_torch_save(tmp_path / "ckpt", tmp_path / "full.pt")
     full = torch.load(tmp_path / "full.pt", weights_only=True)
     assert all(torch.equal(full[k], state[k]) for k in state)
+
+
+def test_deleted_steps_files_are_overwritten_in_place_by_the_next_save(tmp_path):
+    """Local retention with recycling: the step's manifest goes first, its data files go to
+    the pool, and the next save writes over them (same inodes), cut to the new size; what
+    it wrote verifies and loads, and the pool is empty again."""
+    from raytrain_ext.checkpoint.disk import DiskTier
+    from raytrain_ext.checkpoint.manifest import MANIFEST, Manifest, verify_dir
+    from raytrain_ext.checkpoint.recycle import POOL
+
+    tier = DiskTier(tmp_path, recycle=True)
+    pool = tmp_path / POOL
+
+    def save(step, state):
+        writer = ChecksummingWriter(tier.step_dir(step), 4096, pool, thread_count=2)
+        dcp.save(state, storage_writer=writer, no_dist=True)
+        files = {p.name: checksum_file(p) for p in tier.step_dir(step).iterdir()}
+        tier.commit(Manifest(step=step, world_size=1, tier="local", files=files))
+        return writer
+
+    save(1, {"w": torch.randn(400, 300), "b": torch.randn(5000)})
+    inodes = {p.stat().st_ino for p in tier.step_dir(1).glob("*.distcp")}
+    tier.delete(1)
+    assert not tier.step_dir(1).exists() and tier.committed_steps() == []
+    assert {p.stat().st_ino for p in pool.iterdir()} == inodes
+
+    smaller = {"w": torch.randn(100, 30), "b": torch.randn(50)}
+    writer = save(2, smaller)
+    written = sorted(tier.step_dir(2).glob("*.distcp"))
+    assert {p.stat().st_ino for p in written} == inodes and list(pool.iterdir()) == []
+    for path in written:
+        assert writer.entries[path.name] == checksum_file(path, chunk_size=4096)
+    assert verify_dir(tier.step_dir(2), tier.read_manifest(2)) is None
+    loaded = {k: torch.empty_like(v) for k, v in smaller.items()}
+    dcp.load(loaded, checkpoint_id=tier.step_dir(2), no_dist=True)
+    assert all(torch.equal(loaded[k], smaller[k]) for k in smaller)
+    assert (tier.step_dir(2) / MANIFEST).is_file()

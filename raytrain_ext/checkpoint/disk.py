@@ -9,14 +9,18 @@ from pathlib import Path
 from typing import List, Optional
 
 from raytrain_ext.checkpoint.manifest import MANIFEST, Manifest, parse_step_dir, step_dir_name
+from raytrain_ext.checkpoint.recycle import POOL, recycle_step
 from raytrain_ext.checkpoint.tier import TierError
 
 
 class DiskTier:
     name = "local"
 
-    def __init__(self, root: str | Path):
+    def __init__(self, root: str | Path, recycle: bool = False):
+        """``recycle``: deleted steps leave their data files to the next save's writer
+        (``checkpoint/recycle.py``)."""
         self.root = Path(root)
+        self.recycle = recycle
 
     def step_dir(self, step: int) -> Path:
         return self.root / step_dir_name(step)
@@ -67,4 +71,11 @@ class DiskTier:
         return sorted(s for s in steps if s is not None)
 
     def delete(self, step: int) -> None:
-        shutil.rmtree(self.step_dir(step), ignore_errors=True)
+        step_dir = self.step_dir(step)
+        if self.recycle and step_dir.is_dir():
+            try:
+                (step_dir / MANIFEST).unlink(missing_ok=True)  # uncommitted before files move
+                recycle_step(step_dir, self.root / POOL)
+            except OSError:  # a node sharing the directory moved them first: just delete
+                pass
+        shutil.rmtree(step_dir, ignore_errors=True)

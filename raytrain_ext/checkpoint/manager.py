@@ -42,6 +42,7 @@ import torch.distributed.checkpoint as dcp
 
 from raytrain_ext.checkpoint import native
 from raytrain_ext.checkpoint import state as ckpt_state
+from raytrain_ext.checkpoint.buffers import BufferReader, verify_buffers
 from raytrain_ext.checkpoint.manifest import (
     Manifest,
     checksum_file,
@@ -49,9 +50,9 @@ from raytrain_ext.checkpoint.manifest import (
     step_dir_name,
     verify_dir,
 )
-from raytrain_ext.checkpoint.buffers import BufferReader, verify_buffers
 from raytrain_ext.checkpoint.memory import MemoryTier
 from raytrain_ext.checkpoint.ranged import ChunkReader, PlannedS3Fetch
+from raytrain_ext.checkpoint.recycle import POOL
 from raytrain_ext.checkpoint.s3 import S3Tier
 from raytrain_ext.checkpoint.tier import Tier, prune
 from raytrain_ext.checkpoint.tiers import build_tiers, tier_for_location
@@ -246,7 +247,8 @@ class CheckpointManager:
         """
         chunk = self.cfg.checksum_chunk_kb * 1024
         started = time.perf_counter()
-        writer = ChecksummingWriter(step_dir, chunk, thread_count=self.cfg.write_threads)
+        pool = self.staging / POOL if self.cfg.local and self.cfg.recycle_files else None
+        writer = ChecksummingWriter(step_dir, chunk, pool, thread_count=self.cfg.write_threads)
         dcp.save(snap, storage_writer=writer, process_group=self.group)
         timing["write_s"] = time.perf_counter() - started
         mine, written = sorted(self._own_files(step_dir) + native_names), writer.entries

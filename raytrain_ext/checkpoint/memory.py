@@ -6,10 +6,11 @@ owns the copies: the holder on the writer's node reads each file DCP wrote
 from that node's disk and puts it itself, and a holder on another node pulls
 it and puts it again, so losing any one node (or every training worker) loses
 no committed file.  The object store is the ceiling here: the holder maps the
-file (page cache, no read copy) and ``ray.put`` copies it once, at about 2.4
-GB/s on the development machine, a fifth of a plain memory copy by both
-cores.  A named, detached ``CheckpointRegistry`` records which steps are committed, their manifests and
-where each file is held, and releases steps beyond ``keep_in_memory``.
+file (page cache, no read copy) and ``ray.put`` copies it once, at 2.3-5 GB/s
+on the development machine, a fifth to two fifths of a plain memory copy by
+both cores.  A named, detached ``CheckpointRegistry`` records which steps are
+committed, their manifests and where each file is held, and releases steps
+beyond ``keep_in_memory``.
 
 Invariant: a step is listed by ``committed_steps`` only after every rank's
 files have been replicated and rank 0 committed its manifest.

@@ -23,7 +23,7 @@ def build_tiers(ckpt_cfg, run_name: str) -> List[Tier]:
     if ckpt_cfg.memory:
         tiers.append(MemoryTier(run_name))
     if ckpt_cfg.local:
-        tiers.append(DiskTier(ckpt_cfg.dir))
+        tiers.append(DiskTier(ckpt_cfg.dir, recycle=ckpt_cfg.recycle_files))
     if ckpt_cfg.s3.uri:
         tiers.append(s3_tier(ckpt_cfg, ckpt_cfg.s3.uri))
     return tiers

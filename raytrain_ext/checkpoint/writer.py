@@ -22,18 +22,18 @@ only right for a file written front to back.
 from __future__ import annotations
 
 import io
+import os
 import threading
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Dict, Iterator
+from typing import Dict, Iterator, Optional
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.utils.serialization import config as serialization_config
 
 from raytrain_ext.checkpoint.manifest import FileEntry, FileHasher
-
-DATA_SUFFIX = ".distcp"
+from raytrain_ext.checkpoint.recycle import DATA_SUFFIX, take_recycled
 
 
 class _HashingStream(io.RawIOBase):
@@ -71,11 +71,13 @@ class _HashingStream(io.RawIOBase):
 
 
 class _HashingFileSystem(FileSystem):
-    """DCP's local filesystem; data files are checksummed while they are written."""
+    """DCP's local filesystem; data files are checksummed while they are written, over a
+    recycled file from ``pool`` when there is one (``checkpoint.recycle_files``)."""
 
-    def __init__(self, chunk_size: int):
+    def __init__(self, chunk_size: int, pool: Optional[Path] = None):
         super().__init__()
         self.chunk_size = chunk_size
+        self.pool = pool
         self.entries: Dict[str, FileEntry] = {}
         self._lock = threading.Lock()
 
@@ -87,9 +89,18 @@ class _HashingFileSystem(FileSystem):
                 yield stream
             return
         hasher = FileHasher(self.chunk_size)
+        reused = self.pool is not None and take_recycled(self.pool, path)
         with serialization_config.patch("save.compute_crc32", False):
-            with path.open("wb") as raw, _HashingStream(raw, hasher) as stream:
+            with path.open("r+b" if reused else "wb") as raw, \
+                    _HashingStream(raw, hasher) as stream:
                 yield stream
+        if reused:  # cut the old file's tail, durably (DCP fsynced the data itself)
+            os.truncate(path, hasher.size)
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         with self._lock:
             self.entries[path.name] = hasher.entry()
 
@@ -97,9 +108,9 @@ class _HashingFileSystem(FileSystem):
 class ChecksummingWriter(dcp.FileSystemWriter):
     """``dcp.FileSystemWriter`` whose ``entries`` are this rank's data files' checksums."""
 
-    def __init__(self, path, chunk_size: int, **options):
+    def __init__(self, path, chunk_size: int, pool: Optional[Path] = None, **options):
         super().__init__(path, **options)
-        self.fs = _HashingFileSystem(chunk_size)
+        self.fs = _HashingFileSystem(chunk_size, pool)
 
     @property
     def entries(self) -> Dict[str, FileEntry]:

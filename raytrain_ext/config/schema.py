@@ -182,6 +182,7 @@ class CheckpointConfig:
     save_final: bool = True
     async_save: bool = True
     write_threads: int = 2  # DCP writer threads per rank (2 doubles write bandwidth here)
+    recycle_files: bool = True  # a deleted local step's data files are reused by the next save
     checksum_chunk_kb: int = 8192  # granularity of verified ranged reads from S3
     on_busy: str = "skip"  # skip | wait: when a save is due while the previous one persists
     keep_last: int = 3
