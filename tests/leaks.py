@@ -27,11 +27,26 @@ def worker_processes():
     return found
 
 
-def assert_nothing_left(timeout_s: float = 15.0) -> None:
+def describe(pid: int) -> str:
+    """What a left-behind process is doing: its state (``disk-sleep``: a SIGKILL waits for
+    I/O to finish), age and parent."""
+    try:
+        proc = psutil.Process(pid)
+        parent = proc.parent()
+        return (f"pid {pid} {proc.status()}, {time.time() - proc.create_time():.0f} s old, "
+                f"parent {' '.join(parent.cmdline()[:1]) if parent else None}")
+    except psutil.Error as e:
+        return f"pid {pid}: {type(e).__name__}"
+
+
+def assert_nothing_left(timeout_s: float = 30.0) -> None:
+    """Every worker actor dead, every placement group removed and every worker process gone
+    within ``timeout_s`` (a killed process may first finish a write on a loaded disk)."""
     deadline = time.time() + timeout_s
     while True:
         left = (live_worker_actors(), live_placement_groups(), worker_processes())
         if not any(left) or time.time() > deadline:
             break
         time.sleep(0.25)
-    assert left == ([], [], []), f"left behind (actors, placement groups, pids): {left}"
+    assert left == ([], [], []), (f"left behind (actors, placement groups, pids): {left}; "
+                                  + "; ".join(describe(pid) for pid in left[2]))

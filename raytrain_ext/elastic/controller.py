@@ -289,6 +289,8 @@ class Controller:
         """Re-form with the capacity there is now (a planned stop: nothing to redo)."""
         before, target = self.group.world_size, self._resize_target
         started = self.clock()
+        # every rank stopped at the boundary and answered: their nodes count without a ping
+        self._answered_nodes = {info["node_id"] for info in self.group.infos}
         self.group.shutdown()
         self._resize_target = None
         decision = self._decide_with_patience(self.cfg.elastic.wait_for_capacity_s)
@@ -312,6 +314,9 @@ class Controller:
             return RunState.PREEMPTED, (f"{reason}; "
                                         f"{self.preemption_budget.spent(self.preemptions, 'preemption')}")
         self.group.avoid_nodes |= nodes
+        # every rank returned its result, so every node is alive: the capacity check counts
+        # them without a ping (on a loaded node a ping outlasted the check, and the run stopped)
+        self._answered_nodes = {info["node_id"] for info in self.group.infos}
         self.result.recoveries.append({"kind": "preemption", "failure": self.failures,
                                        "reason": reason, "detected_at": self.clock(),
                                        "last_step": step})
