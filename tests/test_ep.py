@@ -36,12 +36,28 @@ def assert_curves_match(ddp, run):
         assert a["expert_load"] == pytest.approx(b["expert_load"], abs=1e-6)
 
 
-def resume_on_one_ddp_rank(tmp_path, ckpt):
-    """Steps 5-8 on 1 DDP rank from the step-4 checkpoint under ``tmp_path / 'ckpt'``."""
+def step4_checkpoint(tmp_path):
+    """Overrides for a checkpoint every 4 steps under ``tmp_path / 'ckpt'``."""
+    return ["checkpoint.enabled=true", "checkpoint.every_steps=4",
+            f"checkpoint.dir={tmp_path / 'ckpt'}"]
+
+
+def layout_matches_ddp_and_resumes_on_one_ddp_rank(ddp, layout, tmp_path):
+    """``layout`` on 4 processes: identical replicas, DDP's parameters, curves and samples;
+    then steps 5-8 on 1 DDP rank from its step-4 checkpoint, again at DDP's parameters.
+    Returns the 1-rank run."""
+    ckpt = step4_checkpoint(tmp_path)
+    run = train_processes(4, MOE + layout + ckpt, tmp_path / "layout")
+    assert len({r["result"]["params_sha256"] for r in run}) == 1
+    assert max_param_diff(ddp[0]["params"], run[0]["params"]) < ATOL
+    assert_curves_match(ddp, run)
+    assert run[0]["result"]["samples_digest"] == ddp[0]["result"]["samples_digest"]
+
     resumed = train_processes(1, [*MOE, *ckpt[:2], f"checkpoint.resume={tmp_path / 'ckpt'}/"
                                   "step-00000004", f"checkpoint.dir={tmp_path / 'ck1'}"],
                               tmp_path / "one")
     assert resumed[0]["result"]["restored"]["step"] == 4
+    assert max_param_diff(resumed[0]["params"], ddp[0]["params"]) < ATOL
     return resumed
 
 
@@ -138,8 +154,7 @@ def test_expert_load_is_reported_per_step_on_rank_zero(ddp_and_ep):
 def test_ep2_checkpoint_resumes_on_one_ddp_rank(ddp_and_ep, tmp_path):
     """Steps 1-4 on 2 ranks with ep=2, then 5-8 on 1 rank (plain DDP) from its checkpoint."""
     _, ep = ddp_and_ep
-    ckpt = ["checkpoint.enabled=true", "checkpoint.every_steps=4",
-            f"checkpoint.dir={tmp_path / 'ckpt'}"]
+    ckpt = step4_checkpoint(tmp_path)
     first = train_processes(2, [*MOE, "run.max_steps=4", "parallel.ep=2", *ckpt], tmp_path / "a")
     assert first[0]["result"]["steps"] == 4
     resumed = train_processes(1, [*MOE, *ckpt], tmp_path / "b")
@@ -173,17 +188,8 @@ def test_ep2_under_fsdp_x_tp2_matches_ddp_and_resumes_on_one_ddp_rank(ddp_and_ep
     on under 1-rank DDP. Measured: parameters 1.1e-6, losses 8e-8, grad norms 6e-7 relative
     (asserted: ATOL, LOSS_ATOL, 1e-4)."""
     ddp, _ = ddp_and_ep
-    ckpt = ["checkpoint.enabled=true", "checkpoint.every_steps=4",
-            f"checkpoint.dir={tmp_path / 'ckpt'}"]
     layout = ["parallel.strategy=fsdp", "parallel.tp=2", "parallel.ep=2"]
-    run = train_processes(4, MOE + layout + ckpt, tmp_path / "4d")
-    assert len({r["result"]["params_sha256"] for r in run}) == 1
-    assert max_param_diff(ddp[0]["params"], run[0]["params"]) < ATOL
-    assert_curves_match(ddp, run)
-    assert run[0]["result"]["samples_digest"] == ddp[0]["result"]["samples_digest"]
-
-    resumed = resume_on_one_ddp_rank(tmp_path, ckpt)
-    assert max_param_diff(resumed[0]["params"], ddp[0]["params"]) < ATOL
+    resumed = layout_matches_ddp_and_resumes_on_one_ddp_rank(ddp, layout, tmp_path)
     assert resumed[0]["result"]["samples_digest"] == ddp[0]["result"]["samples_digest"]
 
 
@@ -208,16 +214,8 @@ def test_ep2_in_two_pipeline_stages_matches_ddp_and_resumes_on_one_ddp_rank(ddp_
     expert written by its owner, whole-model param groups) carries on under 1-rank DDP.
     Measured: parameters 9.0e-7, losses 8e-8, grad norms 7e-8 relative."""
     ddp, _ = ddp_and_ep
-    ckpt = ["checkpoint.enabled=true", "checkpoint.every_steps=4",
-            f"checkpoint.dir={tmp_path / 'ckpt'}"]
-    run = train_processes(4, MOE + ["parallel.pp=2", "parallel.ep=2"] + ckpt, tmp_path / "pp")
-    assert len({r["result"]["params_sha256"] for r in run}) == 1
-    assert max_param_diff(ddp[0]["params"], run[0]["params"]) < ATOL
-    assert_curves_match(ddp, run)
-    assert run[0]["result"]["samples_digest"] == ddp[0]["result"]["samples_digest"]
-
-    resumed = resume_on_one_ddp_rank(tmp_path, ckpt)
-    assert max_param_diff(resumed[0]["params"], ddp[0]["params"]) < ATOL
+    layout_matches_ddp_and_resumes_on_one_ddp_rank(ddp, ["parallel.pp=2", "parallel.ep=2"],
+                                                   tmp_path)
 
 
 @pytest.mark.slow
