@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
+from pathlib import Path
 from typing import List, Optional
 
 
@@ -18,18 +20,18 @@ def _train(args: argparse.Namespace) -> int:
     config_path, overrides = split_config_and_overrides(args.config, args.items)
     try:
         cfg = load_config(config_path, overrides)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    trainer = Trainer(cfg)
-    try:
+        trainer = Trainer(cfg)
         summary = trainer.fit()
+    except ConfigError as e:  # InputError too: found before anything started
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except TierError as e:
         print(f"checkpoint storage error: {e}", file=sys.stderr)
         return 2
     except TrainingFailed as e:
-        print(f"training failed; see {trainer.run_dir / 'summary.json'}\n{e.__cause__ or e}",
-              file=sys.stderr)
+        summary_path = trainer.run_dir / "summary.json"
+        log_path = _newest_error_log(trainer.run_dir)
+        print(f"{e}\nfull error: {log_path}; records: {summary_path}", file=sys.stderr)
         return 1
     if summary["status"] == "preempted":
         print(f"preempted: emergency checkpoint at step {summary['steps_completed']} committed; "
@@ -41,16 +43,23 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _ckpt_export(args: argparse.Namespace) -> int:
-    from pathlib import Path
+def _newest_error_log(run_dir: Path) -> Optional[Path]:
+    from raytrain_ext.run_dir import ATTEMPTS, ERROR_LOG
 
-    from raytrain_ext.checkpoint.export import export_safetensors
+    logs = sorted((run_dir / ATTEMPTS).glob(f"*/{ERROR_LOG}"))
+    return logs[-1] if logs else None
+
+
+def _ckpt_export(args: argparse.Namespace) -> int:
+    from raytrain_ext.checkpoint.export import ExportError, export_safetensors
 
     try:
         info = export_safetensors(args.location, Path(args.to), args.s3_endpoint_url)
-    except (FileNotFoundError, ValueError) as e:
+    except ExportError as e:
         print(f"export failed: {e}", file=sys.stderr)
-        return 1
+        return 2
+    for skipped in info["skipped"]:
+        print(f"skipped {skipped}", file=sys.stderr)
     print(f"exported step {info['step']}: {info['tensors']} tensors, "
           f"{info['parameters']:,} parameters -> {info['out']} (read "
           f"{info['fetched_bytes'] / 2**20:.1f} of {info['total_bytes'] / 2**20:.1f} MiB"
@@ -81,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("location", metavar="RUN_OR_PATH",
                         help="a run directory, a checkpoints directory, a step-<N> directory, "
                              "or an s3:// prefix or step URI (newest committed step if not given)")
-    export.add_argument("--to", required=True, help="output .safetensors file")
+    export.add_argument("--to", required=True, help="output .safetensors file (its directory "
+                                                    "is created if need be)")
     export.add_argument("--s3-endpoint-url", default=None)
     export.set_defaults(func=_ckpt_export)
     from raytrain_ext.ops.doctor import add_parser as add_doctor; add_doctor(commands)
@@ -91,9 +101,31 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    """Every command ends in a message, never a traceback: an error no command expected
+    is reported in one line, its traceback written to a log file that the line names."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - the last line of defence, reported in full to a file
+        return _unexpected(args.command, e)
+
+
+def _unexpected(command: str, error: Exception) -> int:
+    import tempfile
+    import traceback
+
+    from raytrain_ext.elastic.failure_text import one_line
+
+    fd, path = tempfile.mkstemp(prefix=f"raytrain-ext-{command}-", suffix=".log")
+    with os.fdopen(fd, "w") as f:
+        f.write("".join(traceback.format_exception(type(error), error, error.__traceback__)))
+    print(f"{command} failed: {one_line(error)}\n(traceback in {path}; please report it if the "
+          "message does not say what to fix)", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

@@ -1,15 +1,15 @@
 """The Python API: ``Trainer(config).fit()``, used by the CLI, jobs and notebooks.
 
-``fit`` connects to Ray (an already-initialised session, ``scaling.ray_address``,
-``RAY_ADDRESS``, or a new local instance), prepares ``runs/<name>/`` with the
-resolved config, runs the controller, and writes ``summary.json`` whether the
-run succeeded or failed.  A Ray instance that ``fit`` started is stopped again.
+``fit`` checks everything it can on the driver first (``inputs/preflight``: paths,
+data, S3, an explicit resume), then records an attempt in ``runs/<name>/`` (see
+``run_dir``), connects to Ray (an already-initialised session,
+``scaling.ray_address``, ``RAY_ADDRESS``, or a new local instance) and runs the
+controller.  A Ray instance that ``fit`` started is stopped again.
 """
 
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import os
 import time
@@ -20,8 +20,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from raytrain_ext.checkpoint.memory import start_memory_tier, stop_memory_tier
 from raytrain_ext.config import config_digest, load_config, to_yaml
-from raytrain_ext.elastic.controller import Controller, ControllerResult, TrainingFailed
+from raytrain_ext.elastic.controller import Controller, ControllerResult, RunState
+from raytrain_ext.inputs.preflight import preflight
 from raytrain_ext.metrics import FanOut, StdoutSink, TensorBoardSink, summarize_records
+from raytrain_ext.run_dir import RunDirectory
 
 log = logging.getLogger(__name__)
 
@@ -42,11 +44,28 @@ class Trainer:
         self.run_dir = Path(self.cfg.run.output_dir) / self.cfg.run.name
 
     def fit(self) -> Dict[str, Any]:
-        """Train to completion; returns the summary (also written to summary.json)."""
+        """Train to completion; returns the summary (also written to summary.json).
+
+        Bad input is refused by :func:`preflight` before anything is written or started
+        (``InputError``, a ``ConfigError``).  Each call is then one attempt in the run
+        directory's history (:class:`RunDirectory`).
+        """
         start = time.time()
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.yaml").write_text(to_yaml(self.cfg))
-        probe_shared_tiers(self.cfg)
+        preflight(self.cfg)
+        records = RunDirectory(self.run_dir)
+        attempt = records.begin(to_yaml(self.cfg))
+        try:
+            result = self._run(start)
+        except BaseException as error:
+            result = self._controller.result if self._controller is not None else None
+            records.finish(attempt, build_summary(self.cfg, result, start), error=error)
+            raise
+        summary = build_summary(self.cfg, result, start)
+        records.finish(attempt, summary)
+        return summary
+
+    def _run(self, start: float) -> ControllerResult:
+        """Connect to Ray, run the controller; whatever fails, nothing it started is left."""
         started_ray = connect_ray(self.cfg.scaling.ray_address)
         memory_actors: list = []
         sink = FanOut([])
@@ -57,19 +76,14 @@ class Trainer:
             self._controller = Controller(self.cfg, sink)
             if self._stop_reason is not None:  # stop() came before the controller existed
                 self._controller.stop(self._stop_reason)
-            try:
-                result = self._controller.run()
-            except TrainingFailed as e:
-                self._write_summary(self._controller.result, start, error=e)
-                raise
-        finally:  # whatever failed, nothing this fit() started is left running
+            return self._controller.run()
+        finally:
             sink.close()
             stop_memory_tier(memory_actors)
             if started_ray:
                 import ray
 
                 ray.shutdown()
-        return self._write_summary(result, start)
 
     def _sinks(self) -> list:
         sinks = [StdoutSink(self.cfg.run.log_every, self.cfg.run.max_steps)]
@@ -97,13 +111,6 @@ class Trainer:
         self._stop_reason = reason
         if self._controller is not None:
             self._controller.stop(reason)
-
-    def _write_summary(self, result: ControllerResult, start: float,
-                       error: Optional[BaseException] = None) -> Dict[str, Any]:
-        summary = build_summary(self.cfg, result, start, error)
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        return summary
-
 
 def absolute_paths(cfg: DictConfig, base: Optional[Path] = None) -> DictConfig:
     """Workers do not share the driver's working directory: ship absolute local paths.
@@ -136,14 +143,6 @@ def resolve_cluster_defaults(cfg: DictConfig) -> DictConfig:
     cfg.checkpoint.memory = sum(1 for n in ray.nodes() if n["Alive"]) > 1
     OmegaConf.set_readonly(cfg, True)
     return cfg
-
-
-def probe_shared_tiers(cfg) -> None:
-    """Fail before any worker starts when the S3 tier is unusable (the workers probe again)."""
-    if cfg.checkpoint.enabled and cfg.checkpoint.s3.uri:
-        from raytrain_ext.checkpoint.tiers import s3_tier
-
-        s3_tier(cfg.checkpoint, cfg.checkpoint.s3.uri).probe()
 
 
 def connect_ray(address: Optional[str]) -> bool:
@@ -184,18 +183,20 @@ def goodput(records, wall_time_s: float) -> Optional[float]:
     return sum(kept.values()) / wall_time_s
 
 
-def build_summary(cfg, result: ControllerResult, start: float,
-                  error: Optional[BaseException]) -> Dict[str, Any]:
+def build_summary(cfg, result: Optional[ControllerResult], start: float) -> Dict[str, Any]:
+    """What a run did, from the controller's result (None: it never got to run)."""
     import ray
     import torch
 
+    result = result or ControllerResult(state=RunState.FAILED)
     records = result.records
     ranks = result.worker_results
     hashes = sorted({r["params_sha256"] for r in ranks})
     digests = sorted({r["samples_digest"] for r in ranks})
     summary: Dict[str, Any] = {
         "run_name": cfg.run.name,
-        "status": "failed" if error else result.state.value.lower(),
+        "status": (result.state.value.lower() if result.state in (RunState.FINISHED, RunState.PREEMPTED)
+                   else "failed"),
         "steps_completed": ranks[0]["steps"] if ranks else (records[-1]["step"] if records else 0),
         "final_loss": records[-1]["loss"] if records else None,
         "first_loss": records[0]["loss"] if records else None,
@@ -227,6 +228,4 @@ def build_summary(cfg, result: ControllerResult, start: float,
         "step_times": [r["step_time_s"] for r in records],
         "step_end_times": [[r["step"], r["time"]] for r in records],
     }
-    if error is not None:
-        summary["error"] = str(error.__cause__ or error)
     return summary

@@ -53,8 +53,9 @@ def test_write_probe_names_the_problem(s3_endpoint, bucket, monkeypatch):
         S3Tier(f"s3://{bucket}/x", endpoint_url="http://127.0.0.1:9").probe()
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "wrong-key")
     with moto_checks_credentials():
-        with pytest.raises(TierError, match=r"access to s3://.* was refused \(InvalidAccessKeyId\)"
-                                            r"\. Check the credentials"):
+        with pytest.raises(TierError, match=r"S3 credentials: no usable credentials for s3://\S+ "
+                                            r"\(checkpoint\.s3\.uri\) at http://127.*"
+                                            r"\(InvalidAccessKeyId\).* Fix the credentials"):
             S3Tier(f"s3://{bucket}/x", endpoint_url=s3_endpoint).probe()
     assert keys(s3_endpoint, bucket) == []  # probes clean up after themselves
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.cli_helpers import clean_env, raytrain_ext_cmd, run
 from tests.conftest import FAST_MODEL, wait_for_checkpoint
 from tests.reference import uninterrupted
 
@@ -18,22 +19,6 @@ REPO = Path(__file__).resolve().parents[1]
 STEPS = 60
 PROGRESS = re.compile(r"^step +\d+/\d+  loss [\d.]+  lr [\d.e+-]+  grad_norm [\d.]+  "
                       r"tokens/s +\d+  step_time [\d.]+ ms  world 2$", re.M)
-
-
-def clean_env():
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.pop("RAY_ADDRESS", None)
-    return env
-
-
-def run(cmd, cwd):
-    return subprocess.run(cmd, cwd=cwd, env=clean_env(), capture_output=True, text=True,
-                          timeout=300)
-
-
-def raytrain_ext_cmd():
-    exe = Path(sys.executable).with_name("raytrain-ext")
-    return [str(exe)] if exe.exists() else [sys.executable, "-m", "raytrain_ext"]
 
 
 @pytest.mark.slow

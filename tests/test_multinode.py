@@ -246,7 +246,8 @@ def test_node_loss_shrinks_then_grows_back_when_a_node_joins(ray_cluster, tmp_pa
     assert "RESIZING" in [t["target"] for t in summary["transitions"]]
     assert summary["samples_digest"] == reference["result"]["samples_digest"]  # exactly once
     assert summary["final_loss"] == pytest.approx(reference["result"]["final_loss"], abs=1e-4)
-    ours, _ = load_model_state(DiskTier(tmp_path / "tiny" / "checkpoints"), 60, tmp_path / "c1")
+    disk = DiskTier(tmp_path / "tiny" / "checkpoints")
+    ours, _ = load_model_state(disk, 60, disk.read_manifest(60), tmp_path / "c1")
     ref = reference["params"]
     assert ours.keys() == ref.keys()
     assert max((ours[k] - ref[k]).abs().max().item() for k in ref) < ATOL_UNEVEN

@@ -81,17 +81,34 @@ def test_fit_writes_run_dir_and_matches_the_plain_gloo_run_bit_for_bit(ray_local
     assert resolved.run.max_steps == 6 and resolved.data.seed == 1234
 
 
-@pytest.mark.slow
-def test_worker_error_reaches_the_user_and_nothing_is_left(ray_local, tmp_path):
+def test_input_the_driver_can_check_is_refused_before_anything_is_written(tmp_path):
+    from raytrain_ext.inputs.errors import InputError
+
     cfg = load_config(None, tiny_overrides(tmp_path, "data.path=/nonexistent/tokens.parquet"))
+    with pytest.raises(InputError, match=r"data\.path: /nonexistent/tokens\.parquet does not "
+                                         r"exist\. Point data\.path at"):
+        Trainer(cfg).fit()
+    assert not (tmp_path / "tiny").exists()
+
+
+@pytest.mark.slow
+def test_worker_error_reaches_the_user_in_one_line_and_nothing_is_left(ray_local, tmp_path):
+    """A failure only a worker can see: one line naming the rank and the worker's own error;
+    the remote traceback stays on ``__cause__`` and goes to the attempt's error.log."""
+    cfg = load_config(None, tiny_overrides(tmp_path, "chaos.nan_rank=1", "chaos.nan_at_step=2",
+                                           "guards.nan_policy=fail"))
     with pytest.raises(TrainingFailed) as info:
         Trainer(cfg).fit()
-    text = str(info.value) + str(info.value.__cause__)
-    assert "FileNotFoundError" in text and "data.path: /nonexistent/tokens.parquet" in text
-    assert re.search(r"worker rank \d \(node 127\.0\.0\.1, pid \d+\) raised FileNotFoundError", text)
-    assert 'tokens.py", line' in text  # the worker's own traceback
+    text = str(info.value)
+    assert "\n" not in text and re.search(
+        r"worker rank \d \(node 127\.0\.0\.1, pid \d+\) raised NonFiniteLossError: "
+        r"non-finite step 2: loss ", text), text
+    assert "guards.nan_policy=fail" in text  # the key to change, from the worker's message
+    assert 'loop.py", line' in str(info.value.__cause__)  # the worker's own traceback
     summary = json.loads((tmp_path / "tiny" / "summary.json").read_text())
-    assert summary["status"] == "failed" and "does not exist" in summary["error"]
+    assert summary["status"] == "failed" and summary["error"] == text
+    log = (tmp_path / "tiny" / "attempts" / "001" / "error.log").read_text()
+    assert summary["error_log"].endswith("attempts/001/error.log") and 'loop.py", line' in log
     assert_nothing_left()
 
 

@@ -10,6 +10,7 @@ from typing import List, Optional
 
 from raytrain_ext.checkpoint.manifest import MANIFEST, Manifest, parse_step_dir, step_dir_name
 from raytrain_ext.checkpoint.recycle import POOL, recycle_step
+from raytrain_ext.checkpoint.resolve import parse_manifest
 from raytrain_ext.checkpoint.tier import TierError
 
 
@@ -55,11 +56,14 @@ class DiskTier:
     def committed_steps(self) -> List[int]:
         return [s for s in self.all_steps() if (self.step_dir(s) / MANIFEST).is_file()]
 
-    def read_manifest(self, step: int) -> Optional[Manifest]:
+    def manifest_text(self, step: int) -> Optional[str]:
         try:
-            return Manifest.from_json((self.step_dir(step) / MANIFEST).read_text())
-        except (OSError, ValueError, KeyError, TypeError):
+            return (self.step_dir(step) / MANIFEST).read_text(errors="replace")
+        except FileNotFoundError:
             return None
+
+    def read_manifest(self, step: int) -> Optional[Manifest]:
+        return parse_manifest(self.manifest_text(step), str(self.step_dir(step))).manifest
 
     def materialize(self, step: int, names: List[str], cache_dir: Path) -> Path:
         return self.step_dir(step)

@@ -16,37 +16,57 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from raytrain_ext.checkpoint.disk import DiskTier
-from raytrain_ext.checkpoint.manifest import MANIFEST, parse_step_dir, verify_dir
+from raytrain_ext.checkpoint.manifest import MANIFEST, Manifest, parse_step_dir, verify_dir
 from raytrain_ext.checkpoint.ranged import PlannedS3Fetch
+from raytrain_ext.checkpoint.resolve import Resolution, newest_usable
 from raytrain_ext.checkpoint.s3 import S3Tier
-from raytrain_ext.checkpoint.tier import Tier
+from raytrain_ext.checkpoint.tier import Tier, TierError
+from raytrain_ext.inputs.paths import writable_file_problem
+from raytrain_ext.inputs.s3_errors import EXPORT_KEYS, endpoint_problem
 
 
-def resolve(location: str, s3_endpoint_url: Optional[str] = None) -> Tuple[Tier, int]:
-    """A run dir, a checkpoints dir, a step dir, or an s3:// prefix/step -> (tier, step)."""
+class ExportError(ValueError):
+    """Export cannot proceed; the message names the argument (RUN_OR_PATH, --to,
+    --s3-endpoint-url) and the fix."""
+
+
+def resolve(location: str, s3_endpoint_url: Optional[str] = None) -> Tuple[Tier, Resolution]:
+    """A run dir, a checkpoints dir, a step dir, or an s3:// prefix/step -> (tier, the step to
+    export and the newer steps skipped), by the same routine a training restore uses."""
     location = location.rstrip("/")
     parent, _, leaf = location.rpartition("/")
     step = parse_step_dir(leaf)
     if location.startswith("s3://"):
-        tier: Tier = S3Tier(parent if step is not None else location, endpoint_url=s3_endpoint_url)
+        problem = endpoint_problem(s3_endpoint_url, "--s3-endpoint-url")
+        if problem:
+            raise ExportError(problem)
+        tier: Tier = S3Tier(parent if step is not None else location,
+                            endpoint_url=s3_endpoint_url, keys=EXPORT_KEYS)
     else:
         path = Path(location)
+        if not path.exists():
+            raise ExportError(f"RUN_OR_PATH: {location} does not exist. Give a run directory, "
+                              "its checkpoints directory, one step-<N> directory, or an s3:// URI.")
         if step is None and (path / "checkpoints").is_dir():
             path = path / "checkpoints"  # a run directory
         tier = DiskTier(Path(parent) if step is not None else path)
-    if step is None:
-        committed = tier.committed_steps()
-        if not committed:
-            raise FileNotFoundError(f"{location}: no committed checkpoint (no step-<N>/{MANIFEST})")
-        step = committed[-1]
-    return tier, step
+    try:
+        found = newest_usable(tier, step)
+    except TierError as e:
+        raise ExportError(str(e)) from None
+    if found.step is None:
+        if found.skipped:
+            raise ExportError(f"RUN_OR_PATH: no usable checkpoint in {location}: "
+                              f"{'; '.join(found.skipped)}. Export an older step by its "
+                              "step-<N> path.")
+        raise ExportError(f"RUN_OR_PATH: {location} holds no committed checkpoint (no "
+                          f"step-<N>/{MANIFEST}). Point it at a run or checkpoint directory.")
+    return tier, found
 
 
-def load_model_state(tier: Tier, step: int, cache_dir: Path) -> Tuple[Dict[str, torch.Tensor], Dict]:
+def load_model_state(tier: Tier, step: int, manifest: Manifest,
+                     cache_dir: Path) -> Tuple[Dict[str, torch.Tensor], Dict]:
     """The ``model.*`` tensors, verified; from S3 only their byte ranges are fetched."""
-    manifest = tier.read_manifest(step)
-    if manifest is None:
-        raise FileNotFoundError(f"step {step} has no valid {MANIFEST}: it was never committed")
     if isinstance(tier, S3Tier):
         fetch = PlannedS3Fetch(tier, step, manifest, cache_dir)
         problem = fetch.fetch_metadata()
@@ -61,7 +81,8 @@ def load_model_state(tier: Tier, step: int, cache_dir: Path) -> Tuple[Dict[str, 
         state = _empty_model_state(reader.read_metadata()) if problem is None else {}
         fetched = {"fetched_bytes": sum(e.size for e in manifest.files.values()), "ranged": False}
     if problem:
-        raise ValueError(f"refusing to export a damaged checkpoint: {problem}")
+        raise ExportError(f"RUN_OR_PATH: refusing to export a damaged checkpoint: {problem}. "
+                          "Export an older step by its step-<N> path.")
     dcp.load(state, storage_reader=reader, no_dist=True)
     fetched["total_bytes"] = sum(e.size for e in manifest.files.values())
     return {key[len("model."):]: tensor for key, tensor in state.items()}, fetched
@@ -74,13 +95,26 @@ def _empty_model_state(metadata) -> Dict[str, torch.Tensor]:
 
 
 def export_safetensors(location: str, out: Path, s3_endpoint_url: Optional[str] = None) -> Dict:
+    """Write the model of the newest usable checkpoint at ``location`` to ``out``."""
     from safetensors.torch import save_file
 
-    tier, step = resolve(location, s3_endpoint_url)
-    with tempfile.TemporaryDirectory(prefix="raytrain-ext-export-") as cache:
-        tensors, fetched = load_model_state(tier, step, Path(cache))
+    problem = writable_file_problem(out, "--to")
+    if problem:
+        raise ExportError(problem)
+    tier, found = resolve(location, s3_endpoint_url)
+    assert found.step is not None and found.manifest is not None
+    try:
+        with tempfile.TemporaryDirectory(prefix="raytrain-ext-export-") as cache:
+            tensors, fetched = load_model_state(tier, found.step, found.manifest, Path(cache))
+    except TierError as e:
+        raise ExportError(str(e)) from None
     out.parent.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out),
-              metadata={"step": str(step), "format": "pt"})
-    return {"step": step, "tensors": len(tensors), "out": str(out),
-            "parameters": sum(t.numel() for t in tensors.values()), **fetched}
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(out),
+                  metadata={"step": str(found.step), "format": "pt"})
+    except OSError as e:
+        raise ExportError(f"--to: cannot write {out}: {e.strerror or e}. Point --to at a "
+                          "writable path.") from None
+    return {"step": found.step, "tensors": len(tensors), "out": str(out),
+            "parameters": sum(t.numel() for t in tensors.values()), "skipped": found.skipped,
+            **fetched}

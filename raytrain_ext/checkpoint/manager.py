@@ -53,6 +53,7 @@ from raytrain_ext.checkpoint.manifest import (
 from raytrain_ext.checkpoint.memory import MemoryTier
 from raytrain_ext.checkpoint.ranged import ChunkReader, PlannedS3Fetch
 from raytrain_ext.checkpoint.recycle import POOL
+from raytrain_ext.checkpoint.resolve import check_step, describe
 from raytrain_ext.checkpoint.s3 import S3Tier
 from raytrain_ext.checkpoint.tier import Tier, prune
 from raytrain_ext.checkpoint.tiers import build_tiers, tier_for_location
@@ -347,8 +348,9 @@ class CheckpointManager:
 
     def _try_load(self, loop, tier: Tier, step: int, problems_seen: List[str]):
         started = time.perf_counter()
-        manifest = tier.read_manifest(step)
-        problem, reader, targets, use_native = "manifest unreadable", None, None, False
+        check = check_step(tier, step)  # the same reading as ckpt export and report
+        manifest, problem = check.manifest, check.problem
+        reader, targets, use_native = None, None, False
         if manifest is not None:
             targets = ckpt_state.load_targets(loop, manifest.world_size)
             use_native = self._native_loadable(loop, manifest)
@@ -360,7 +362,7 @@ class CheckpointManager:
                 problem = f"cannot fetch: {e}"
         problems = [p for p in self._all_gather(problem) if p]
         if problems:
-            text = f"{tier.name} {step_dir_name(step)}: {problems[0]}"
+            text = problems[0] if manifest is None else f"{describe(tier, step)}: {problems[0]}"
             problems_seen.append(text)
             if self.rank == 0:
                 log.warning("checkpoint %s is unusable; falling back to the previous committed "

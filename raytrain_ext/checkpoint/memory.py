@@ -28,6 +28,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raytrain_ext.checkpoint.manifest import Manifest, step_dir_name
+from raytrain_ext.checkpoint.resolve import parse_manifest
 from raytrain_ext.checkpoint.tier import TierError
 
 log = logging.getLogger(__name__)
@@ -257,9 +258,12 @@ class MemoryTier:
     def all_steps(self) -> List[int]:
         return ray.get(self.registry.all_steps.remote())
 
+    def manifest_text(self, step: int) -> Optional[str]:
+        return ray.get(self.registry.manifest.remote(step)) or None
+
     def read_manifest(self, step: int) -> Optional[Manifest]:
-        text = ray.get(self.registry.manifest.remote(step))
-        return Manifest.from_json(text) if text else None
+        where = f"memory://{self.run}/{step_dir_name(step)}"
+        return parse_manifest(self.manifest_text(step), where).manifest
 
     def materialize(self, step: int, names: List[str], cache_dir: Path) -> Path:
         target = cache_dir / step_dir_name(step)

@@ -16,13 +16,12 @@ from pathlib import Path
 from typing import Callable, List, Optional, TypeVar
 
 from raytrain_ext.checkpoint.manifest import MANIFEST, Manifest, parse_step_dir, step_dir_name
+from raytrain_ext.checkpoint.resolve import parse_manifest
 from raytrain_ext.checkpoint.tier import TierError
+from raytrain_ext.inputs.s3_errors import CHECKPOINT_KEYS, S3Keys, describe_s3_error
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-CREDENTIAL_ERRORS = ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied",
-                     "InvalidToken", "ExpiredToken", "403")
 
 
 def split_uri(uri: str) -> tuple[str, str]:
@@ -35,7 +34,8 @@ class S3Tier:
 
     def __init__(self, uri: str, endpoint_url: Optional[str] = None, region: Optional[str] = None,
                  part_size_mb: int = 16, max_concurrency: int = 8, max_attempts: int = 5,
-                 retry_backoff_s: float = 1.0):
+                 retry_backoff_s: float = 1.0, keys: S3Keys = CHECKPOINT_KEYS):
+        """``keys``: the names under which the caller took these settings, for errors."""
         import boto3
         from boto3.s3.transfer import TransferConfig
         from botocore.config import Config
@@ -43,15 +43,19 @@ class S3Tier:
         self.uri = uri.rstrip("/")
         self.bucket, self.prefix = split_uri(self.uri)
         self.endpoint_url = endpoint_url
+        self.keys = keys
         self.max_attempts = max_attempts
         self.max_concurrency = max_concurrency
         self.retry_backoff_s = retry_backoff_s
         self.retries = 0  # failed attempts that were retried (an outage shows up here)
-        self.client = boto3.client(
-            "s3", endpoint_url=endpoint_url, region_name=region,
-            config=Config(retries={"max_attempts": 3, "mode": "standard"},
-                          connect_timeout=5, read_timeout=60,
-                          max_pool_connections=max(10, max_concurrency * 2)))
+        try:
+            self.client = boto3.client(
+                "s3", endpoint_url=endpoint_url, region_name=region,
+                config=Config(retries={"max_attempts": 3, "mode": "standard"},
+                              connect_timeout=5, read_timeout=60,
+                              max_pool_connections=max(10, max_concurrency * 2)))
+        except ValueError as e:  # "Invalid endpoint: ..."
+            raise TierError(self.describe(e)) from None
         part = part_size_mb * 1024 * 1024
         self.transfer = TransferConfig(multipart_threshold=part, multipart_chunksize=part,
                                        max_concurrency=max_concurrency, use_threads=True)
@@ -69,20 +73,12 @@ class S3Tier:
             self.client.put_object(Bucket=self.bucket, Key=key, Body=b"ok")
             self.client.get_object(Bucket=self.bucket, Key=key)["Body"].read()
             self.client.delete_object(Bucket=self.bucket, Key=key)
-        except ClientError as e:
-            code = e.response.get("Error", {}).get("Code", "")
-            if code == "NoSuchBucket":
-                raise TierError(f"checkpoint.s3.uri: bucket '{self.bucket}' does not exist at "
-                                f"{self.endpoint_url or 'AWS S3'}. Create it or fix the URI.")
-            if code in CREDENTIAL_ERRORS:
-                raise TierError(f"checkpoint.s3.uri: access to s3://{self.bucket} was refused "
-                                f"({code}). Check the credentials (AWS_ACCESS_KEY_ID/"
-                                "AWS_SECRET_ACCESS_KEY, AWS_PROFILE or the instance role).")
-            raise TierError(f"checkpoint.s3.uri: write probe to {self.uri} failed: {code} {e}")
-        except BotoCoreError as e:
-            raise TierError(f"checkpoint.s3.endpoint_url: cannot reach "
-                            f"{self.endpoint_url or 'AWS S3'}: {e}. Check the endpoint URL and "
-                            "the network.")
+        except (BotoCoreError, ClientError) as e:
+            raise TierError(self.describe(e)) from None
+
+    def describe(self, error: BaseException) -> str:
+        """One line naming the key to fix (bucket, endpoint, credentials or region)."""
+        return describe_s3_error(error, self.keys, self.uri, self.endpoint_url)
 
     def upload(self, step: int, src_dir: Path, names: List[str]) -> None:
         for name in names:
@@ -101,14 +97,18 @@ class S3Tier:
     def all_steps(self) -> List[int]:
         return sorted({s for s, _ in self._listing()})
 
-    def read_manifest(self, step: int) -> Optional[Manifest]:
+    def manifest_text(self, step: int) -> Optional[str]:
         from botocore.exceptions import ClientError
 
         try:
-            body = self.client.get_object(Bucket=self.bucket, Key=self.key(step, MANIFEST))
-            return Manifest.from_json(body["Body"].read().decode())
-        except (ClientError, ValueError, KeyError, TypeError):
+            body = self._retry(f"read the manifest of step {step}", lambda: self.client.get_object(
+                Bucket=self.bucket, Key=self.key(step, MANIFEST)), retry_missing=False)
+        except ClientError:  # no such key: never committed
             return None
+        return body["Body"].read().decode(errors="replace")
+
+    def read_manifest(self, step: int) -> Optional[Manifest]:
+        return parse_manifest(self.manifest_text(step), f"{self.uri}/{step_dir_name(step)}").manifest
 
     def materialize(self, step: int, names: List[str], cache_dir: Path) -> Path:
         target = cache_dir / step_dir_name(step)
@@ -130,10 +130,15 @@ class S3Tier:
             self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": keys[i:i + 1000]})
 
     def _keys(self, prefix: str) -> List[str]:
+        from botocore.exceptions import BotoCoreError, ClientError
+
         keys: List[str] = []
-        for page in self.client.get_paginator("list_objects_v2").paginate(
-                Bucket=self.bucket, Prefix=prefix):
-            keys.extend(obj["Key"] for obj in page.get("Contents", []))
+        try:
+            for page in self.client.get_paginator("list_objects_v2").paginate(
+                    Bucket=self.bucket, Prefix=prefix):
+                keys.extend(obj["Key"] for obj in page.get("Contents", []))
+        except (BotoCoreError, ClientError) as e:
+            raise TierError(self.describe(e)) from None
         return keys
 
     def _listing(self):
@@ -144,7 +149,9 @@ class S3Tier:
             if step is not None:
                 yield step, name
 
-    def _retry(self, what: str, action: Callable[[], T]) -> T:
+    def _retry(self, what: str, action: Callable[[], T], retry_missing: bool = True) -> T:
+        """``action`` with backoff; a missing key is raised at once unless ``retry_missing``
+        (an object not there yet may appear; a manifest looked up is either there or not)."""
         from botocore.exceptions import BotoCoreError, ClientError
         from boto3.exceptions import S3UploadFailedError
 
@@ -152,11 +159,21 @@ class S3Tier:
             try:
                 return action()
             except (BotoCoreError, ClientError, S3UploadFailedError, OSError) as e:
+                if not retry_missing and _is_missing(e):
+                    raise
                 if attempt == self.max_attempts:
-                    raise TierError(f"S3 {what} failed after {attempt} attempts: {e}") from e
+                    raise TierError(f"S3 {what} failed after {attempt} attempts: "
+                                    f"{self.describe(e)}") from e
                 delay = self.retry_backoff_s * 2 ** (attempt - 1)
                 self.retries += 1
                 log.warning("ALARM: S3 %s failed (attempt %d/%d: %s); retrying in %.1f s",
                             what, attempt, self.max_attempts, e, delay)
                 time.sleep(delay)
         raise AssertionError("unreachable")
+
+
+def _is_missing(error: BaseException) -> bool:
+    from botocore.exceptions import ClientError
+
+    return isinstance(error, ClientError) and \
+        error.response.get("Error", {}).get("Code") in ("NoSuchKey", "404", "NotFound")

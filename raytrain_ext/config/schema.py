@@ -67,6 +67,9 @@ class DataConfig:
     seed: int = "${run.seed}"  # type: ignore[assignment]
     s3_endpoint_url: Optional[str] = None
     s3_region: Optional[str] = None
+    # a dataset of fewer samples than one global batch is refused unless this is true
+    # (each batch would then hold some samples more than once)
+    allow_repeat: bool = False
 
 
 @dataclass

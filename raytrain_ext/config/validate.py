@@ -14,6 +14,7 @@ from typing import Callable, List
 from omegaconf import DictConfig
 
 from raytrain_ext.config.loader import ConfigError
+from raytrain_ext.inputs.s3_errors import endpoint_problem
 from raytrain_ext.parallel.dims import (
     ParallelDims,
     ParallelLayoutError,
@@ -216,12 +217,25 @@ def _check_zero(cfg: DictConfig) -> None:
 
 def _check_optim(cfg: DictConfig) -> None:
     o = cfg.optim
-    if o.min_lr > o.lr:
-        raise ConfigError(f"optim.min_lr: {o.min_lr} is larger than optim.lr={o.lr}. "
-                          "Set min_lr <= lr.")
     if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
         raise ConfigError(f"optim.betas: {list(o.betas)} must be two numbers in [0, 1), "
                           "for example [0.9, 0.95].")
+
+
+def schedule_warnings(cfg: DictConfig) -> List[str]:
+    """A schedule that trains but is almost surely not what was meant: said out loud, not
+    refused (a one-step smoke test with a long warmup is legitimate)."""
+    o, steps = cfg.optim, cfg.run.max_steps
+    peak = o.lr * min(1.0, steps / o.warmup_steps) if o.warmup_steps else o.lr
+    if peak < o.min_lr:
+        return [f"optim.warmup_steps: {o.warmup_steps} warmup steps in a run of run.max_steps="
+                f"{steps} keep the learning rate at or below {peak:.3g}, under optim.min_lr="
+                f"{o.min_lr}, for the whole run. Lower optim.warmup_steps (e.g. to "
+                f"{max(1, steps // 10)}) or raise run.max_steps."]
+    if o.warmup_steps > steps:
+        return [f"optim.warmup_steps: {o.warmup_steps} is more than run.max_steps={steps}: the "
+                f"run ends before the learning rate reaches optim.lr={o.lr}."]
+    return []
 
 
 def _check_scaling(cfg: DictConfig) -> None:
@@ -274,6 +288,13 @@ def _check_checkpoint(cfg: DictConfig) -> None:
                           "checkpoint.enabled=false.")
 
 
+def _check_s3_settings(cfg: DictConfig) -> None:
+    for key in ("checkpoint.s3.endpoint_url", "data.s3_endpoint_url"):
+        problem = endpoint_problem(_get(cfg, key), key)
+        if problem:
+            raise ConfigError(problem)
+
+
 def _check_profile(cfg: DictConfig) -> None:
     steps = list(cfg.profile.steps)
     if steps and not (len(steps) == 2 and 1 <= steps[0] <= steps[1]):
@@ -288,5 +309,5 @@ def _check_profile(cfg: DictConfig) -> None:
 _CHECKS: List[Callable[[DictConfig], None]] = [
     _check_choices, _check_ranges, _check_model, _check_zero, _check_parallel,
     _check_batch, _check_optim, _check_scaling,
-    _check_checkpoint, _check_elastic, _check_profile,
+    _check_checkpoint, _check_s3_settings, _check_elastic, _check_profile,
 ]

@@ -41,6 +41,7 @@ from raytrain_ext.elastic.policy import (
     recovery_decision,
     workers_that_fit,
 )
+from raytrain_ext.elastic.failure_text import one_line
 from raytrain_ext.elastic.survivors import first_error, keepable_ranks
 from raytrain_ext.elastic.watchdog import HangWatchdog
 from raytrain_ext.metrics import MetricsSink
@@ -67,7 +68,8 @@ NOT_RETRIED = ("NonFiniteLossError",)  # deterministic failures: a restart would
 
 
 class TrainingFailed(RuntimeError):
-    """A worker raised, or the group could not be formed; ``__cause__`` has the worker error."""
+    """A worker raised, or the group could not be formed.  The message is one line (the
+    reason and the worker's own error); ``__cause__`` holds the full remote error."""
 
 
 @dataclass
@@ -144,7 +146,7 @@ class Controller:
         self.result.state = self.state
         if self.state is RunState.FAILED:
             reason = self.result.transitions[-1].reason
-            detail = "" if self.result.error is None else f":\n{self.result.error}"
+            detail = "" if self.result.error is None else f": {one_line(self.result.error, with_type=False)}"
             raise TrainingFailed(f"training failed: {reason}{detail}") from self.result.error
         return self.result
 

@@ -261,7 +261,22 @@ def _overview(summary: Dict[str, Any], cfg) -> List[tuple]:
         ("checkpoint stall", f"{_num(summary.get('checkpoint_stall_s'), 3)} s"),
         ("backend", f"{summary.get('backend')}, torch {summary.get('versions', {}).get('torch')}, "
                     f"ray {summary.get('versions', {}).get('ray')}"),
+        ("newest usable checkpoint", newest_local_checkpoint(cfg)),
     ]
+
+
+def newest_local_checkpoint(cfg) -> str:
+    """The step a resume would load from local disk now, by the same routine the restore
+    and ``ckpt export`` use, with the newer steps it would skip and why."""
+    if cfg is None or not (cfg.checkpoint.enabled and cfg.checkpoint.local):
+        return "n/a (no local checkpoint tier in config.yaml)"
+    from raytrain_ext.checkpoint.disk import DiskTier
+    from raytrain_ext.checkpoint.resolve import newest_usable
+
+    found = newest_usable(DiskTier(cfg.checkpoint.dir))
+    text = f"step {found.step} in {cfg.checkpoint.dir}" if found.step is not None else \
+        f"none in {cfg.checkpoint.dir}"
+    return text + "".join(f"; skipped {problem}" for problem in found.skipped)
 
 
 def _recovery_section(phases: List[Dict[str, Any]]) -> List[str]:
@@ -313,6 +328,12 @@ def write_report(run_dir: Path, out_dir: Optional[Path] = None) -> Dict[str, Pat
 
 
 def _report_command(args: argparse.Namespace) -> int:
+    from raytrain_ext.inputs.paths import writable_dir_problem
+
+    problem = writable_dir_problem(Path(args.out or args.run_dir), "--out" if args.out else "RUN_DIR")
+    if problem and Path(args.run_dir).is_dir():
+        print(f"report failed: {problem}", file=sys.stderr)
+        return 2
     try:
         paths = write_report(Path(args.run_dir), Path(args.out) if args.out else None)
     except (FileNotFoundError, json.JSONDecodeError, KeyError) as e:

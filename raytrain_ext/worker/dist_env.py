@@ -56,6 +56,13 @@ def _ephemeral_port_range() -> Tuple[int, int]:
         return 32768, 60999  # Linux's default
 
 
+def _candidate_ports() -> List[int]:
+    low, _ = _ephemeral_port_range()
+    candidates = list(range(20000, max(low, 20001)))
+    random.shuffle(candidates)
+    return candidates[:200]
+
+
 def free_port(host: str = "") -> int:
     """A TCP port that is free on this node now (the rendezvous port of rank 0).
 
@@ -65,10 +72,7 @@ def free_port(host: str = "") -> int:
     the socket to itself and the rendezvous waits on its own echo forever.
     Ports 20000+ also stay clear of Ray's worker ports (10002-19999).
     """
-    low, _ = _ephemeral_port_range()
-    candidates = list(range(20000, max(low, 20001)))
-    random.shuffle(candidates)
-    for port in candidates[:200]:
+    for port in _candidate_ports():
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
@@ -82,28 +86,45 @@ def free_port(host: str = "") -> int:
         return s.getsockname()[1]
 
 
+def bound_listener(host: str, port: Optional[int] = None) -> Tuple[int, int]:
+    """A socket listening on ``host`` only (not on every interface, which is where
+    ``TCPStore`` binds by itself), handed over as (fd, port) to ``TCPStore``'s
+    ``master_listen_fd``, which owns it from then on.  ``port`` None: a free one from
+    :func:`free_port`'s range."""
+    for candidate in ([port] if port is not None else _candidate_ports() + [0]):
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, candidate))
+            sock.listen(1024)
+        except OSError:
+            sock.close()
+            if port is not None:
+                raise
+            continue
+        bound_port = sock.getsockname()[1]
+        return sock.detach(), bound_port
+    raise OSError(f"no free port to listen on at {host}")
+
+
 def choose_backend(requested: str, has_gpu: bool) -> str:
     if requested == "auto":
         return "nccl" if has_gpu else "gloo"
     return requested
 
 
-def host_store(host: str, timeout_s: float, attempts: int = 5) -> dist.TCPStore:
-    """Rank 0's rendezvous store, listening before any peer is told its port.
+def host_store(host: str, timeout_s: float) -> dist.TCPStore:
+    """Rank 0's rendezvous store, listening on ``host`` before any peer is told its port.
 
-    A peer that connects before the master's store listens retries after a
-    0.5 s backoff (measured: 0.07 s to form a 2-rank gloo group when the store
-    is up, 0.5 s when the peer is 50 ms early), which a re-form pays in full.
+    ``host`` is the address the group uses (127.0.0.1 for a private local run, the
+    node's cluster address otherwise), and the store listens there only.  A peer that
+    connects before the master's store listens retries after a 0.5 s backoff
+    (measured: 0.07 s to form a 2-rank gloo group when the store is up, 0.5 s when the
+    peer is 50 ms early), which a re-form pays in full.
     """
-    timeout = datetime.timedelta(seconds=timeout_s)
-    for attempt in range(attempts):
-        try:
-            return dist.TCPStore(host, free_port(), is_master=True, timeout=timeout,
-                                 wait_for_workers=False)
-        except (RuntimeError, OSError):  # the port was taken since free_port saw it free
-            if attempt == attempts - 1:
-                raise
-    raise AssertionError("unreachable")
+    fd, port = bound_listener(host)
+    return dist.TCPStore(host, port, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
+                         wait_for_workers=False, master_listen_fd=fd)
 
 
 def init_distributed(env: WorkerEnv, backend: str, timeout_s: float,
@@ -111,7 +132,8 @@ def init_distributed(env: WorkerEnv, backend: str, timeout_s: float,
     """Export the torchrun variables, pick the device, join the process group.
 
     ``store``: rank 0's own ``host_store``; other ranks connect to
-    ``master_addr:master_port`` (and without one, rank 0 hosts it there itself).
+    ``master_addr:master_port`` (and without one, rank 0 hosts it there itself,
+    listening on ``master_addr`` only).
     """
     os.environ.update(env.as_environ())
     if env.master_addr.startswith("127.") or env.master_addr == "localhost":
@@ -121,8 +143,12 @@ def init_distributed(env: WorkerEnv, backend: str, timeout_s: float,
         device = torch.device("cuda", env.device_index)
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=timeout_s)
-    if store is None:
-        store = dist.TCPStore(env.master_addr, env.master_port, is_master=env.rank == 0,
+    if store is None and env.rank == 0:
+        fd, _ = bound_listener(env.master_addr, env.master_port)
+        store = dist.TCPStore(env.master_addr, env.master_port, is_master=True, timeout=timeout,
+                              wait_for_workers=False, master_listen_fd=fd)
+    elif store is None:
+        store = dist.TCPStore(env.master_addr, env.master_port, is_master=False,
                               timeout=timeout, wait_for_workers=False)
     dist.init_process_group(backend=backend, store=store, rank=env.rank,
                             world_size=env.world_size, timeout=timeout)

@@ -1,0 +1,75 @@
+"""Everything about a run that can be checked on the driver, checked before Ray starts.
+
+``Trainer.fit`` calls :func:`preflight` first: a run that fails it has written nothing
+and started nothing.  Order: local paths (run directory, checkpoint and profile
+directories), the S3 tier (a real write probe), an explicit ``checkpoint.resume``, then
+the data.  The schedule is not refused but said out loud (:func:`schedule_warnings`).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from raytrain_ext.checkpoint.resolve import newest_usable
+from raytrain_ext.checkpoint.tier import TierError
+from raytrain_ext.config.validate import schedule_warnings
+from raytrain_ext.inputs.data_check import check_token_data
+from raytrain_ext.inputs.errors import InputError
+from raytrain_ext.inputs.paths import writable_dir_problem
+
+log = logging.getLogger(__name__)
+
+
+def preflight(cfg) -> None:
+    """Log schedule warnings; raise :class:`InputError` for the first problem found."""
+    for warning in schedule_warnings(cfg):
+        log.warning("%s", warning)
+    _check_paths(cfg)
+    _check_s3_tier(cfg)
+    _check_resume(cfg)
+    check_token_data(cfg)
+
+
+def _check_paths(cfg) -> None:
+    wanted = [("run.output_dir", Path(cfg.run.output_dir) / cfg.run.name)]
+    c = cfg.checkpoint
+    if c.enabled and c.local and not str(c.dir).startswith("s3://"):
+        wanted.append(("checkpoint.dir", Path(c.dir)))
+    if list(cfg.profile.steps):
+        wanted.append(("profile.dir", Path(cfg.profile.dir)))
+    for key, path in wanted:
+        problem = writable_dir_problem(path, key)
+        if problem:
+            raise InputError(problem)
+
+
+def _check_s3_tier(cfg) -> None:
+    if not (cfg.checkpoint.enabled and cfg.checkpoint.s3.uri):
+        return
+    from raytrain_ext.checkpoint.tiers import s3_tier
+
+    try:
+        s3_tier(cfg.checkpoint, cfg.checkpoint.s3.uri).probe()
+    except TierError as e:
+        raise InputError(str(e)) from None
+
+
+def _check_resume(cfg) -> None:
+    """An explicit ``checkpoint.resume`` must name a usable checkpoint."""
+    resume = cfg.checkpoint.resume
+    if resume in ("auto", "never"):
+        return
+    from raytrain_ext.checkpoint.manager import split_location
+    from raytrain_ext.checkpoint.tiers import tier_for_location
+
+    location, step = split_location(resume)
+    if not location.startswith("s3://") and not Path(resume).is_dir():
+        raise InputError(f"checkpoint.resume: {resume} does not exist. Point it at one "
+                         "step-<N> directory of a checkpoint, or use auto or never.")
+    try:
+        found = newest_usable(tier_for_location(cfg.checkpoint, location), step)
+    except TierError as e:
+        raise InputError(str(e)) from None
+    if found.step is None:
+        raise InputError(f"checkpoint.resume: {found.skipped[0]}. Point checkpoint.resume at "
+                         "another step, or use auto to take the newest usable one.")

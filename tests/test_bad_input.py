@@ -1,0 +1,259 @@
+"""Bad input through the real CLI: one clear line naming the key or path and the fix, exit
+code 2, no traceback, and (for everything the driver can check) no Ray session started.
+
+One test per failure class of issue 16: 1 data and worker errors, 2 an earlier run's records
+kept, 3 paths and S3, 4 one checkpoint resolution for every command, 5 input that used to be
+accepted silently, 6 the rendezvous store's listening address.
+"""
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from tests.cli_helpers import RaySessionWatch, clean_env, raytrain_ext_cmd, run, \
+    without_aws_credentials
+from tests.conftest import FAST_MODEL
+
+TRAIN = [*raytrain_ext_cmd(), "train"]
+
+
+def refused_before_ray(args, cwd, env=None):
+    """Run a command that must fail on the driver; return its stderr."""
+    watch = RaySessionWatch()
+    try:
+        result = run(args, cwd, env=watch.env(env))
+        assert result.returncode == 2, (result.returncode, result.stderr[-3000:])
+        text = result.stdout + result.stderr
+        assert "Traceback" not in text, text
+        assert watch.sessions() == [], "a Ray session was started"
+        return result.stderr
+    finally:
+        shutil.rmtree(watch.dir, ignore_errors=True)
+
+
+def write_parquet(path: Path, **columns) -> Path:
+    pq.write_table(pa.table(columns), path)
+    return path
+
+
+# ---- class 1: what the driver can check about the data ----------------------------------
+DATA_CASES = {
+    "text file": (lambda d: _text(d / "corpus.txt"),
+                  r"data\.path: \S+corpus\.txt is neither an Arrow IPC file nor a Parquet file.*"
+                  r"pre-tokenized ids"),
+    "no tokens column": (lambda d: write_parquet(d / "t.parquet", text=pa.array(["a"] * 9)),
+                         r"data\.path: \S+t\.parquet has no 'tokens' column \(columns: text\)"),
+    "float tokens": (lambda d: write_parquet(d / "f.parquet", tokens=pa.array([0.5] * 900)),
+                     r"column 'tokens' of \S+f\.parquet holds double, not integer token ids"),
+    "ids beyond the vocabulary": (
+        lambda d: write_parquet(d / "v.parquet", tokens=pa.array(np.arange(9000) % 300)),
+        r"data\.path: \S+ holds token id 299, but model\.vocab_size=256 .*Set "
+        r"model\.vocab_size >= 300"),
+    "negative ids": (lambda d: write_parquet(d / "n.parquet",
+                                             tokens=pa.array(np.arange(9000) % 200 - 1)),
+                     r"holds token id -1; ids must be >= 0"),
+    "empty": (lambda d: write_parquet(d / "e.parquet", tokens=pa.array([], pa.int32())),
+              r"holds 0 tokens, fewer than one sample of model\.seq_len\+1=129"),
+    "missing": (lambda d: d / "nowhere.arrow", r"data\.path: \S+nowhere\.arrow does not exist"),
+}
+
+
+def _text(path: Path) -> Path:
+    path.write_text("plain text, not tokens\n" * 100)
+    return path
+
+
+@pytest.mark.parametrize("case", sorted(DATA_CASES))
+def test_bad_data_is_refused_before_ray_naming_the_key_file_and_fix(case, tmp_path):
+    make, expected = DATA_CASES[case]
+    data = make(tmp_path)
+    stderr = refused_before_ray([*TRAIN, f"data.path={data}", f"run.output_dir={tmp_path}"],
+                                tmp_path)
+    assert re.search(expected, stderr), stderr
+    assert not (tmp_path / "tiny").exists()  # nothing written by a refused start
+
+
+# ---- class 5: accepted silently before --------------------------------------------------
+def test_fewer_samples_than_a_global_batch_is_refused_unless_repeat_is_allowed(tmp_path):
+    from raytrain_ext.config import load_config
+    from raytrain_ext.inputs.preflight import preflight
+
+    data = write_parquet(tmp_path / "small.parquet", tokens=pa.array(np.arange(5 * 128 + 1) % 256))
+    stderr = refused_before_ray([*TRAIN, f"data.path={data}", f"run.output_dir={tmp_path}"],
+                                tmp_path)
+    assert re.search(r"data\.global_batch_size: 16 is more than the 5 samples in data\.path .*"
+                     r"set data\.allow_repeat=true", stderr), stderr
+    allowed = load_config(None, [f"data.path={data}", "data.allow_repeat=true",
+                                 f"run.output_dir={tmp_path}"])
+    preflight(allowed)  # the user said repeating is fine: accepted
+
+
+def test_a_schedule_that_never_reaches_min_lr_is_said_before_anything_starts(tmp_path):
+    stderr = refused_before_ray([*TRAIN, "optim.warmup_steps=1000", "run.max_steps=5",
+                                 f"run.output_dir={tmp_path}", f"data.path={tmp_path / 'none'}"],
+                                tmp_path)
+    assert re.search(r"WARNING .*optim\.warmup_steps: 1000 warmup steps in a run of "
+                     r"run\.max_steps=5 keep the learning rate at or below 1\.5e-05, under "
+                     r"optim\.min_lr=0\.0003", stderr), stderr
+
+
+# ---- class 3: local paths and S3, in train and export ------------------------------------
+def test_unusable_local_paths_name_their_key(tmp_path):
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    cases = [
+        ([*TRAIN, "run.output_dir=/proc/rte"], r"run\.output_dir: cannot create /proc/rte"),
+        ([*TRAIN, f"run.output_dir={a_file}/runs"],
+         rf"run\.output_dir: cannot use {a_file}/runs/tiny: {a_file} is a file"),
+        ([*TRAIN, f"run.output_dir={tmp_path}", f"checkpoint.dir={a_file}"],
+         rf"checkpoint\.dir: cannot use {a_file}: {a_file} is a file"),
+        ([*raytrain_ext_cmd(), "ckpt", "export", str(tmp_path), "--to", "/proc/x.safetensors"],
+         r"--to: cannot write to /proc"),
+        ([*raytrain_ext_cmd(), "ckpt", "export", str(tmp_path), "--to", f"{a_file}/m.safetensors"],
+         rf"--to: cannot use {a_file}: {a_file} is a file"),
+        ([*raytrain_ext_cmd(), "ckpt", "export", str(tmp_path), "--to", str(tmp_path)],
+         rf"--to: {tmp_path} is a directory; give the path of the file"),
+        ([*raytrain_ext_cmd(), "ckpt", "export", str(tmp_path / "nope"), "--to", "m.safetensors"],
+         r"RUN_OR_PATH: \S+nope does not exist"),
+    ]
+    for args, expected in cases:
+        stderr = refused_before_ray(args, tmp_path)
+        assert re.search(expected, stderr), (args, stderr)
+    assert not Path("/proc/rte").exists() and a_file.read_text() == "x"
+
+
+def test_s3_errors_name_the_bucket_endpoint_or_credentials(s3_endpoint, tmp_path):
+    import boto3
+
+    boto3.client("s3", endpoint_url=s3_endpoint).create_bucket(Bucket="have-bucket")
+    export = [*raytrain_ext_cmd(), "ckpt", "export"]
+    dead = "http://127.0.0.1:9"
+    no_creds = without_aws_credentials(clean_env())
+    cases = [
+        ([*TRAIN, "checkpoint.s3.uri=s3://have-bucket/x", "checkpoint.s3.endpoint_url=notaurl"],
+         None, r"checkpoint\.s3\.endpoint_url: 'notaurl' is not an endpoint URL"),
+        ([*TRAIN, "checkpoint.s3.uri=s3://no-bucket/x", f"checkpoint.s3.endpoint_url={s3_endpoint}"],
+         None, r"checkpoint\.s3\.uri: bucket 'no-bucket' does not exist at http://127"),
+        ([*TRAIN, "checkpoint.s3.uri=s3://have-bucket/x", f"checkpoint.s3.endpoint_url={dead}"],
+         None, r"checkpoint\.s3\.endpoint_url: cannot reach http://127\.0\.0\.1:9"),
+        ([*TRAIN, "checkpoint.s3.uri=s3://have-bucket/x", f"checkpoint.s3.endpoint_url={s3_endpoint}"],
+         no_creds, r"S3 credentials: no usable credentials for s3://have-bucket "
+                   r"\(checkpoint\.s3\.uri\).*AWS_ACCESS_KEY_ID"),
+        ([*TRAIN, "data.path=s3://no-bucket/tokens", f"data.s3_endpoint_url={s3_endpoint}"],
+         None, r"data\.path: bucket 'no-bucket' does not exist"),
+        ([*export, "s3://no-bucket/x", "--to", "m.safetensors", "--s3-endpoint-url", s3_endpoint],
+         None, r"RUN_OR_PATH: bucket 'no-bucket' does not exist"),
+        ([*export, "s3://have-bucket/x", "--to", "m.safetensors", "--s3-endpoint-url", dead],
+         None, r"--s3-endpoint-url: cannot reach http://127\.0\.0\.1:9"),
+        ([*export, "s3://have-bucket/x", "--to", "m.safetensors", "--s3-endpoint-url", "notaurl"],
+         None, r"--s3-endpoint-url: 'notaurl' is not an endpoint URL"),
+        ([*export, "s3://have-bucket/x", "--to", "m.safetensors", "--s3-endpoint-url", s3_endpoint],
+         no_creds, r"S3 credentials: no usable credentials for s3://have-bucket \(RUN_OR_PATH\)"),
+        ([*export, "s3://have-bucket/x", "--to", "m.safetensors", "--s3-endpoint-url", s3_endpoint],
+         None, r"RUN_OR_PATH: s3://have-bucket/x holds no committed checkpoint"),
+    ]
+    for args, env, expected in cases:
+        if "train" in args:
+            args = [*args, f"run.output_dir={tmp_path}"]
+        stderr = refused_before_ray(args, tmp_path, env)
+        assert re.search(expected, stderr), (args, stderr)
+    assert not (tmp_path / "tiny").exists()
+
+
+# ---- classes 1 and 2: a failure inside the workers, and the records of the earlier run ---
+@pytest.mark.slow
+def test_a_failed_resume_leaves_the_earlier_runs_records_and_reports_one_line(tmp_path):
+    """A finished run resumed with another model fails in the workers (checkpoint mismatch):
+    one line naming the rank, the checkpoint and the fix; the full trace, without colour
+    codes, in the attempt's error.log; summary.json, config.yaml and every checkpoint file of
+    the earlier run byte-identical.  A later start refused by the preflight adds nothing."""
+    common = [f"run.output_dir={tmp_path}", "run.name=r", "run.max_steps=4",
+              "checkpoint.every_steps=2", "run.tensorboard=false", *FAST_MODEL]
+    first = run([*TRAIN, *common], tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    run_dir = tmp_path / "r"
+    before = snapshot(run_dir)
+
+    watch = RaySessionWatch()
+    resumed = run([*TRAIN, *common, "model.d_model=128"], tmp_path, env=watch.env())
+    assert watch.sessions(), "the resume ran on Ray (this is the in-worker case)"
+    shutil.rmtree(watch.dir, ignore_errors=True)
+    assert resumed.returncode == 1
+    assert "Traceback" not in resumed.stderr.split("controller: RUNNING -> FAILED")[-1]
+    line = [ln for ln in resumed.stderr.splitlines() if ln.startswith("training failed")]
+    assert len(line) == 1 and re.search(
+        r"worker rank \d \(node 127\.0\.0\.1, pid \d+\) raised CheckpointMismatch: checkpoint "
+        r"\S+/r/checkpoints/step-00000004 was saved from a different model: .* Resume with the "
+        r"model config it was saved with", line[0]), resumed.stderr[-2000:]
+    assert snapshot(run_dir) == before  # summary, config and checkpoints untouched
+    attempt = json.loads((run_dir / "attempts" / "002" / "summary.json").read_text())
+    assert attempt["status"] == "failed" and attempt["error"] == line[0]
+    assert "\x1b[" not in json.dumps(attempt) and "\n" not in attempt["error"]
+    trace = (run_dir / "attempts" / "002" / "error.log").read_text()
+    assert "\x1b[" not in trace and 'manager.py", line' in trace  # the worker's own frames
+    assert f"full error: {run_dir}/attempts/002/error.log" in resumed.stderr
+
+    refused_before_ray([*TRAIN, *common, "checkpoint.s3.uri=s3://b/x",
+                        "checkpoint.s3.endpoint_url=http://127.0.0.1:9"], tmp_path)
+    assert snapshot(run_dir) == before and not (run_dir / "attempts" / "003").exists()
+
+
+def snapshot(run_dir: Path) -> dict:
+    """Bytes of the run's summary, config and every checkpoint file."""
+    files = [run_dir / "summary.json", run_dir / "config.yaml",
+             *sorted((run_dir / "checkpoints").rglob("*"))]
+    return {str(p): p.read_bytes() for p in files if p.is_file()}
+
+
+# ---- class 4: one resolution of "the newest usable checkpoint" ---------------------------
+def test_a_damaged_newest_manifest_is_described_alike_by_export_report_and_restore(tmp_path):
+    from raytrain_ext.checkpoint.disk import DiskTier
+    from raytrain_ext.checkpoint.manifest import MANIFEST, Manifest, step_dir_name
+    from raytrain_ext.checkpoint.resolve import newest_usable
+
+    ckpt = tmp_path / "run" / "checkpoints"
+    tier = DiskTier(ckpt)
+    for step in (4, 6):
+        (ckpt / step_dir_name(step)).mkdir(parents=True)
+        tier.commit(Manifest(step=step, world_size=1, tier="local", files={}))
+    (ckpt / step_dir_name(8)).mkdir()  # a save that never committed
+    (ckpt / step_dir_name(6) / MANIFEST).write_text("{ not json")
+
+    found = newest_usable(tier)
+    damaged = (r"local step-00000006/manifest\.json is there but is not a valid manifest "
+               r"\(JSONDecodeError: .*\): the step was committed, then its manifest was damaged")
+    assert found.step == 4 and len(found.skipped) == 1 and re.search(damaged, found.skipped[0])
+
+    export = run([*raytrain_ext_cmd(), "ckpt", "export", str(ckpt / step_dir_name(6)),
+                  "--to", str(tmp_path / "m.safetensors")], tmp_path)
+    assert export.returncode == 2 and "Traceback" not in export.stderr
+    assert re.search(r"RUN_OR_PATH: no usable checkpoint in \S+step-00000006: " + damaged,
+                     export.stderr), export.stderr
+    assert "never committed" not in export.stderr
+
+    from raytrain_ext.config import load_config, to_yaml
+    from raytrain_ext.ops.report import newest_local_checkpoint
+
+    cfg = load_config(None, [f"checkpoint.dir={ckpt}"])
+    assert re.search(rf"step 4 in {ckpt}; skipped " + damaged, newest_local_checkpoint(cfg))
+    (tmp_path / "run" / "config.yaml").write_text(to_yaml(cfg))
+
+
+# ---- class 6: the rendezvous store listens where the group talks -------------------------
+def test_the_rendezvous_store_listens_on_the_group_address_only():
+    import psutil
+
+    from raytrain_ext.worker.dist_env import host_store
+
+    store = host_store("127.0.0.1", timeout_s=5)
+    listening = [c.laddr for c in psutil.net_connections("tcp")
+                 if c.status == psutil.CONN_LISTEN and c.laddr.port == store.port]
+    assert [addr.ip for addr in listening] == ["127.0.0.1"], listening
+    store.set("k", "v")
+    assert store.get("k") == b"v"
