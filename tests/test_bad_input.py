@@ -24,7 +24,7 @@ TRAIN = [*raytrain_ext_cmd(), "train"]
 
 
 def refused_before_ray(args, cwd, env=None):
-    """Run a command that must fail on the driver; return its stderr."""
+    """Run a command in a subprocess that must fail on the driver; return its stderr."""
     watch = RaySessionWatch()
     try:
         result = run(args, cwd, env=watch.env(env))
@@ -35,6 +35,35 @@ def refused_before_ray(args, cwd, env=None):
         return result.stderr
     finally:
         shutil.rmtree(watch.dir, ignore_errors=True)
+
+
+@pytest.fixture()
+def cli(monkeypatch, capsys, tmp_path):
+    """The same CLI entry (``raytrain_ext.cli.main``) in this process, for the further cases
+    of a class (each class also runs once as a subprocess): returns stderr after asserting
+    exit code 2, no traceback and no Ray session."""
+    import ray
+
+    from raytrain_ext.cli import main
+
+    def refused(argv, env=None):
+        watch = RaySessionWatch()
+        monkeypatch.setenv("RAY_TMPDIR", str(watch.dir))
+        for key, value in (env or {}).items():
+            if value is None:
+                monkeypatch.delenv(key, raising=False)
+            else:
+                monkeypatch.setenv(key, value)
+        monkeypatch.chdir(tmp_path)
+        code = main(argv)
+        out = capsys.readouterr()
+        assert code == 2, (code, out.err[-3000:])
+        assert "Traceback" not in out.out + out.err, out.err
+        assert not ray.is_initialized() and watch.sessions() == [], "a Ray session was started"
+        shutil.rmtree(watch.dir, ignore_errors=True)
+        return out.err
+
+    return refused
 
 
 def write_parquet(path: Path, **columns) -> Path:
@@ -61,7 +90,17 @@ DATA_CASES = {
     "empty": (lambda d: write_parquet(d / "e.parquet", tokens=pa.array([], pa.int32())),
               r"holds 0 tokens, fewer than one sample of model\.seq_len\+1=129"),
     "missing": (lambda d: d / "nowhere.arrow", r"data\.path: \S+nowhere\.arrow does not exist"),
+    "arrow stream": (lambda d: _stream(d / "s.arrow"),
+                     r"data\.path: \S+s\.arrow is an Arrow IPC stream .*Rewrite it as an "
+                     r"Arrow IPC file"),
 }
+
+
+def _stream(path: Path) -> Path:
+    table = pa.table({"tokens": pa.array(np.arange(9000) % 256)})
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return path
 
 
 def _text(path: Path) -> Path:
@@ -69,14 +108,16 @@ def _text(path: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("case", sorted(DATA_CASES))
-def test_bad_data_is_refused_before_ray_naming_the_key_file_and_fix(case, tmp_path):
-    make, expected = DATA_CASES[case]
-    data = make(tmp_path)
-    stderr = refused_before_ray([*TRAIN, f"data.path={data}", f"run.output_dir={tmp_path}"],
-                                tmp_path)
-    assert re.search(expected, stderr), stderr
-    assert not (tmp_path / "tiny").exists()  # nothing written by a refused start
+def test_bad_data_is_refused_before_ray_naming_the_key_file_and_fix(tmp_path, cli):
+    """The text file through a real subprocess, every other case through the same entry
+    in this process."""
+    for number, case in enumerate(sorted(DATA_CASES, key=lambda c: c != "text file")):
+        make, expected = DATA_CASES[case]
+        data = make(tmp_path)
+        args = ["train", f"data.path={data}", f"run.output_dir={tmp_path}"]
+        stderr = refused_before_ray([*TRAIN[:-1], *args], tmp_path) if number == 0 else cli(args)
+        assert re.search(expected, stderr), (case, stderr)
+        assert not (tmp_path / "tiny").exists()  # nothing written by a refused start
 
 
 # ---- class 5: accepted silently before --------------------------------------------------
@@ -104,64 +145,73 @@ def test_a_schedule_that_never_reaches_min_lr_is_said_before_anything_starts(tmp
 
 
 # ---- class 3: local paths and S3, in train and export ------------------------------------
-def test_unusable_local_paths_name_their_key(tmp_path):
+def test_unusable_local_paths_and_addresses_name_their_key(tmp_path, cli):
+    """The first case through a real subprocess, the others through the same entry here."""
     a_file = tmp_path / "a-file"
     a_file.write_text("x")
     cases = [
-        ([*TRAIN, "run.output_dir=/proc/rte"], r"run\.output_dir: cannot create /proc/rte"),
-        ([*TRAIN, f"run.output_dir={a_file}/runs"],
+        (["train", "run.output_dir=/proc/rte"], r"run\.output_dir: cannot create /proc/rte"),
+        (["train", f"run.output_dir={a_file}/runs"],
          rf"run\.output_dir: cannot use {a_file}/runs/tiny: {a_file} is a file"),
-        ([*TRAIN, f"run.output_dir={tmp_path}", f"checkpoint.dir={a_file}"],
+        (["train", f"run.output_dir={tmp_path}", f"checkpoint.dir={a_file}"],
          rf"checkpoint\.dir: cannot use {a_file}: {a_file} is a file"),
-        ([*raytrain_ext_cmd(), "ckpt", "export", str(tmp_path), "--to", "/proc/x.safetensors"],
+        (["ckpt", "export", str(tmp_path), "--to", "/proc/x.safetensors"],
          r"--to: cannot write to /proc"),
-        ([*raytrain_ext_cmd(), "ckpt", "export", str(tmp_path), "--to", f"{a_file}/m.safetensors"],
+        (["ckpt", "export", str(tmp_path), "--to", f"{a_file}/m.safetensors"],
          rf"--to: cannot use {a_file}: {a_file} is a file"),
-        ([*raytrain_ext_cmd(), "ckpt", "export", str(tmp_path), "--to", str(tmp_path)],
+        (["ckpt", "export", str(tmp_path), "--to", str(tmp_path)],
          rf"--to: {tmp_path} is a directory; give the path of the file"),
-        ([*raytrain_ext_cmd(), "ckpt", "export", str(tmp_path / "nope"), "--to", "m.safetensors"],
+        (["ckpt", "export", str(tmp_path / "nope"), "--to", "m.safetensors"],
          r"RUN_OR_PATH: \S+nope does not exist"),
+        (["train", f"run.output_dir={tmp_path}", "scaling.ray_address=127.0.0.1:1"],
+         r"scaling\.ray_address: nothing answers at 127\.0\.0\.1:1 .*unset scaling\.ray_address"),
     ]
-    for args, expected in cases:
-        stderr = refused_before_ray(args, tmp_path)
+    for number, (args, expected) in enumerate(cases):
+        stderr = refused_before_ray([*TRAIN[:-1], *args], tmp_path) if number == 0 else cli(args)
         assert re.search(expected, stderr), (args, stderr)
     assert not Path("/proc/rte").exists() and a_file.read_text() == "x"
 
 
-def test_s3_errors_name_the_bucket_endpoint_or_credentials(s3_endpoint, tmp_path):
+def test_s3_errors_name_the_bucket_endpoint_or_credentials(s3_endpoint, tmp_path, cli):
+    """Without credentials in a real subprocess (boto3 caches credentials per process);
+    the other cases through the same entry here."""
     import boto3
 
     boto3.client("s3", endpoint_url=s3_endpoint).create_bucket(Bucket="have-bucket")
-    export = [*raytrain_ext_cmd(), "ckpt", "export"]
     dead = "http://127.0.0.1:9"
+    out = f"run.output_dir={tmp_path}"
+    export = ["ckpt", "export"]
     no_creds = without_aws_credentials(clean_env())
-    cases = [
-        ([*TRAIN, "checkpoint.s3.uri=s3://have-bucket/x", "checkpoint.s3.endpoint_url=notaurl"],
-         None, r"checkpoint\.s3\.endpoint_url: 'notaurl' is not an endpoint URL"),
-        ([*TRAIN, "checkpoint.s3.uri=s3://no-bucket/x", f"checkpoint.s3.endpoint_url={s3_endpoint}"],
-         None, r"checkpoint\.s3\.uri: bucket 'no-bucket' does not exist at http://127"),
-        ([*TRAIN, "checkpoint.s3.uri=s3://have-bucket/x", f"checkpoint.s3.endpoint_url={dead}"],
-         None, r"checkpoint\.s3\.endpoint_url: cannot reach http://127\.0\.0\.1:9"),
-        ([*TRAIN, "checkpoint.s3.uri=s3://have-bucket/x", f"checkpoint.s3.endpoint_url={s3_endpoint}"],
-         no_creds, r"S3 credentials: no usable credentials for s3://have-bucket "
-                   r"\(checkpoint\.s3\.uri\).*AWS_ACCESS_KEY_ID"),
-        ([*TRAIN, "data.path=s3://no-bucket/tokens", f"data.s3_endpoint_url={s3_endpoint}"],
-         None, r"data\.path: bucket 'no-bucket' does not exist"),
+    for args, expected in [
+        (["train", out, "checkpoint.s3.uri=s3://have-bucket/x",
+          f"checkpoint.s3.endpoint_url={s3_endpoint}"],
+         r"S3 credentials: no usable credentials for s3://have-bucket \(checkpoint\.s3\.uri\).*"
+         r"AWS_ACCESS_KEY_ID"),
+        ([*export, "s3://have-bucket/x", "--to", "m.safetensors", "--s3-endpoint-url", s3_endpoint],
+         r"S3 credentials: no usable credentials for s3://have-bucket \(RUN_OR_PATH\)"),
+    ]:
+        stderr = refused_before_ray([*TRAIN[:-1], *args], tmp_path, no_creds)
+        assert re.search(expected, stderr), (args, stderr)
+    for args, expected in [
+        (["train", out, "checkpoint.s3.uri=s3://have-bucket/x", "checkpoint.s3.endpoint_url=notaurl"],
+         r"checkpoint\.s3\.endpoint_url: 'notaurl' is not an endpoint URL"),
+        (["train", out, "checkpoint.s3.uri=s3://no-bucket/x",
+          f"checkpoint.s3.endpoint_url={s3_endpoint}"],
+         r"checkpoint\.s3\.uri: bucket 'no-bucket' does not exist at http://127"),
+        (["train", out, "checkpoint.s3.uri=s3://have-bucket/x", f"checkpoint.s3.endpoint_url={dead}"],
+         r"checkpoint\.s3\.endpoint_url: cannot reach http://127\.0\.0\.1:9"),
+        (["train", out, "data.path=s3://no-bucket/tokens", f"data.s3_endpoint_url={s3_endpoint}"],
+         r"data\.path: bucket 'no-bucket' does not exist"),
         ([*export, "s3://no-bucket/x", "--to", "m.safetensors", "--s3-endpoint-url", s3_endpoint],
-         None, r"RUN_OR_PATH: bucket 'no-bucket' does not exist"),
+         r"RUN_OR_PATH: bucket 'no-bucket' does not exist"),
         ([*export, "s3://have-bucket/x", "--to", "m.safetensors", "--s3-endpoint-url", dead],
-         None, r"--s3-endpoint-url: cannot reach http://127\.0\.0\.1:9"),
+         r"--s3-endpoint-url: cannot reach http://127\.0\.0\.1:9"),
         ([*export, "s3://have-bucket/x", "--to", "m.safetensors", "--s3-endpoint-url", "notaurl"],
-         None, r"--s3-endpoint-url: 'notaurl' is not an endpoint URL"),
+         r"--s3-endpoint-url: 'notaurl' is not an endpoint URL"),
         ([*export, "s3://have-bucket/x", "--to", "m.safetensors", "--s3-endpoint-url", s3_endpoint],
-         no_creds, r"S3 credentials: no usable credentials for s3://have-bucket \(RUN_OR_PATH\)"),
-        ([*export, "s3://have-bucket/x", "--to", "m.safetensors", "--s3-endpoint-url", s3_endpoint],
-         None, r"RUN_OR_PATH: s3://have-bucket/x holds no committed checkpoint"),
-    ]
-    for args, env, expected in cases:
-        if "train" in args:
-            args = [*args, f"run.output_dir={tmp_path}"]
-        stderr = refused_before_ray(args, tmp_path, env)
+         r"RUN_OR_PATH: s3://have-bucket/x holds no committed checkpoint"),
+    ]:
+        stderr = cli(args)
         assert re.search(expected, stderr), (args, stderr)
     assert not (tmp_path / "tiny").exists()
 
@@ -257,3 +307,33 @@ def test_the_rendezvous_store_listens_on_the_group_address_only():
     assert [addr.ip for addr in listening] == ["127.0.0.1"], listening
     store.set("k", "v")
     assert store.get("k") == b"v"
+
+
+def test_s3_error_mapper_names_the_key_for_each_class():
+    from botocore.exceptions import ClientError, EndpointConnectionError, NoCredentialsError
+
+    from raytrain_ext.inputs.s3_errors import CHECKPOINT_KEYS, DATA_KEYS, describe_s3_error
+
+    def client_error(code):
+        return ClientError({"Error": {"Code": code, "Message": "m"}}, "PutObject")
+
+    uri, endpoint = "s3://bkt/prefix", "http://127.0.0.1:9000"
+    expected = [
+        (client_error("NoSuchBucket"), CHECKPOINT_KEYS, r"^checkpoint\.s3\.uri: bucket 'bkt' "
+                                                        r"does not exist at http://127\.0\.0\.1:9000"),
+        (client_error("AccessDenied"), CHECKPOINT_KEYS, r"^S3 credentials: .*AWS_ACCESS_KEY_ID"),
+        (NoCredentialsError(), DATA_KEYS, r"^S3 credentials: .*\(data\.path\)"),
+        (client_error("AuthorizationHeaderMalformed"), CHECKPOINT_KEYS,
+         r"^checkpoint\.s3\.region: s3://bkt is not in the region .* Set checkpoint\.s3\.region"),
+        (client_error("PermanentRedirect"), DATA_KEYS, r"^data\.s3_region: "),
+        (EndpointConnectionError(endpoint_url=endpoint), DATA_KEYS,
+         r"^data\.s3_endpoint_url: cannot reach http://127\.0\.0\.1:9000"),
+        (OSError("AWS Error NETWORK_CONNECTION during HeadObject operation: curl error"),
+         DATA_KEYS, r"^data\.s3_endpoint_url: cannot reach"),
+        (OSError("AWS Error ACCESS_DENIED during HeadObject operation: HTTP response code: 403"),
+         DATA_KEYS, r"^S3 credentials: "),
+    ]
+    for error, keys, pattern in expected:
+        message = describe_s3_error(error, keys, uri, endpoint)
+        assert re.search(pattern, message), (error, message)
+        assert "\n" not in message

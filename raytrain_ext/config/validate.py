@@ -217,6 +217,9 @@ def _check_zero(cfg: DictConfig) -> None:
 
 def _check_optim(cfg: DictConfig) -> None:
     o = cfg.optim
+    if o.min_lr > o.lr:
+        raise ConfigError(f"optim.min_lr: {o.min_lr} is larger than optim.lr={o.lr}. "
+                          "Set min_lr <= lr.")
     if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
         raise ConfigError(f"optim.betas: {list(o.betas)} must be two numbers in [0, 1), "
                           "for example [0.9, 0.95].")

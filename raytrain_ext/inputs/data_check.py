@@ -127,6 +127,11 @@ def _file_stats(name: str, opener: Callable[[str], pa.NativeFile], shown: str) -
                 raise InputError(f"data.path: {shown} is a damaged Arrow IPC file ({e}). "
                                  "Rewrite it.") from None
             return _column_stats(table, shown)
+    if magic[:4] == b"\xff\xff\xff\xff":
+        raise InputError(f"data.path: {shown} is an Arrow IPC stream (the format "
+                         "datasets.save_to_disk writes), which cannot be memory-mapped by "
+                         "sample. Rewrite it as an Arrow IPC file (pyarrow.ipc.new_file) or "
+                         "as Parquet.")
     raise InputError(f"data.path: {shown} is neither an Arrow IPC file nor a Parquet file "
                      f"(it starts with {bytes(magic)!r}). {FIX_FORMAT}.")
 

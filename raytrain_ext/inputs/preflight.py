@@ -9,6 +9,8 @@ the data.  The schedule is not refused but said out loud (:func:`schedule_warnin
 from __future__ import annotations
 
 import logging
+import os
+import socket
 from pathlib import Path
 from raytrain_ext.checkpoint.resolve import newest_usable
 from raytrain_ext.checkpoint.tier import TierError
@@ -25,6 +27,7 @@ def preflight(cfg) -> None:
     for warning in schedule_warnings(cfg):
         log.warning("%s", warning)
     _check_paths(cfg)
+    _check_ray_address(cfg)
     _check_s3_tier(cfg)
     _check_resume(cfg)
     check_token_data(cfg)
@@ -41,6 +44,38 @@ def _check_paths(cfg) -> None:
         problem = writable_dir_problem(path, key)
         if problem:
             raise InputError(problem)
+
+
+def _check_ray_address(cfg) -> None:
+    """A cluster address must answer: ``ray.init`` would otherwise wait minutes for it.
+    Not checked when this process is already attached to Ray (``fit`` uses that session)."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    key, address = "scaling.ray_address", cfg.scaling.ray_address
+    if not address:
+        key, address = "RAY_ADDRESS", os.environ.get("RAY_ADDRESS")
+    if not address or ray_address_reachable(address):
+        return
+    raise InputError(f"{key}: nothing answers at {address} (no Ray head there, or a firewall). "
+                     "Give the head's address (host:6379 on the cluster, ray://host:10001 from "
+                     f"outside it), or unset {key} to start a private local Ray.")
+
+
+def ray_address_reachable(address: str, timeout_s: float = 3.0) -> bool:
+    """True for ``auto``/``local`` and for a ``[scheme://]host:port`` that accepts a
+    connection (a bare host without a port is left to Ray)."""
+    if address in ("auto", "local"):
+        return True
+    host, _, port = address.split("://")[-1].rstrip("/").rpartition(":")
+    if not port.isdigit():
+        return True
+    try:
+        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s):
+            return True
+    except (OSError, ValueError):
+        return False
 
 
 def _check_s3_tier(cfg) -> None:
