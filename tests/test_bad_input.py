@@ -214,6 +214,25 @@ def test_s3_errors_name_the_bucket_endpoint_or_credentials(s3_endpoint, tmp_path
         stderr = cli(args)
         assert re.search(expected, stderr), (args, stderr)
     assert not (tmp_path / "tiny").exists()
+    check_s3_token_data(s3_endpoint, tmp_path)
+
+
+def check_s3_token_data(s3_endpoint, tmp_path):
+    """S3 data gets the same checks as local data: a good prefix passes, bad ids are named."""
+    import boto3
+
+    from raytrain_ext.config import load_config
+    from raytrain_ext.inputs.data_check import check_token_data
+    from raytrain_ext.inputs.errors import InputError
+
+    client = boto3.client("s3", endpoint_url=s3_endpoint)
+    for name, ids in (("good", np.arange(9000) % 256), ("bad", np.arange(9000) % 300)):
+        path = write_parquet(tmp_path / f"{name}.parquet", tokens=pa.array(ids))
+        client.upload_file(str(path), "have-bucket", f"{name}/part-0.parquet")
+    settings = [f"data.s3_endpoint_url={s3_endpoint}"]
+    check_token_data(load_config(None, ["data.path=s3://have-bucket/good", *settings]))
+    with pytest.raises(InputError, match=r"data\.path: s3://have-bucket/bad holds token id 299"):
+        check_token_data(load_config(None, ["data.path=s3://have-bucket/bad", *settings]))
 
 
 # ---- classes 1 and 2: a failure inside the workers, and the records of the earlier run ---

@@ -132,3 +132,24 @@ def test_resume_from_an_explicit_checkpoint_path(uninterrupted, tmp_path):
     assert resumed[0]["result"]["restored"]["step"] == 4
     assert resumed[0]["result"]["restored"]["path"] == str(source)
     assert resumed[0]["result"]["params_sha256"] == uninterrupted["ranks"][0]["result"]["params_sha256"]
+
+
+@pytest.mark.slow
+def test_damaged_manifest_is_skipped_alike_by_restore_and_export(uninterrupted, tmp_path, capsys):
+    """A manifest altered after its commit: the restore and ``ckpt export`` resolve the
+    same step (4) and say the same thing about step 8 (``checkpoint/resolve.py``)."""
+    from raytrain_ext.cli import main
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(uninterrupted["ckpt"], ckpt)
+    (ckpt / "step-00000008" / "manifest.json").write_text('{"step": 8, "files": ')
+    assert main(["ckpt", "export", str(ckpt), "--to", str(tmp_path / "m.safetensors")]) == 0
+    exported = capsys.readouterr()
+    resumed = train(2, tmp_path, "r", ckpt, "run.max_steps=8", "checkpoint.save_final=false")
+    restored = resumed[0]["result"]["restored"]
+    assert restored["step"] == 4 and len(restored["skipped"]) == 1
+    said = restored["skipped"][0]
+    assert said.startswith("local step-00000008/manifest.json is there but is not a valid "
+                           "manifest (JSONDecodeError") and said.endswith(
+        "the step was committed, then its manifest was damaged")
+    assert f"skipped {said}" in exported.err and "exported step 4" in exported.out

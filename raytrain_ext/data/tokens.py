@@ -54,9 +54,7 @@ def open_token_dataset(path: str, seq_len: int, *, s3_endpoint_url: Optional[str
     if path == "builtin:corpus":
         return TokenDataset(_read_local(builtin_corpus_path()), seq_len, source=path)
     if path.startswith("s3://"):
-        fs = pafs.S3FileSystem(endpoint_override=s3_endpoint_url, region=s3_region,
-                               scheme="http" if (s3_endpoint_url or "").startswith("http://")
-                               else "https")
+        fs = s3_filesystem(s3_endpoint_url, s3_region)
         return TokenDataset(_read_remote(fs, path[len("s3://"):]), seq_len, source=path)
     local = Path(path)
     if not local.exists():
@@ -77,15 +75,28 @@ def _read_local(path: Path) -> np.ndarray:
     return _column(table, str(path))
 
 
-def _read_remote(fs: pafs.FileSystem, path: str) -> np.ndarray:
+def s3_filesystem(endpoint_url: Optional[str], region: Optional[str], **options) -> pafs.FileSystem:
+    """pyarrow's S3 filesystem for ``data.s3_endpoint_url`` (http or https) and region."""
+    scheme = "http" if (endpoint_url or "").startswith("http://") else "https"
+    return pafs.S3FileSystem(endpoint_override=endpoint_url, region=region, scheme=scheme,
+                             **options)
+
+
+def remote_token_files(fs: pafs.FileSystem, path: str) -> List[str]:
+    """``bucket/prefix`` (no scheme): the file itself, or every token file below the prefix,
+    sorted; [] when nothing is there."""
     info = fs.get_file_info(path)
     if info.type == pafs.FileType.Directory:
         selector = pafs.FileSelector(path, recursive=True)
-        names = sorted(i.path for i in fs.get_file_info(selector) if i.path.endswith(SUFFIXES))
-    elif info.type == pafs.FileType.File:
-        names = [path]
-    else:
-        raise FileNotFoundError(f"data.path: s3://{path} does not exist")
+        return sorted(i.path for i in fs.get_file_info(selector) if i.path.endswith(SUFFIXES))
+    return [path] if info.type == pafs.FileType.File else []
+
+
+def _read_remote(fs: pafs.FileSystem, path: str) -> np.ndarray:
+    names = remote_token_files(fs, path)
+    if not names:
+        raise FileNotFoundError(f"data.path: s3://{path} does not exist or holds no "
+                                f"{'/'.join(SUFFIXES)} files")
     arrays: List[np.ndarray] = []
     for name in names:
         with fs.open_input_file(name) as f:
@@ -94,8 +105,6 @@ def _read_remote(fs: pafs.FileSystem, path: str) -> np.ndarray:
             else:
                 table = pa.ipc.open_file(f).read_all()
         arrays.append(_column(table, f"s3://{name}"))
-    if not arrays:
-        raise FileNotFoundError(f"data.path: s3://{path} holds no {'/'.join(SUFFIXES)} files")
     return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
 
 

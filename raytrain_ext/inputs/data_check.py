@@ -18,7 +18,7 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from raytrain_ext.data.tokens import SUFFIXES, TOKEN_COLUMN
+from raytrain_ext.data.tokens import SUFFIXES, TOKEN_COLUMN, remote_token_files, s3_filesystem
 from raytrain_ext.inputs.errors import InputError
 from raytrain_ext.inputs.s3_errors import DATA_KEYS, describe_s3_error, missing_message
 
@@ -85,20 +85,12 @@ def _list_files(d) -> Tuple[List[str], Callable[[str], pa.NativeFile]]:
 
 def _list_s3(d) -> Tuple[List[str], Callable[[str], pa.NativeFile]]:
     endpoint = d.s3_endpoint_url
+    bare = d.path[len("s3://"):].rstrip("/")
     try:
-        fs = pafs.S3FileSystem(endpoint_override=endpoint, region=d.s3_region,
-                               scheme="http" if (endpoint or "").startswith("http://") else "https",
-                               connect_timeout=5, request_timeout=20)
-        bare = d.path[len("s3://"):].rstrip("/")
-        info = fs.get_file_info(bare)
-        if info.type == pafs.FileType.Directory:
-            selector = pafs.FileSelector(bare, recursive=True)
-            files = sorted(i.path for i in fs.get_file_info(selector) if i.path.endswith(SUFFIXES))
-        elif info.type == pafs.FileType.File:
-            files = [bare]
-        else:
-            bucket = bare.partition("/")[0]
-            no_bucket = fs.get_file_info(bucket).type == pafs.FileType.NotFound
+        fs = s3_filesystem(endpoint, d.s3_region, connect_timeout=5, request_timeout=20)
+        files = remote_token_files(fs, bare)
+        if not files and fs.get_file_info(bare).type == pafs.FileType.NotFound:
+            no_bucket = fs.get_file_info(bare.partition("/")[0]).type == pafs.FileType.NotFound
             raise InputError(missing_message(DATA_KEYS, d.path, endpoint, no_bucket))
     except OSError as e:
         raise InputError(describe_s3_error(e, DATA_KEYS, d.path, endpoint)) from None
