@@ -105,6 +105,12 @@ def test_report_markdown_mttr_table_matches_the_summary(trained):
     assert "| MFU | n/a: no accelerator peak in summary.json" in report
     assert "| RUNNING | RECOVERING |" in report
     assert "![loss and throughput over wall time](report.png)" in report
+    phases = recovery["restore_phases"]  # where the recovery's restore spent its time
+    (restore_row,) = [line for line in report.splitlines() if line.startswith("| recovery 1 |")]
+    assert restore_row == "| recovery 1 | " + " | ".join(f"{v:.3f}" for v in phases.values()) + " |"
+    assert phases["fetch_s"] > 0 and phases["read_s"] > 0  # from the memory tier
+    accounted = sum(phases.values()) - phases["plan_s"]  # restore_s starts after the plan
+    assert accounted == pytest.approx(recovery["restore_s"], abs=0.05)
 
 
 @pytest.mark.slow

@@ -51,6 +51,7 @@ from raytrain_ext.checkpoint.manifest import (
     verify_dir,
 )
 from raytrain_ext.checkpoint.memory import MemoryTier
+from raytrain_ext.checkpoint.phases import RestorePhases
 from raytrain_ext.checkpoint.ranged import ChunkReader, PlannedS3Fetch
 from raytrain_ext.checkpoint.recycle import POOL
 from raytrain_ext.checkpoint.resolve import check_step, describe
@@ -320,15 +321,18 @@ class CheckpointManager:
         """
         if self.cfg.resume == "never" and not newest:
             return None
-        plan: List[Any] = [self._plan(newest) if self.rank == 0 else None]
-        dist.broadcast_object_list(plan, src=0, group=self.group)
+        phases = RestorePhases()
+        with phases.time("plan"):
+            plan: List[Any] = [self._plan(newest) if self.rank == 0 else None]
+            dist.broadcast_object_list(plan, src=0, group=self.group)
         location, candidates = plan[0]
         tiers = [tier_for_location(self.cfg, location)] if location else self.tiers
         problems_seen: List[str] = []
         for step, index in candidates:
-            loaded = self._try_load(loop, tiers[index], step, problems_seen)
+            loaded = self._try_load(loop, tiers[index], step, problems_seen, phases)
             if loaded is not None:
                 loaded["skipped"] = problems_seen
+                loaded["phases"] = phases.as_dict()
                 return loaded
         if problems_seen:
             raise NoUsableCheckpoint(
@@ -346,16 +350,20 @@ class CheckpointManager:
                  for step in tier.committed_steps()]
         return None, sorted(found, key=lambda c: (-c[0], c[1]))
 
-    def _try_load(self, loop, tier: Tier, step: int, problems_seen: List[str]):
+    def _try_load(self, loop, tier: Tier, step: int, problems_seen: List[str],
+                  phases: RestorePhases):
         started = time.perf_counter()
-        check = check_step(tier, step)  # the same reading as ckpt export and report
+        with phases.time("plan"):
+            check = check_step(tier, step)  # the same reading as ckpt export and report
         manifest, problem = check.manifest, check.problem
         reader, targets, use_native = None, None, False
         if manifest is not None:
-            targets = ckpt_state.load_targets(loop, manifest.world_size)
+            with phases.time("targets"):
+                targets = ckpt_state.load_targets(loop, manifest.world_size)
             use_native = self._native_loadable(loop, manifest)
             try:
-                reader, problem = self._fetch(tier, step, manifest, targets, whole=use_native)
+                reader, problem = self._fetch(tier, step, manifest, targets, phases,
+                                              whole=use_native)
             except CheckpointMismatch:
                 raise
             except Exception as e:
@@ -369,7 +377,7 @@ class CheckpointManager:
                             "checkpoint", text)
             return None
         fetched = time.perf_counter() - started
-        info = self._load(loop, manifest, reader, targets, tier.name, use_native)
+        info = self._load(loop, manifest, reader, targets, tier.name, phases, use_native)
         info["fetch_verify_s"] = fetched
         return info
 
@@ -384,7 +392,7 @@ class CheckpointManager:
                 and all(manifest.native.get(key) == value for key, value in wanted.items()))
 
     def _fetch(self, tier: Tier, step: int, manifest: Manifest, targets: Dict[str, Any],
-               whole: bool = False):
+               phases: RestorePhases, whole: bool = False):
         """Bring what this rank will read to it, verified; returns (reader, problem or None).
 
         From S3 only the byte ranges of this rank's load plan are fetched when that
@@ -394,21 +402,26 @@ class CheckpointManager:
         """
         if isinstance(tier, S3Tier) and not whole:
             fetch = PlannedS3Fetch(tier, step, manifest, self.cache, tier.max_concurrency)
-            problem = fetch.fetch_metadata()
-            if problem is None:
-                self._check_shapes(fetch.metadata, targets, tier.key(step))
-                problem = fetch.prepare(targets, self.rank == 0)
+            with phases.time("fetch"):  # each ranged chunk is verified as it arrives
+                problem = fetch.fetch_metadata()
+                if problem is None:
+                    self._check_shapes(fetch.metadata, targets, tier.key(step))
+                    problem = fetch.prepare(targets, self.rank == 0)
             return fetch.reader(), problem
         if isinstance(tier, MemoryTier) and not whole:
             where = f"memory://{tier.run}/{step_dir_name(step)}"
-            buffers = tier.read_files(step, sorted(manifest.files))
-            problem = verify_buffers(buffers, manifest, where)
+            with phases.time("fetch"):
+                buffers = tier.read_files(step, sorted(manifest.files))
+            with phases.time("verify"):
+                problem = verify_buffers(buffers, manifest, where)
             reader = BufferReader(buffers, where)
             if problem is None:
                 self._check_shapes(reader.read_metadata(), targets, where)
             return reader, problem
-        directory = tier.materialize(step, sorted(manifest.files), self.cache)
-        problem = verify_dir(directory, manifest)
+        with phases.time("fetch"):
+            directory = tier.materialize(step, sorted(manifest.files), self.cache)
+        with phases.time("verify"):
+            problem = verify_dir(directory, manifest)
         reader = dcp.FileSystemReader(directory)
         if problem is None:
             self._check_shapes(reader.read_metadata(), targets, str(directory))
@@ -424,16 +437,19 @@ class CheckpointManager:
                 "with (model.*), or use a new run.name / checkpoint.dir.")
 
     def _load(self, loop, manifest: Manifest, reader, targets: Dict[str, Any],
-              tier_name: str, use_native: bool = False) -> Dict[str, Any]:
+              tier_name: str, phases: RestorePhases, use_native: bool = False) -> Dict[str, Any]:
         start = time.perf_counter()
         if use_native:  # model and optimizer come from the strategy's own files
             targets = ckpt_state.without_model(targets)
-        dcp.load(targets, storage_reader=reader, process_group=self.group)
+        with phases.time("read"):
+            dcp.load(targets, storage_reader=reader, process_group=self.group)
         if use_native:
-            self._load_native(loop, manifest, Path(reader.path))
-            items = ckpt_state.apply_train(loop, targets)
+            with phases.time("model"):
+                self._load_native(loop, manifest, Path(reader.path))
         else:
-            items = ckpt_state.apply(loop, targets)
+            ckpt_state.apply_model_and_optim(loop, targets, phases)
+        with phases.time("train"):
+            items = ckpt_state.apply_train(loop, targets)
         self._last_save_time = time.time()
         info = {"step": items["step"], "tier": tier_name, "path": str(reader.path),
                 "saved_world_size": manifest.world_size, "seconds": time.perf_counter() - start,

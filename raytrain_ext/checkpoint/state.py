@@ -24,8 +24,15 @@ from typing import Any, Dict, List
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.optim.optimizer import _get_scalar_dtype
+from torch.distributed.checkpoint.state_dict import (
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.tensor import DTensor
+
+from raytrain_ext.checkpoint.phases import RestorePhases
 
 TRAIN_KEY = "train"
 
@@ -117,6 +124,8 @@ def _same_layout(host: Any, tensor: torch.Tensor) -> bool:
 
 def load_targets(loop, saved_world_size: int) -> Dict[str, Any]:
     """The state dict DCP loads into: live model/optimizer tensors plus byte buffers."""
+    if getattr(loop.strategy, "state_dicts", None) is None:  # get_state_dict's path
+        preallocate_adam_state(loop.optimizer)
     model_sd, optim_sd = model_and_optim(loop)
     targets: Dict[str, Any] = {"model": model_sd, "optim": optim_sd, TRAIN_KEY: io.BytesIO()}
     if loop.ctx.rank < saved_world_size:
@@ -124,20 +133,51 @@ def load_targets(loop, saved_world_size: int) -> Dict[str, Any]:
     return targets
 
 
+def preallocate_adam_state(optimizer) -> None:
+    """Give a fresh Adam/AdamW its state tensors, allocated but not filled.
+
+    Why: ``get_state_dict`` initialises an empty optimizer with a zero-gradient ``step()``
+    (zero gradients, a full AdamW update, first-touch page faults on three fresh copies
+    of the parameters): 0.36-0.39 s of a 0.72-0.77 s restore of 307 MB here.  The restore
+    overwrites every value it allocates, and a restore that finds no usable checkpoint
+    raises, so the unfilled values are never used.  Only torch's Adam and AdamW, whose
+    state layout is known; other optimizers keep ``get_state_dict``'s own path.
+    """
+    if optimizer.state or type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+        return
+    scalar = _get_scalar_dtype()
+    for group in optimizer.param_groups:
+        on_device = group["capturable"] or group["fused"]
+        for param in group["params"]:
+            if not param.requires_grad:
+                continue
+            state = optimizer.state[param]
+            state["step"] = (torch.zeros((), dtype=scalar, device=param.device) if on_device
+                             else torch.tensor(0.0, dtype=scalar))
+            state["exp_avg"] = torch.empty_like(param, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.empty_like(param, memory_format=torch.preserve_format)
+            if group["amsgrad"]:
+                state["max_exp_avg_sq"] = torch.empty_like(param,
+                                                           memory_format=torch.preserve_format)
+
+
 def without_model(targets: Dict[str, Any]) -> Dict[str, Any]:
     """The targets a native load still needs from DCP: train items and RNG."""
     return {key: value for key, value in targets.items() if key not in ("model", "optim")}
 
 
-def apply(loop, loaded: Dict[str, Any]) -> Dict[str, Any]:
-    """Install loaded state into the loop; returns the ``train`` items."""
+def apply_model_and_optim(loop, loaded: Dict[str, Any], phases: RestorePhases) -> None:
+    """Install the model, then the optimizer, timing each; a strategy's own loader (ZeRO)
+    installs both at once (timed as ``model``)."""
     own = getattr(loop.strategy, "load_state_dicts", None)
     if own:
-        own(loop.model, loop.optimizer, loaded["model"], loaded["optim"])
-    else:
-        set_state_dict(loop.model, loop.optimizer, model_state_dict=loaded["model"],
-                       optim_state_dict=loaded["optim"])
-    return apply_train(loop, loaded)
+        with phases.time("model"):
+            own(loop.model, loop.optimizer, loaded["model"], loaded["optim"])
+        return
+    with phases.time("model"):
+        set_model_state_dict(loop.model, loaded["model"])
+    with phases.time("optim"):
+        set_optimizer_state_dict(loop.model, loop.optimizer, loaded["optim"])
 
 
 def apply_train(loop, loaded: Dict[str, Any]) -> Dict[str, Any]:

@@ -526,6 +526,7 @@ class Controller:
         recovery.update(
             restore_s=restored.get("fetch_verify_s", 0.0) + restored.get("seconds", 0.0),
             restored_from=restored.get("tier"), restored_step=restored_step,
+            restore_phases=restored.get("phases"),
             steps_redone=max(0, recovery["last_step"] - restored_step),
             first_step_after_s=record["time"] - recovery["detected_at"])
         log.info("controller: recovered from failure %d in %.2f s (restored step %d from %s, "

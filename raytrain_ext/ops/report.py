@@ -230,6 +230,7 @@ def render_markdown(summary: Dict[str, Any], cfg=None, image: Optional[str] = "r
     if summary.get("error"):
         lines += ["", "Error:", "", "```", summary["error"].strip(), "```"]
     lines += ["", *_recovery_section(recovery_phases(summary))]
+    lines += ["", *_restore_section(summary)]
     lines += ["", "## State transitions", "", "| at (s) | from | to | reason |",
               "|---|---|---|---|"]
     start = summary["started_at"]
@@ -277,6 +278,23 @@ def newest_local_checkpoint(cfg) -> str:
     text = f"step {found.step} in {cfg.checkpoint.dir}" if found.step is not None else \
         f"none in {cfg.checkpoint.dir}"
     return text + "".join(f"; skipped {problem}" for problem in found.skipped)
+
+
+def _restore_section(summary: Dict[str, Any]) -> List[str]:
+    """Where each restore spent its time (rank 0's ``checkpoint/phases.py`` record)."""
+    rows = [("start", (summary.get("restored") or {}).get("phases"))]
+    rows += [(f"recovery {i}", r.get("restore_phases"))
+             for i, r in enumerate(summary.get("recoveries", []), 1)]
+    rows = [(name, phases) for name, phases in rows if phases]
+    if not rows:
+        return ["## Restores", "", "No checkpoint was restored."]
+    names = list(rows[0][1])
+    lines = ["## Restores", "", "Seconds on rank 0, by phase.", "",
+             "| restore | " + " | ".join(n.removesuffix("_s") for n in names) + " |",
+             "|---|" + "---|" * len(names)]
+    lines += [f"| {name} | " + " | ".join(_num(phases.get(n), 3) for n in names) + " |"
+              for name, phases in rows]
+    return lines
 
 
 def _recovery_section(phases: List[Dict[str, Any]]) -> List[str]:
