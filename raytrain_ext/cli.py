@@ -29,9 +29,9 @@ def _train(args: argparse.Namespace) -> int:
         print(f"checkpoint storage error: {e}", file=sys.stderr)
         return 2
     except TrainingFailed as e:
-        summary_path = trainer.run_dir / "summary.json"
         log_path = _newest_error_log(trainer.run_dir)
-        print(f"{e}\nfull error: {log_path}; records: {summary_path}", file=sys.stderr)
+        print(f"{e}\nfull error: {log_path} (this attempt's records: {log_path.parent})"
+              if log_path else str(e), file=sys.stderr)
         return 1
     if summary["status"] == "preempted":
         print(f"preempted: emergency checkpoint at step {summary['steps_completed']} committed; "
@@ -46,8 +46,8 @@ def _train(args: argparse.Namespace) -> int:
 def _newest_error_log(run_dir: Path) -> Optional[Path]:
     from raytrain_ext.run_dir import ATTEMPTS, ERROR_LOG
 
-    logs = sorted((run_dir / ATTEMPTS).glob(f"*/{ERROR_LOG}"))
-    return logs[-1] if logs else None
+    logs = [p for p in (run_dir / ATTEMPTS).glob(f"*/{ERROR_LOG}") if p.parent.name.isdigit()]
+    return max(logs, key=lambda p: int(p.parent.name)) if logs else None
 
 
 def _ckpt_export(args: argparse.Namespace) -> int:

@@ -266,7 +266,8 @@ def test_a_failed_resume_leaves_the_earlier_runs_records_and_reports_one_line(tm
     assert "\x1b[" not in json.dumps(attempt) and "\n" not in attempt["error"]
     trace = (run_dir / "attempts" / "002" / "error.log").read_text()
     assert "\x1b[" not in trace and 'manager.py", line' in trace  # the worker's own frames
-    assert f"full error: {run_dir}/attempts/002/error.log" in resumed.stderr
+    assert f"full error: {run_dir}/attempts/002/error.log (this attempt's records: " \
+           f"{run_dir}/attempts/002)" in resumed.stderr
 
     refused_before_ray([*TRAIN, *common, "checkpoint.s3.uri=s3://b/x",
                         "checkpoint.s3.endpoint_url=http://127.0.0.1:9"], tmp_path)

@@ -63,7 +63,10 @@ class DiskTier:
             return None
 
     def read_manifest(self, step: int) -> Optional[Manifest]:
-        return parse_manifest(self.manifest_text(step), str(self.step_dir(step))).manifest
+        try:
+            return parse_manifest(self.manifest_text(step), str(self.step_dir(step))).manifest
+        except OSError:
+            return None
 
     def materialize(self, step: int, names: List[str], cache_dir: Path) -> Path:
         return self.step_dir(step)

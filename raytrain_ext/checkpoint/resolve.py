@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 from raytrain_ext.checkpoint.manifest import MANIFEST, Manifest, step_dir_name
-from raytrain_ext.checkpoint.tier import Tier
+from raytrain_ext.checkpoint.tier import Tier, TierError
 
 
 @dataclass
@@ -52,7 +52,13 @@ def parse_manifest(text: Optional[str], where: str) -> StepCheck:
 
 
 def check_step(tier: Tier, step: int) -> StepCheck:
-    check = parse_manifest(tier.manifest_text(step), describe(tier, step))
+    """One step of one tier; a manifest that cannot be read (permissions, an S3 outage past
+    its retries) is a problem of that step, so the caller can fall back to another."""
+    where = describe(tier, step)
+    try:
+        check = parse_manifest(tier.manifest_text(step), where)
+    except (OSError, TierError) as e:
+        return StepCheck(step, None, f"{where}/{MANIFEST} cannot be read: {e}")
     check.step = step
     return check
 
