@@ -121,8 +121,12 @@ def test_time_based_saves(tmp_path):
 
     committed = DiskTier(tmp_path / "c").committed_steps()
     assert ranks[0]["result"]["checkpoint"]["saves"] == len(committed) >= 2
-    created = [DiskTier(tmp_path / "c").read_manifest(s).created_at for s in committed]
-    assert all(b - a >= 0.3 for a, b in zip(created, created[1:]))
+    # the saves were decided 0.4 s apart on rank 0's clock: compare the saved steps' end
+    # times, not the manifests' commit times (an async commit may land late under load,
+    # bunching two commits together: seen once in a loaded CI rehearsal)
+    ended = {r["step"]: r["time"] for r in ranks[0]["records"]}
+    saved_at = [ended[s] for s in committed]
+    assert all(b - a >= 0.3 for a, b in zip(saved_at, saved_at[1:])), saved_at
 
 
 def test_resume_from_an_explicit_checkpoint_path(uninterrupted, tmp_path):
