@@ -14,6 +14,7 @@ from raytrain_ext.checkpoint.manifest import (
     step_dir_name,
     verify_dir,
 )
+from raytrain_ext.checkpoint.resolve import check_step
 from raytrain_ext.checkpoint.tier import prune
 from raytrain_ext.config import ConfigError, load_config
 
@@ -39,7 +40,7 @@ def test_step_dir_names_sort_and_parse():
 def test_manifest_round_trip_and_verification(tmp_path):
     tier = DiskTier(tmp_path)
     manifest = make_step(tier, 5)
-    again = tier.read_manifest(5)
+    again = check_step(tier, 5).manifest
     assert again == manifest and json.loads((tier.step_dir(5) / MANIFEST).read_text())["step"] == 5
     assert verify_dir(tier.step_dir(5), again) is None
     shard = tier.step_dir(5) / "__0_0.distcp"
@@ -60,7 +61,7 @@ def test_uncommitted_steps_do_not_exist_for_the_loader(tmp_path):
     make_step(tier, 4, commit=False)  # a save interrupted before its manifest
     (tier.step_dir(6)).mkdir()
     (tier.step_dir(6) / MANIFEST).write_text("{not json")  # a torn manifest
-    assert tier.committed_steps() == [2, 6] and tier.read_manifest(6) is None
+    assert tier.committed_steps() == [2, 6] and check_step(tier, 6).manifest is None
     assert tier.all_steps() == [2, 4, 6]
 
 

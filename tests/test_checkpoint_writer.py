@@ -5,6 +5,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from raytrain_ext.checkpoint.manifest import FileHasher, checksum_bytes, checksum_file
+from raytrain_ext.checkpoint.resolve import check_step
 from raytrain_ext.checkpoint.writer import ChecksummingWriter
 
 
@@ -69,7 +70,7 @@ def test_deleted_steps_files_are_overwritten_in_place_by_the_next_save(tmp_path)
     assert {p.stat().st_ino for p in written} == inodes and list(pool.iterdir()) == []
     for path in written:
         assert writer.entries[path.name] == checksum_file(path, chunk_size=4096)
-    assert verify_dir(tier.step_dir(2), tier.read_manifest(2)) is None
+    assert verify_dir(tier.step_dir(2), check_step(tier, 2).manifest) is None
     loaded = {k: torch.empty_like(v) for k, v in smaller.items()}
     dcp.load(loaded, checkpoint_id=tier.step_dir(2), no_dist=True)
     assert all(torch.equal(loaded[k], smaller[k]) for k in smaller)

@@ -12,6 +12,7 @@ from ray.core.generated import autoscaler_pb2
 from raytrain_ext import Trainer, load_config
 from raytrain_ext.checkpoint.manifest import Manifest, checksum_file, verify_dir
 from raytrain_ext.checkpoint.memory import MemoryTier, start_memory_tier, stop_memory_tier
+from raytrain_ext.checkpoint.resolve import check_step
 from raytrain_ext.checkpoint.tier import prune
 from tests.conftest import FitThread, tiny_overrides, wait_for_checkpoint
 from raytrain_ext import TrainingFailed
@@ -81,7 +82,7 @@ def test_losing_any_one_node_loses_no_committed_file(ray_cluster, tmp_path):
     ray.kill(on_c)  # and every "training" process is gone too
     reader = ShardWriter.options(resources={"c": 1}).remote()
     directory = ray.get(reader.read_back.remote("mt", 3, sorted(payloads), str(tmp_path / "r")))
-    manifest = tier.read_manifest(3)
+    manifest = check_step(tier, 3).manifest
     assert verify_dir(Path(directory), manifest) is None
     for name, payload in payloads.items():
         assert (tmp_path / "r" / "step-00000003" / name).read_bytes() == payload
@@ -247,7 +248,7 @@ def test_node_loss_shrinks_then_grows_back_when_a_node_joins(ray_cluster, tmp_pa
     assert summary["samples_digest"] == reference["result"]["samples_digest"]  # exactly once
     assert summary["final_loss"] == pytest.approx(reference["result"]["final_loss"], abs=1e-4)
     disk = DiskTier(tmp_path / "tiny" / "checkpoints")
-    ours, _ = load_model_state(disk, 60, disk.read_manifest(60), tmp_path / "c1")
+    ours, _ = load_model_state(disk, 60, check_step(disk, 60).manifest, tmp_path / "c1")
     ref = reference["params"]
     assert ours.keys() == ref.keys()
     assert max((ours[k] - ref[k]).abs().max().item() for k in ref) < ATOL_UNEVEN

@@ -10,7 +10,6 @@ from typing import List, Optional
 
 from raytrain_ext.checkpoint.manifest import MANIFEST, Manifest, parse_step_dir, step_dir_name
 from raytrain_ext.checkpoint.recycle import POOL, recycle_step
-from raytrain_ext.checkpoint.resolve import parse_manifest
 from raytrain_ext.checkpoint.tier import TierError
 
 
@@ -60,12 +59,6 @@ class DiskTier:
         try:
             return (self.step_dir(step) / MANIFEST).read_text(errors="replace")
         except FileNotFoundError:
-            return None
-
-    def read_manifest(self, step: int) -> Optional[Manifest]:
-        try:
-            return parse_manifest(self.manifest_text(step), str(self.step_dir(step))).manifest
-        except OSError:
             return None
 
     def materialize(self, step: int, names: List[str], cache_dir: Path) -> Path:

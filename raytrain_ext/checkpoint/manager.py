@@ -368,9 +368,11 @@ class CheckpointManager:
                 raise
             except Exception as e:
                 problem = f"cannot fetch: {e}"
+            if problem:  # a manifest problem names its step already (check_step)
+                problem = f"{describe(tier, step)}: {problem}"
         problems = [p for p in self._all_gather(problem) if p]
         if problems:
-            text = problems[0] if manifest is None else f"{describe(tier, step)}: {problems[0]}"
+            text = problems[0]
             problems_seen.append(text)
             if self.rank == 0:
                 log.warning("checkpoint %s is unusable; falling back to the previous committed "

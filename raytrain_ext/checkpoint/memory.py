@@ -28,7 +28,6 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raytrain_ext.checkpoint.manifest import Manifest, step_dir_name
-from raytrain_ext.checkpoint.resolve import parse_manifest
 from raytrain_ext.checkpoint.tier import TierError
 
 log = logging.getLogger(__name__)
@@ -260,10 +259,6 @@ class MemoryTier:
 
     def manifest_text(self, step: int) -> Optional[str]:
         return ray.get(self.registry.manifest.remote(step)) or None
-
-    def read_manifest(self, step: int) -> Optional[Manifest]:
-        where = f"memory://{self.run}/{step_dir_name(step)}"
-        return parse_manifest(self.manifest_text(step), where).manifest
 
     def materialize(self, step: int, names: List[str], cache_dir: Path) -> Path:
         target = cache_dir / step_dir_name(step)

@@ -37,9 +37,8 @@ class Resolution:
     skipped: List[str] = field(default_factory=list)
 
 
-def parse_manifest(text: Optional[str], where: str) -> StepCheck:
+def parse_manifest(step: int, text: Optional[str], where: str) -> StepCheck:
     """``text`` as a tier returned it (None: no manifest there) -> a :class:`StepCheck`."""
-    step = -1
     if text is None:
         return StepCheck(step, None, f"{where} has no {MANIFEST}: its save never committed "
                                      "(or the step is being deleted)")
@@ -56,11 +55,9 @@ def check_step(tier: Tier, step: int) -> StepCheck:
     its retries) is a problem of that step, so the caller can fall back to another."""
     where = describe(tier, step)
     try:
-        check = parse_manifest(tier.manifest_text(step), where)
+        return parse_manifest(step, tier.manifest_text(step), where)
     except (OSError, TierError) as e:
         return StepCheck(step, None, f"{where}/{MANIFEST} cannot be read: {e}")
-    check.step = step
-    return check
 
 
 def describe(tier: Tier, step: int) -> str:
@@ -70,7 +67,7 @@ def describe(tier: Tier, step: int) -> str:
 def newest_usable(tier: Tier, step: Optional[int] = None) -> Resolution:
     """``step`` given: that step, or None with its problem; else the newest usable step,
     skipping damaged ones (a step without a manifest is not a checkpoint and is not listed)."""
-    candidates = [step] if step is not None else sorted(_manifested(tier), reverse=True)
+    candidates = [step] if step is not None else sorted(tier.committed_steps(), reverse=True)
     skipped: List[str] = []
     for candidate in candidates:
         check = check_step(tier, candidate)
@@ -78,11 +75,6 @@ def newest_usable(tier: Tier, step: Optional[int] = None) -> Resolution:
             return Resolution(candidate, check.manifest, skipped)
         skipped.append(str(check.problem))
     return Resolution(None, None, skipped)
-
-
-def _manifested(tier: Tier) -> List[int]:
-    """Steps whose manifest is present, readable or not (``committed_steps``)."""
-    return tier.committed_steps()
 
 
 def _first_line(error: BaseException) -> str:

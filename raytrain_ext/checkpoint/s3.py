@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Callable, List, Optional, TypeVar
 
 from raytrain_ext.checkpoint.manifest import MANIFEST, Manifest, parse_step_dir, step_dir_name
-from raytrain_ext.checkpoint.resolve import parse_manifest
 from raytrain_ext.checkpoint.tier import TierError
 from raytrain_ext.inputs.s3_errors import CHECKPOINT_KEYS, S3Keys, describe_s3_error
 
@@ -106,9 +105,6 @@ class S3Tier:
         except ClientError:  # no such key: never committed
             return None
         return body["Body"].read().decode(errors="replace")
-
-    def read_manifest(self, step: int) -> Optional[Manifest]:
-        return parse_manifest(self.manifest_text(step), f"{self.uri}/{step_dir_name(step)}").manifest
 
     def materialize(self, step: int, names: List[str], cache_dir: Path) -> Path:
         target = cache_dir / step_dir_name(step)

@@ -33,9 +33,6 @@ class Tier(Protocol):
     def manifest_text(self, step: int) -> Optional[str]:
         """The manifest as stored, or None when the step has none (never committed)."""
 
-    def read_manifest(self, step: int) -> Optional[Manifest]:
-        """The parsed manifest, or None when absent or damaged (see ``checkpoint/resolve``)."""
-
     def materialize(self, step: int, names: List[str], cache_dir: Path) -> Path: ...
 
     def all_steps(self) -> List[int]:

@@ -60,7 +60,7 @@ def open_token_dataset(path: str, seq_len: int, *, s3_endpoint_url: Optional[str
     if not local.exists():
         raise FileNotFoundError(f"data.path: {path} does not exist; point it at an Arrow IPC or "
                                 "Parquet file (or a directory of them) with a 'tokens' column")
-    files = sorted(p for p in local.rglob("*") if p.suffix in SUFFIXES) if local.is_dir() else [local]
+    files = local_token_files(local)
     if not files:
         raise FileNotFoundError(f"data.path: {path} holds no {'/'.join(SUFFIXES)} files")
     arrays = [_read_local(f) for f in files]
@@ -73,6 +73,13 @@ def _read_local(path: Path) -> np.ndarray:
         return _column(_read_parquet(pq.ParquetFile(path, memory_map=True), str(path)), str(path))
     table = pa.ipc.open_file(pa.memory_map(str(path), "r")).read_all()
     return _column(table, str(path))
+
+
+def local_token_files(path: Path) -> List[Path]:
+    """The file itself, or every token file below the directory, sorted."""
+    if not path.is_dir():
+        return [path]
+    return sorted(p for p in path.rglob("*") if p.suffix in SUFFIXES and p.is_file())
 
 
 def s3_filesystem(endpoint_url: Optional[str], region: Optional[str], **options) -> pafs.FileSystem:

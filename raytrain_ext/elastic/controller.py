@@ -146,7 +146,8 @@ class Controller:
         self.result.state = self.state
         if self.state is RunState.FAILED:
             reason = self.result.transitions[-1].reason
-            detail = "" if self.result.error is None else f": {one_line(self.result.error, with_type=False)}"
+            error = self.result.error
+            detail = "" if error is None else f": {one_line(error, with_type=False)}"
             raise TrainingFailed(f"training failed: {reason}{detail}") from self.result.error
         return self.result
 

@@ -18,7 +18,13 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from raytrain_ext.data.tokens import SUFFIXES, TOKEN_COLUMN, remote_token_files, s3_filesystem
+from raytrain_ext.data.tokens import (
+    SUFFIXES,
+    TOKEN_COLUMN,
+    local_token_files,
+    remote_token_files,
+    s3_filesystem,
+)
 from raytrain_ext.inputs.errors import InputError
 from raytrain_ext.inputs.s3_errors import DATA_KEYS, describe_s3_error, missing_message
 
@@ -74,13 +80,11 @@ def _list_files(d) -> Tuple[List[str], Callable[[str], pa.NativeFile]]:
         raise InputError(f"data.path: {root} does not exist. Point data.path at Arrow IPC or "
                          f"Parquet token data (an integer '{TOKEN_COLUMN}' column), or use "
                          "builtin:corpus.")
-    if root.is_dir():
-        files = sorted(str(p) for p in root.rglob("*") if p.suffix in SUFFIXES and p.is_file())
-        if not files:
-            raise InputError(f"data.path: directory {root} holds no {'/'.join(SUFFIXES)} files. "
-                             f"{FIX_FORMAT}.")
-        return files, lambda name: pa.memory_map(name, "r")
-    return [str(root)], lambda name: pa.memory_map(name, "r")
+    files = [str(p) for p in local_token_files(root)]
+    if not files:
+        raise InputError(f"data.path: directory {root} holds no {'/'.join(SUFFIXES)} files. "
+                         f"{FIX_FORMAT}.")
+    return files, lambda name: pa.memory_map(name, "r")
 
 
 def _list_s3(d) -> Tuple[List[str], Callable[[str], pa.NativeFile]]:

@@ -72,25 +72,16 @@ def free_port(host: str = "") -> int:
     the socket to itself and the rendezvous waits on its own echo forever.
     Ports 20000+ also stay clear of Ray's worker ports (10002-19999).
     """
-    for port in _candidate_ports():
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-            return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # range exhausted or too small
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    fd, port = bound_listener(host)
+    os.close(fd)
+    return port
 
 
 def bound_listener(host: str, port: Optional[int] = None) -> Tuple[int, int]:
     """A socket listening on ``host`` only (not on every interface, which is where
     ``TCPStore`` binds by itself), handed over as (fd, port) to ``TCPStore``'s
-    ``master_listen_fd``, which owns it from then on.  ``port`` None: a free one from
-    :func:`free_port`'s range."""
+    ``master_listen_fd``, which owns it from then on.  ``port`` None: a free one in
+    20000..(ephemeral start - 1), see :func:`free_port`."""
     for candidate in ([port] if port is not None else _candidate_ports() + [0]):
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -113,16 +104,16 @@ def choose_backend(requested: str, has_gpu: bool) -> str:
     return requested
 
 
-def host_store(host: str, timeout_s: float) -> dist.TCPStore:
+def host_store(host: str, timeout_s: float, port: Optional[int] = None) -> dist.TCPStore:
     """Rank 0's rendezvous store, listening on ``host`` before any peer is told its port.
 
     ``host`` is the address the group uses (127.0.0.1 for a private local run, the
     node's cluster address otherwise), and the store listens there only.  A peer that
     connects before the master's store listens retries after a 0.5 s backoff
     (measured: 0.07 s to form a 2-rank gloo group when the store is up, 0.5 s when the
-    peer is 50 ms early), which a re-form pays in full.
+    peer is 50 ms early), which a re-form pays in full.  ``port`` None: a free one.
     """
-    fd, port = bound_listener(host)
+    fd, port = bound_listener(host, port)
     return dist.TCPStore(host, port, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
                          wait_for_workers=False, master_listen_fd=fd)
 
@@ -144,9 +135,7 @@ def init_distributed(env: WorkerEnv, backend: str, timeout_s: float,
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=timeout_s)
     if store is None and env.rank == 0:
-        fd, _ = bound_listener(env.master_addr, env.master_port)
-        store = dist.TCPStore(env.master_addr, env.master_port, is_master=True, timeout=timeout,
-                              wait_for_workers=False, master_listen_fd=fd)
+        store = host_store(env.master_addr, timeout_s, env.master_port)
     elif store is None:
         store = dist.TCPStore(env.master_addr, env.master_port, is_master=False,
                               timeout=timeout, wait_for_workers=False)
