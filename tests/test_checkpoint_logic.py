@@ -1,6 +1,7 @@
 """Checkpoint pieces without processes: manifests, checksums, retention, locations."""
 
 import json
+import time
 
 import pytest
 
@@ -100,29 +101,103 @@ def test_chunk_checksums_cover_the_file_in_order(tmp_path):
     assert entry.xxh3_128 == checksum_bytes(data)
 
 
-def test_dcp_loads_verified_in_memory_files_and_bad_buffers_are_named(tmp_path):
-    """The memory tier's restore path: DCP files held as buffers load without a disk round
-    trip; a truncated or corrupted buffer is reported (by name) before anything loads."""
+def _saved_step(directory):
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from raytrain_ext.checkpoint.buffers import BufferReader, verify_buffers
+    saved = {"w": torch.randn(64, 32), "b": torch.arange(7.0),
+             "h": torch.randn(8, 8).to(torch.bfloat16), "step": 12}
+    dcp.save(saved, checkpoint_id=directory, no_dist=True)
+    names = sorted(p.name for p in directory.iterdir())
+    chunked = {n: checksum_file(directory / n, chunk_size=1024) for n in names}
+    return saved, Manifest(step=12, world_size=1, tier="memory", files=chunked)
 
-    saved = {"w": torch.randn(64, 32), "b": torch.arange(7.0), "step": 12}
-    dcp.save(saved, checkpoint_id=tmp_path, no_dist=True)
-    names = sorted(p.name for p in tmp_path.iterdir())
-    manifest = Manifest(step=12, world_size=1, tier="memory",
-                        files={n: checksum_file(tmp_path / n) for n in names})
-    buffers = {n: memoryview((tmp_path / n).read_bytes()) for n in names}
-    assert verify_buffers(buffers, manifest, "memory://run/step-12") is None
-    loaded = {"w": torch.zeros(64, 32), "b": torch.zeros(7), "step": 0}
-    dcp.load(loaded, storage_reader=BufferReader(buffers, "memory://run/step-12"), no_dist=True)
-    assert torch.equal(loaded["w"], saved["w"]) and torch.equal(loaded["b"], saved["b"])
-    assert loaded["step"] == 12
-    data = next(n for n in names if n.endswith(".distcp"))
-    flipped = bytearray(buffers[data])
-    flipped[-1] ^= 0xFF
-    problem = verify_buffers({**buffers, data: memoryview(flipped)}, manifest, "memory://r")
-    assert problem.startswith(f"memory://r/{data} checksum") and "(corrupted)" in problem
-    problem = verify_buffers({**buffers, data: buffers[data][:-1]}, manifest, "memory://r")
+
+def _load_verified(views, manifest):
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from raytrain_ext.checkpoint.reader import VerifiedReader
+
+    loaded = {"w": torch.zeros(64, 32), "b": torch.zeros(7),
+              "h": torch.zeros(8, 8, dtype=torch.bfloat16), "step": 0}
+    reader = VerifiedReader(views, manifest, "memory://r/step-12", threads=3)
+    dcp.load(loaded, storage_reader=reader, no_dist=True)
+    return loaded, reader.problem
+
+
+def test_verified_reader_loads_mapped_and_in_memory_files_bit_identical(tmp_path):
+    """The restore path of every tier: DCP items copied straight from mapped files or
+    held buffers (read-only ones too) into their targets, checksums verified as they load."""
+    import torch
+
+    from raytrain_ext.checkpoint.reader import map_files, size_problem
+
+    saved, manifest = _saved_step(tmp_path)
+    names = sorted(manifest.files)
+    for views in (map_files(tmp_path, names),
+                  {n: memoryview((tmp_path / n).read_bytes()) for n in names}):
+        assert size_problem(views, manifest, "memory://r") is None
+        loaded, problem = _load_verified(views, manifest)
+        assert problem is None and loaded["step"] == 12
+        for key in ("w", "b", "h"):
+            assert loaded[key].dtype == saved[key].dtype and torch.equal(loaded[key], saved[key])
+
+
+def test_verified_reader_names_a_corrupted_chunk_and_a_truncated_file(tmp_path):
+    from raytrain_ext.checkpoint.reader import size_problem
+
+    _, manifest = _saved_step(tmp_path)
+    views = {n: memoryview(bytearray((tmp_path / n).read_bytes())) for n in manifest.files}
+    data = next(n for n in manifest.files if n.endswith(".distcp"))
+    views[data][-1] ^= 0xFF
+    _, problem = _load_verified(views, manifest)
+    size = views[data].nbytes
+    assert problem.startswith(f"memory://r/step-12/{data} bytes ") and \
+        problem.endswith(f"-{size} fail their checksum (corrupted)"), problem
+    problem = size_problem({**views, data: views[data][:-1]}, manifest, "memory://r")
     assert f"memory://r/{data} has" in problem and "(truncated?)" in problem
+
+
+def test_saved_tensor_view_aliases_the_bytes_and_matches_torch_load():
+    """Views of what torch.save wrote (the format of DCP's items): same values and dtype as
+    torch.load, for strided and empty tensors, without copying the data record."""
+    import io
+
+    import torch
+
+    from raytrain_ext.checkpoint.saved_tensor import tensor_view
+
+    cases = [torch.randn(5, 6).t(), torch.arange(12, dtype=torch.bfloat16).view(3, 4)[1:],
+             torch.tensor(3.0), torch.zeros(0, 4), torch.ones(7, dtype=torch.bool),
+             torch.randint(0, 9, (4,), dtype=torch.int64)]
+    for tensor in cases:
+        buffer = io.BytesIO()
+        torch.save(tensor, buffer)
+        blob = bytearray(buffer.getvalue())
+        view = tensor_view(memoryview(blob))
+        assert view.dtype == tensor.dtype and torch.equal(view, tensor)
+        if tensor.numel():
+            start = torch.frombuffer(blob, dtype=torch.uint8).data_ptr()
+            assert start <= view.data_ptr() < start + len(blob)  # inside the blob: no copy
+
+
+def test_memory_watch_sees_a_transient_peak_and_not_what_stays():
+    """The restore record's peak memory: what a restore held only while it ran counts,
+    the state it leaves behind does not."""
+    import torch
+
+    from raytrain_ext.checkpoint.phases import MemoryWatch, anonymous_rss
+
+    if anonymous_rss() is None:
+        pytest.skip("no /proc/self/status RssAnon on this system")
+    mb = 2**20
+    with MemoryWatch(interval_s=0.001) as watch:
+        kept = torch.ones(32 * mb // 4)  # stays: the "state"
+        transient = torch.ones(64 * mb // 4)
+        time.sleep(0.05)
+        del transient
+    record = watch.record(state_bytes=32 * mb)
+    assert 56 <= record["transient_peak_mb"] <= 80, record
+    assert record["peak_over_state"] == round((32 + record["transient_peak_mb"]) / 32, 3)
+    assert kept.sum() > 0

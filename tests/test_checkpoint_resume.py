@@ -36,6 +36,8 @@ def test_resume_on_same_world_size_is_bit_identical(uninterrupted, tmp_path):
     second = train(2, tmp_path, "b", tmp_path / "ckpt", "run.max_steps=8")
     restored = second[0]["result"]["restored"]
     assert restored["step"] == 4 and restored["tier"] == "local"
+    assert sum(restored["phases"].values()) <= restored["total_s"]  # phases are inside it
+    assert restored["memory"]["state_mb"] > 0  # the restore's peak memory is recorded
     reference = uninterrupted["ranks"][0]["result"]
     assert second[0]["result"]["params_sha256"] == reference["params_sha256"]
     assert second[0]["result"]["samples_digest"] == reference["samples_digest"]

@@ -18,6 +18,7 @@ import statistics
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -26,8 +27,17 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.update({"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
                    "AWS_DEFAULT_REGION": "us-east-1", "GLOO_SOCKET_IFNAME": "lo"})
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from restore_reference import (  # noqa: E402  (this script's folder)
+    drop_from_page_cache,
+    local_read_s,
+    object_store_get_s,
+    s3_download_s,
+    step_files,
+)
+from raytrain_ext.checkpoint.manifest import step_dir_name  # noqa: E402
 from raytrain_ext.config import load_config  # noqa: E402
 from raytrain_ext.models import build_model  # noqa: E402
 
@@ -38,7 +48,7 @@ KEEP_LAST = 2  # the local tier's retention: from save KEEP_LAST + 2 on, files a
 def model_overrides(args):
     return [f"model.d_model={args.d_model}", f"model.n_layers={args.layers}",
             f"model.n_heads={args.d_model // 64}", "data.global_batch_size=4",
-            "data.micro_batch_size=2", f"scaling.num_workers={args.workers}"]
+            "data.micro_batch_size=2", f"scaling.num_workers={args.workers}", *args.set]
 
 
 def state_tensors(args):
@@ -89,6 +99,12 @@ def references(args, endpoint, bucket, raw_dir):
     copy_s = concurrent_copy_s(args, tensors)
     blob = b"".join(t.numpy().tobytes() for t in tensors)
     writes_s = raw_disk_writes_s(blob, 2, raw_dir)
+    upload_s = s3_upload_s(endpoint, bucket, blob) if "s3" in args.tiers else None
+    return {"bytes": nbytes, "workers": args.workers, "copy_s": copy_s, "disk_writes_s": writes_s,
+            "s3_upload_s": upload_s}
+
+
+def s3_upload_s(endpoint, bucket, blob):
     import boto3
     from boto3.s3.transfer import TransferConfig
 
@@ -97,8 +113,8 @@ def references(args, endpoint, bucket, raw_dir):
                             max_concurrency=8)
     upload_s = best_of(2, lambda: client.upload_fileobj(io.BytesIO(blob), bucket, "raw.bin",
                                                         Config=config))
-    return {"bytes": nbytes, "workers": args.workers, "copy_s": copy_s, "disk_writes_s": writes_s,
-            "s3_upload_s": upload_s, "blob": blob}
+    client.delete_object(Bucket=bucket, Key="raw.bin")
+    return upload_s
 
 
 def raw_disk_writes_s(blob, n, directory):
@@ -166,25 +182,47 @@ def run_framework(args, endpoint, bucket, workdir, nbytes):
         f"run.output_dir={workdir}", "run.name=bench", "run.tensorboard=false",
         f"run.max_steps={args.steps}", f"optim.decay_steps={args.steps}",
         f"checkpoint.every_steps={args.every}", "checkpoint.every_seconds=null",
-        f"checkpoint.s3.uri=s3://{bucket}/${{run.name}}", f"checkpoint.s3.endpoint_url={endpoint}",
         f"checkpoint.keep_last={KEEP_LAST}", "parallel.timeout_s=600"]
+    if "s3" in args.tiers:
+        common += [f"checkpoint.s3.uri=s3://{bucket}/${{run.name}}",
+                   f"checkpoint.s3.endpoint_url={endpoint}"]
     try:
         saved = Trainer(load_config(None, common + ["checkpoint.memory=true"])).fit()
-        paused = Trainer(load_config(None, common + [
+        paused = None if args.skip_paused else Trainer(load_config(None, common + [
             "checkpoint.memory=true", "checkpoint.async_save=false", "run.name=bench-sync",
             f"run.max_steps={args.steps + args.every}"])).fit()
         restores = {}
         for tier, extra in (("memory", ["checkpoint.memory=true"]),
                             ("local", ["checkpoint.memory=false"]),
                             ("s3", ["checkpoint.memory=false", "checkpoint.local=false"])):
+            if tier not in args.tiers:
+                continue
+            if tier == "local":  # a restore after a node's restart reads from the disk
+                drop_from_page_cache(step_files(newest_step_dir(workdir)))
             summary = Trainer(load_config(None, common + extra)).fit()
             restored = summary["restored"]
             assert restored["tier"] == tier, restored
-            restores[tier] = restored["fetch_verify_s"] + restored["seconds"]
+            restores[tier] = restored
+        reference_s = {"memory": object_store_get_s(restored_bytes(workdir), args.workers)}
     finally:
         stop_memory_tier(memory)
         ray.shutdown()
-    return saved, paused, restores, put_s
+    reference_s["local"] = min(local_read_s(newest_step_dir(workdir), args.workers)
+                               for _ in range(2))
+    if "s3" in args.tiers:
+        prefix = f"bench/{step_dir_name(restores['s3']['step'])}/"
+        reference_s["s3"] = min(s3_download_s(endpoint, bucket, prefix, args.workers)
+                                for _ in range(2))
+    return saved, paused, restores, put_s, reference_s
+
+
+def newest_step_dir(workdir):
+    steps = sorted((workdir / "bench" / "checkpoints").glob("step-*"))
+    return steps[-1]
+
+
+def restored_bytes(workdir):
+    return sum(p.stat().st_size for p in step_files(newest_step_dir(workdir)))
 
 
 def ray_train_report_blocking(args, workdir):
@@ -237,6 +275,10 @@ def ray_train_report_blocking(args, workdir):
             "report_with_ckpt_s": float(saves["blocked_s"].median())}
 
 
+# GB of state -> (d_model, layers) of the reference GPT with AdamW
+SIZES = {0.3: (512, 8), 1.0: (1024, 7), 2.0: (1024, 13), 3.0: (1024, 20)}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--d-model", type=int, default=512)
@@ -245,27 +287,84 @@ def main():
     parser.add_argument("--steps", type=int, default=28)  # 7 saves: 3 reach the steady state
     parser.add_argument("--every", type=int, default=4)
     parser.add_argument("--skip-ray-train", action="store_true")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for every run (e.g. checkpoint.read_threads=2)")
+    parser.add_argument("--tiers", default="memory,local,s3",
+                        help="the tiers to save to and restore from (local is always saved)")
+    parser.add_argument("--skip-paused", action="store_true",
+                        help="no second run with training paused during saves")
+    parser.add_argument("--sizes", default="",
+                        help="e.g. 0.3,1,3: one run per state size (GB, of %s), then a table of "
+                             "how stall, persist and restore grow" % sorted(SIZES))
     args = parser.parse_args()
+    args.tiers = args.tiers.split(",")
+    if not args.sizes:
+        result = run_size(args)
+        report(args, *result)
+        return
+    rows = []
+    for gb in [float(size) for size in args.sizes.split(",")]:
+        args.d_model, args.layers = SIZES[gb]
+        result = run_size(args)
+        print(f"=== state of about {gb} GB: d_model {args.d_model}, {args.layers} layers ===")
+        report(args, *result)
+        rows.append(trend_row(*result))
+    print_trend(rows)
 
+
+def run_size(args):
     from moto.server import ThreadedMotoServer
     import boto3
 
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     endpoint = "http://%s:%d" % server.get_host_and_port()
+    # moto's backends are process-wide: a server of an earlier size still holds its objects
+    urllib.request.urlopen(urllib.request.Request(f"{endpoint}/moto-api/reset", method="POST"))
     boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="bench")
     workdir = Path(tempfile.mkdtemp(prefix="ckpt-bench-"))
     try:
         raw_dir = workdir / "bench" / "checkpoints" / "raw-reference"
         ref = references(args, endpoint, "bench", raw_dir)
-        saved, paused, restores, ref["put_s"] = run_framework(args, endpoint, "bench", workdir,
-                                                                   ref["bytes"])
-        ref["disk_writes_s"] += raw_disk_writes_s(ref.pop("blob"), 2, raw_dir)
+        saved, paused, restores, ref["put_s"], ref["restore_s"] = run_framework(
+            args, endpoint, "bench", workdir, ref["bytes"])
+        # the same number of bytes again (not kept through the runs: at 2 GB of state that
+        # memory pressure slowed the runs themselves)
+        blob = np.random.default_rng(0).bytes(ref["bytes"])
+        ref["disk_writes_s"] += raw_disk_writes_s(blob, 2, raw_dir)
         peer = None if args.skip_ray_train else ray_train_report_blocking(args, workdir)
     finally:
         server.stop()
         shutil.rmtree(workdir, ignore_errors=True)  # several GB of checkpoints
-    report(args, ref, saved, paused, restores, peer)
+    return ref, saved, paused, restores, peer
+
+
+def restore_seconds(restored):
+    """The whole restore on rank 0: planning, every candidate tried, loading, installing."""
+    return restored["total_s"]
+
+
+def trend_row(ref, saved, paused, restores, peer):
+    timings = saved["checkpoint"]["timings"]
+    row = {"GB": statistics.median(t["bytes"] for t in timings) / 1e9,
+           "stall s": statistics.median(saved["checkpoint"]["stalls_s"])}
+    for tier in timings[0]["tiers_s"]:
+        row[f"persist {tier} s"] = statistics.median(t["tiers_s"][tier] for t in timings)
+    for tier, restored in restores.items():
+        row[f"restore {tier} s"] = restore_seconds(restored)
+    return row
+
+
+def print_trend(rows):
+    """Each figure per GB of state, so a linear growth reads as a flat column."""
+    keys = list(rows[0])
+    print("how each cost grows with the state (seconds, and seconds per GB in brackets):")
+    print("".join(f"{key:>22}" for key in keys))
+    for row in rows:
+        cells = [f"{row['GB']:22.2f}"] + [
+            f"{row[key]:10.3f} ({row[key] / row['GB']:6.3f}/GB)" if key in row else f"{'-':>22}"
+            for key in keys[1:]]
+        print("".join(cells))
 
 
 def bandwidth_rows(ref, timings):
@@ -288,6 +387,8 @@ def bandwidth_rows(ref, timings):
     for label, tier, ref_s in (("memory (persist) vs copy", "memory", ref["copy_s"] / ref["workers"]),
                                ("memory (persist) vs ray.put", "memory", ref["put_s"]),
                                ("s3 (persist)", "s3", ref["s3_upload_s"])):
+        if tier not in timings[0]["tiers_s"]:
+            continue
         tier_s = statistics.median(t["tiers_s"][tier] for t in timings)
         rows.append((label, saved_bytes / tier_s, gb / ref_s))
     return rows
@@ -327,6 +428,8 @@ def report(args, ref, saved, paused, restores, peer):
           f"({step_s * 1e3:.0f} ms); plain copy {ref['copy_s'] * 1e3:.1f} ms -> ratio "
           f"{stall_s / ref['copy_s']:.2f}")
     for label, run in (("async, during training", saved), ("training paused", paused)):
+        if run is None:
+            continue
         print(f"{'save bandwidth, ' + label:38}{'raytrain-ext':>14}{'reference':>12}{'ratio':>8}")
         for name, ours, theirs in bandwidth_rows(ref, run["checkpoint"]["timings"]):
             print(f"  {name:36}{ours:11.2f} GB/s{theirs:9.2f} GB/s{ours / theirs:8.2f}")
@@ -334,14 +437,28 @@ def report(args, ref, saved, paused, restores, peer):
         print("  phases, median ms: " + ", ".join(
             f"{phase} {ms:.0f}" for phase, ms in persist_phases_ms(run["checkpoint"]["timings"])))
     writes = [ref["bytes"] / 1e9 / w for w in ref["disk_writes_s"]]
-    paused_write = statistics.median(t["bytes"] / 1e9 / t["write_s"]
-                                     for t in paused["checkpoint"]["timings"])
-    print(f"raw disk writes before and after the runs (GB/s): {[round(w, 2) for w in writes]}; "
-          f"DCP write with training paused / median raw write = "
-          f"{paused_write / statistics.median(writes):.2f}")
+    line = f"raw disk writes before and after the runs (GB/s): {[round(w, 2) for w in writes]}"
+    if paused is not None:
+        paused_write = statistics.median(t["bytes"] / 1e9 / t["write_s"]
+                                         for t in paused["checkpoint"]["timings"])
+        line += (f"; DCP write with training paused / median raw write = "
+                 f"{paused_write / statistics.median(writes):.2f}")
+    print(line)
     saved_bytes = statistics.median(t["bytes"] for t in timings) / 1e9
-    for tier, seconds in restores.items():
-        print(f"restore from {tier:8} {seconds:7.2f} s  ({saved_bytes / seconds:.2f} GB/s)")
+    print(f"restores ({args.workers} workers, each loading the whole replicated state; the "
+          "reference gets the same bytes into each worker from the same medium, "
+          "see restore_reference.py):")
+    for tier, restored in restores.items():
+        seconds, reference = restore_seconds(restored), ref["restore_s"][tier]
+        print(f"restore from {tier}: {seconds:.2f} s, {saved_bytes / seconds:.2f} GB/s, "
+              f"reference {saved_bytes / reference:.2f} GB/s, ratio {reference / seconds:.2f}")
+        print("  phases (s): " + ", ".join(f"{name[:-2]} {value:.3f}" for name, value
+                                          in restored["phases"].items() if value >= 0.0005))
+        memory = restored["memory"]
+        if memory:
+            print(f"  peak private memory: this rank's state {memory['state_mb']:.0f} MB + "
+                  f"{memory['transient_peak_mb']:.0f} MB held by the restore at its peak = "
+                  f"{memory['peak_over_state']:.2f} x the state")
     if peer:
         print(f"Ray Train report(checkpoint) blocks {peer['report_with_ckpt_s']:.2f} s per save "
               f"({peer['report_with_ckpt_s'] / peer['compute_s']:.1f} x its step compute "

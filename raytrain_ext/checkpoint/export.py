@@ -16,8 +16,15 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from raytrain_ext.checkpoint.disk import DiskTier
-from raytrain_ext.checkpoint.manifest import MANIFEST, Manifest, parse_step_dir, verify_dir
+from raytrain_ext.checkpoint.manifest import MANIFEST, Manifest, parse_step_dir
 from raytrain_ext.checkpoint.ranged import PlannedS3Fetch
+from raytrain_ext.checkpoint.reader import (
+    METADATA,
+    VerifiedReader,
+    map_files,
+    size_problem,
+    whole_file_problem,
+)
 from raytrain_ext.checkpoint.resolve import Resolution, newest_usable
 from raytrain_ext.checkpoint.s3 import S3Tier
 from raytrain_ext.checkpoint.tier import Tier, TierError
@@ -76,16 +83,24 @@ def load_model_state(tier: Tier, step: int, manifest: Manifest,
         fetched = {"fetched_bytes": fetch.fetched_bytes, "ranged": fetch.ranged}
     else:
         directory = tier.materialize(step, sorted(manifest.files), cache_dir)
-        problem = verify_dir(directory, manifest)
-        reader = dcp.FileSystemReader(directory)
+        views = map_files(directory, sorted(manifest.files))
+        problem = size_problem(views, manifest, str(directory)) or whole_file_problem(
+            views[METADATA], manifest.files[METADATA], f"{directory}/{METADATA}")
+        reader = VerifiedReader(views, manifest, str(directory))
         state = _empty_model_state(reader.read_metadata()) if problem is None else {}
         fetched = {"fetched_bytes": sum(e.size for e in manifest.files.values()), "ranged": False}
+    _refuse_damaged(problem)
+    dcp.load(state, storage_reader=reader, no_dist=True)
+    if isinstance(reader, VerifiedReader):  # it verifies the data files as it loads them
+        _refuse_damaged(reader.problem)
+    fetched["total_bytes"] = sum(e.size for e in manifest.files.values())
+    return {key[len("model."):]: tensor for key, tensor in state.items()}, fetched
+
+
+def _refuse_damaged(problem: Optional[str]) -> None:
     if problem:
         raise ExportError(f"RUN_OR_PATH: refusing to export a damaged checkpoint: {problem}. "
                           "Export an older step by its step-<N> path.")
-    dcp.load(state, storage_reader=reader, no_dist=True)
-    fetched["total_bytes"] = sum(e.size for e in manifest.files.values())
-    return {key[len("model."):]: tensor for key, tensor in state.items()}, fetched
 
 
 def _empty_model_state(metadata) -> Dict[str, torch.Tensor]:

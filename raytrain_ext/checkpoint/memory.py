@@ -176,6 +176,12 @@ def _lookup(name: str) -> Optional[ray.actor.ActorHandle]:
         return None
 
 
+def _local_first(holders: List[str], here: str) -> List[str]:
+    """``holders`` with this node's holder first (a restore on the writer's node, or on the
+    node that holds the replica, reads its node-local copy)."""
+    return sorted(holders, key=lambda holder: holder != here)
+
+
 def _head_node_id() -> str:
     for node in ray.nodes():
         if node["Alive"] and "node:__internal_head__" in node.get("Resources", {}):
@@ -268,10 +274,12 @@ class MemoryTier:
         return target
 
     def read_files(self, step: int, names: List[str]) -> Dict[str, memoryview]:
-        """Each file's bytes as held: a zero-copy view when this node holds a copy (what a
-        restore loads from directly, see ``checkpoint.buffers``)."""
+        """Each file's bytes as held, from this node's copy when there is one: then a
+        zero-copy view of the object store (what a restore loads from, see
+        ``checkpoint.reader``); else pulled from the other holder."""
         where = ray.get(self.registry.where.remote(step))
-        return {name: memoryview(self._fetch(step, name, where.get(name, [])))
+        here = holder_name(self.run, ray.get_runtime_context().get_node_id())
+        return {name: memoryview(self._fetch(step, name, _local_first(where.get(name, []), here)))
                 for name in names}
 
     def _fetch(self, step: int, name: str, holders: List[str]) -> np.ndarray:

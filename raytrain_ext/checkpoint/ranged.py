@@ -5,9 +5,10 @@ metadata, which tells exactly which byte ranges of which files it will read.
 When those ranges (rounded to the manifest's checksum chunks) are less than
 ``RANGED_FRACTION`` of the files' bytes, only those chunks are fetched (ranged
 GETs, in parallel) and each is verified against its chunk checksum; otherwise
-whole files are downloaded (multipart) and verified.  Either way every byte
-DCP reads has been verified, and a problem is reported before anything loads,
-so the caller can fall back to the previous checkpoint.
+whole files are downloaded (multipart) and verified while DCP loads them
+(``VerifiedReader``).  Either way no byte reaches a target before it has been
+verified, and a problem is reported (by ``prepare``, or by the reader after the
+load), so the caller can fall back to the previous checkpoint.
 """
 
 from __future__ import annotations
@@ -23,10 +24,10 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from raytrain_ext.checkpoint.manifest import Manifest, checksum_bytes, step_dir_name, verify_dir
+from raytrain_ext.checkpoint.reader import METADATA, VerifiedReader, map_files, size_problem
 from raytrain_ext.checkpoint.s3 import S3Tier
 
 RANGED_FRACTION = 0.5
-METADATA = ".metadata"
 
 
 class PlannedS3Fetch:
@@ -41,6 +42,7 @@ class PlannedS3Fetch:
         self.ranged = False
         self.fetched_bytes = 0
         self.metadata = None
+        self.views: Dict[str, memoryview] = {}
 
     def fetch_metadata(self) -> Optional[str]:
         """Download and verify DCP's ``.metadata``; returns a problem or None."""
@@ -63,10 +65,15 @@ class PlannedS3Fetch:
         names = sorted({name for name, _ in needed})
         self.tier.materialize(self.step, names, self.directory.parent)
         self.fetched_bytes = whole
-        return verify_dir(self.directory, _only(self.manifest, set(names)))
+        self.views = map_files(self.directory, [METADATA] + names)
+        return size_problem(self.views, self.manifest, self.tier.key(self.step))
 
-    def reader(self) -> dcp.FileSystemReader:
-        return ChunkReader(self) if self.ranged else dcp.FileSystemReader(self.directory)
+    def reader(self, threads: int = 4) -> dcp.FileSystemReader:
+        """Ranged: DCP's reader over the verified chunks; whole files: a reader that
+        verifies them while it loads (check its ``problem`` after ``dcp.load``)."""
+        if self.ranged:
+            return ChunkReader(self)
+        return VerifiedReader(self.views, self.manifest, self.tier.key(self.step), threads)
 
     def read(self, name: str, offset: int, length: int) -> bytes:
         size = self.manifest.files[name].chunk_size

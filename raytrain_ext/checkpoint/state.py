@@ -161,6 +161,19 @@ def preallocate_adam_state(optimizer) -> None:
                                                            memory_format=torch.preserve_format)
 
 
+def tensor_bytes(state: Any) -> int:
+    """Bytes of this rank's tensors in a nested state dict (a DTensor counts its shard)."""
+    if isinstance(state, DTensor):
+        return tensor_bytes(state.to_local())
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(tensor_bytes(value) for value in state.values())
+    if isinstance(state, list):
+        return sum(tensor_bytes(value) for value in state)
+    return 0
+
+
 def without_model(targets: Dict[str, Any]) -> Dict[str, Any]:
     """The targets a native load still needs from DCP: train items and RNG."""
     return {key: value for key, value in targets.items() if key not in ("model", "optim")}

@@ -185,6 +185,7 @@ class CheckpointConfig:
     save_final: bool = True
     async_save: bool = True
     write_threads: int = 2  # DCP writer threads per rank (2 doubles write bandwidth here)
+    read_threads: int = 4  # restore: checksum chunks verified and items loaded at once, per rank
     recycle_files: bool = True  # a deleted local step's data files are reused by the next save
     checksum_chunk_kb: int = 8192  # granularity of verified ranged reads from S3
     on_busy: str = "skip"  # skip | wait: when a save is due while the previous one persists

@@ -45,7 +45,8 @@ POSITIVE_INTS = (
     "run.max_steps", "run.log_every", "model.n_layers", "model.d_model", "model.n_heads",
     "model.vocab_size", "model.seq_len", "model.mlp_ratio", "data.global_batch_size",
     "data.micro_batch_size", "optim.decay_steps", "scaling.num_workers", "checkpoint.keep_last",
-    "checkpoint.keep_in_memory", "checkpoint.write_threads", "checkpoint.checksum_chunk_kb",
+    "checkpoint.keep_in_memory", "checkpoint.write_threads", "checkpoint.read_threads",
+    "checkpoint.checksum_chunk_kb",
     "chaos.attempts", "guards.straggler_window",
     "checkpoint.s3.part_size_mb", "checkpoint.s3.max_concurrency", "checkpoint.s3.max_attempts",
 )

@@ -525,7 +525,7 @@ class Controller:
         restored = record["restored"] or {}
         restored_step = restored.get("step", 0)
         recovery.update(
-            restore_s=restored.get("fetch_verify_s", 0.0) + restored.get("seconds", 0.0),
+            restore_s=restored.get("total_s", 0.0),
             restored_from=restored.get("tier"), restored_step=restored_step,
             restore_phases=restored.get("phases"),
             steps_redone=max(0, recovery["last_step"] - restored_step),

@@ -1,0 +1,211 @@
+"""Restoring DCP files at the speed of the medium: a storage reader over mapped bytes.
+
+Why: DCP's ``FileSystemReader`` loads each item through ``torch.load`` (a read into a
+fresh tensor), then copies it into its target, one item after another, after the caller
+has hashed every file in a separate pass.  Here each file this rank's load plan touches
+is a view of bytes already in reach (a read-only map of a file on disk or in the cache,
+or the object store's buffer of the memory tier); a pool of threads verifies its
+checksum chunks, which also brings a cold file in from the disk, several chunks at a
+time, while each item whose chunks have passed is copied straight from the view into
+its target.  The medium is read once and each byte is copied once.
+
+Invariants: no item is copied before every checksum chunk it overlaps has verified; the
+first failed chunk (or unreadable item) stops the load and is kept in ``problem``, so
+the caller falls back to an older checkpoint, whose load overwrites every target.
+"""
+
+from __future__ import annotations
+
+import io
+import mmap
+import pickle
+import zipfile
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional, Set
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+
+from raytrain_ext.checkpoint.manifest import FileEntry, Manifest, checksum_bytes
+from raytrain_ext.checkpoint.saved_tensor import tensor_view
+
+METADATA = ".metadata"
+
+
+def plan_files(targets: Dict, metadata, is_coordinator: bool) -> List[str]:
+    """The data files this rank's DCP load plan reads (DCP plans loads the same way)."""
+    planner = DefaultLoadPlanner()
+    planner.set_up_planner(targets, metadata, is_coordinator)
+    return sorted({metadata.storage_data[item.storage_index].relative_path
+                   for item in planner.create_local_plan().items})
+
+
+def map_files(directory: Path, names: Iterable[str]) -> Dict[str, memoryview]:
+    """Each file as a copy-on-write map (page cache, no read copy; writable, so torch
+    can wrap it, but never written)."""
+    views = {}
+    for name in names:
+        with open(directory / name, "rb") as f:
+            size = f.seek(0, io.SEEK_END)
+            if size == 0:
+                views[name] = memoryview(bytearray())
+                continue
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        mapped.madvise(mmap.MADV_WILLNEED)  # the kernel starts reading the whole file now
+        views[name] = memoryview(mapped)
+    return views
+
+
+def size_problem(views: Dict[str, memoryview], manifest: Manifest, where: str) -> Optional[str]:
+    """A listed file that is missing or of the wrong size, described; or None."""
+    for name, view in sorted(views.items()):
+        entry = manifest.files.get(name)
+        if entry is None:
+            return f"{where}/{name} is not listed in the manifest"
+        if view.nbytes != entry.size:
+            return (f"{where}/{name} has {view.nbytes} bytes, the manifest says {entry.size} "
+                    "(truncated?)")
+    return None
+
+
+def whole_file_problem(view: memoryview, entry: FileEntry, where: str) -> Optional[str]:
+    actual = checksum_bytes(view)
+    if actual != entry.xxh3_128:
+        return f"{where} checksum {actual} != manifest {entry.xxh3_128} (corrupted)"
+    return None
+
+
+class VerifiedReader(dcp.FileSystemReader):
+    """DCP storage reader over verified views of the checkpoint's files.
+
+    ``views`` holds ``.metadata`` and every data file this rank's plan reads; their
+    sizes have been checked against the manifest (``size_problem``).  ``path`` only
+    names the checkpoint in messages and records.
+    """
+
+    def __init__(self, views: Dict[str, memoryview], manifest: Manifest, path: str,
+                 threads: int = 4):
+        super().__init__(path)
+        self.where = path  # ``path`` is normalised as a local path ("memory:/run/...")
+        self.views, self.manifest, self.threads = views, manifest, max(1, threads)
+        self.problem: Optional[str] = None
+
+    def read_metadata(self, *args, **kwargs):
+        """DCP's metadata, unpickled from its verified view (a small file, checked first)."""
+        view = self.views[METADATA]
+        problem = whole_file_problem(view, self.manifest.files[METADATA],
+                                     f"{self.where}/{METADATA}")
+        if problem:
+            raise ValueError(problem)
+        metadata = pickle.loads(view)
+        metadata.storage_meta = metadata.storage_meta or dcp.metadata.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future:
+        items = sorted(plan.items, key=self._position)
+        with ThreadPoolExecutor(self.threads, thread_name_prefix="ckpt-read") as pool:
+            checks = self._submit_checks(pool, {self._file(item) for item in items})
+            loads = [pool.submit(self._load_tensor, item, planner, checks) for item in items
+                     if item.type != LoadItemType.BYTE_IO]
+            for item in items:  # small, and the planner stores them: on this thread
+                if item.type == LoadItemType.BYTE_IO and self._verified(item, checks):
+                    planner.load_bytes(item, io.BytesIO(self._slice(item).tobytes()))
+            for load in loads:
+                load.result()
+        done: torch.futures.Future = torch.futures.Future()
+        done.set_result(None)
+        return done
+
+    # ---- verification -----------------------------------------------------------------
+    def _submit_checks(self, pool: ThreadPoolExecutor, names: Set[str]) -> Dict[str, List[Future]]:
+        """One verification task per checksum chunk (or per file without chunk sums).
+
+        Submitted before any load, so a load that waits for its chunks never holds a
+        thread that a verification still needs.
+        """
+        checks: Dict[str, List[Future]] = {}
+        for name in sorted(names):
+            entry, view = self.manifest.files[name], self.views[name]
+            where = f"{self.where}/{name}"
+            if not entry.chunk_xxh3:
+                checks[name] = [pool.submit(whole_file_problem, view, entry, where)]
+                continue
+            size, end = entry.chunk_size, view.nbytes
+            checks[name] = [pool.submit(_chunk_problem, view[i * size:(i + 1) * size], digest,
+                                        f"{where} bytes {i * size}-{min((i + 1) * size, end)}")
+                            for i, digest in enumerate(entry.chunk_xxh3)]
+        return checks
+
+    def _verified(self, item: ReadItem, checks: Dict[str, List[Future]]) -> bool:
+        """Wait for the chunks ``item`` overlaps; False (and ``problem`` set) if any failed."""
+        if self.problem is not None:
+            return False
+        name = self._file(item)
+        info = self.storage_data[item.storage_index]
+        futures = checks[name]
+        size = self.manifest.files[name].chunk_size
+        if size and len(futures) > 1:
+            first = info.offset // size
+            futures = futures[first:(info.offset + max(info.length, 1) - 1) // size + 1]
+        for future in futures:
+            problem = future.result()
+            if problem is not None:
+                self.problem = self.problem or problem
+                return False
+        return True
+
+    # ---- loading ----------------------------------------------------------------------
+    def _load_tensor(self, item: ReadItem, planner: LoadPlanner,
+                     checks: Dict[str, List[Future]]) -> None:
+        if not self._verified(item, checks):
+            return
+        info = self.storage_data[item.storage_index]
+        try:
+            blob = self._slice(item)
+            if info.transform_descriptors:  # an extension's encoding: DCP's own path
+                stream = self.transforms.transform_load_stream(
+                    item, info.transform_descriptors, io.BytesIO(blob.tobytes()))
+                source = torch.load(io.BytesIO(stream.read()), map_location="cpu",
+                                    weights_only=True)
+            else:
+                source = _saved_tensor(blob)
+            source = narrow_tensor_by_index(source, item.storage_offsets, item.lengths)
+            target = planner.resolve_tensor(item).detach()
+            if target.size() != source.size():
+                raise ValueError(f"{item.storage_index.fqn}: saved {list(source.size())}, "
+                                 f"target {list(target.size())}")
+            target.copy_(source)
+            planner.commit_tensor(item, target)
+        except Exception as e:  # unreadable though its checksum passed: a format problem
+            self.problem = self.problem or (f"{self.where}/{info.relative_path}: cannot load "
+                                            f"{item.storage_index.fqn} ({e})")
+
+    def _file(self, item: ReadItem) -> str:
+        return self.storage_data[item.storage_index].relative_path
+
+    def _position(self, item: ReadItem):
+        info = self.storage_data[item.storage_index]
+        return info.relative_path, info.offset
+
+    def _slice(self, item: ReadItem) -> memoryview:
+        info = self.storage_data[item.storage_index]
+        return self.views[info.relative_path][info.offset:info.offset + info.length]
+
+
+def _saved_tensor(blob: memoryview) -> torch.Tensor:
+    """A view of the saved tensor; anything the view does not cover goes through
+    ``torch.load`` (a copy, still correct)."""
+    try:
+        return tensor_view(blob)
+    except (ValueError, pickle.UnpicklingError, zipfile.BadZipFile, KeyError):
+        return torch.load(io.BytesIO(blob.tobytes()), map_location="cpu", weights_only=True)
+
+
+def _chunk_problem(view: memoryview, digest: str, where: str) -> Optional[str]:
+    actual = checksum_bytes(view)
+    return None if actual == digest else f"{where} fail their checksum (corrupted)"
