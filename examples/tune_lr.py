@@ -34,16 +34,20 @@ def main() -> None:
         training_trial(args.config, args.overrides),
         param_space={"optim.lr": tune.grid_search([float(lr) for lr in args.lr.split(",")])},
         tune_config=tune.TuneConfig(
-            metric="final_loss", mode="min",
-            max_concurrent_trials=concurrent_trials(args.config, args.overrides)),
-        run_config=tune.RunConfig(name="lr-sweep", storage_path=str(output_dir),
-                                  verbose=0))
+            metric="final_loss",
+            mode="min",
+            max_concurrent_trials=concurrent_trials(args.config, args.overrides),
+        ),
+        run_config=tune.RunConfig(name="lr-sweep", storage_path=str(output_dir), verbose=0),
+    )
     results = tuner.fit()
     for result in sorted(results, key=lambda r: r.config["optim.lr"]):
         m = result.metrics
-        print(f"lr {result.config['optim.lr']:.0e}  {m.get('status')}  "
-              f"steps {m.get('steps_completed')}  "
-              f"final_loss {m.get('final_loss', float('nan')):.4f}  {m.get('run_dir')}")
+        print(
+            f"lr {result.config['optim.lr']:.0e}  {m.get('status')}  "
+            f"steps {m.get('steps_completed')}  "
+            f"final_loss {m.get('final_loss', float('nan')):.4f}  {m.get('run_dir')}"
+        )
     best = results.get_best_result()
     print(f"best: lr {best.config['optim.lr']:.0e} (final_loss {best.metrics['final_loss']:.4f})")
 

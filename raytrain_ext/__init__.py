@@ -10,7 +10,6 @@ The plain Python API (for notebooks and jobs)::
 from raytrain_ext.config import ConfigError, load_config
 from raytrain_ext.elastic.controller import TrainingFailed
 from raytrain_ext.trainer import Trainer
-
-__version__ = "0.1.0"
+from raytrain_ext.version import __version__
 
 __all__ = ["ConfigError", "Trainer", "TrainingFailed", "load_config", "__version__"]

@@ -30,14 +30,25 @@ def _train(args: argparse.Namespace) -> int:
         return 2
     except TrainingFailed as e:
         log_path = _newest_error_log(trainer.run_dir)
-        print(f"{e}\nfull error: {log_path} (this attempt's records: {log_path.parent})"
-              if log_path else str(e), file=sys.stderr)
+        print(
+            f"{e}\nfull error: {log_path} (this attempt's records: {log_path.parent})"
+            if log_path
+            else str(e),
+            file=sys.stderr,
+        )
         return 1
     if summary["status"] == "preempted":
-        print(f"preempted: emergency checkpoint at step {summary['steps_completed']} committed; "
-              "rerun the same command to resume", file=sys.stderr)
+        print(
+            f"preempted: emergency checkpoint at step {summary['steps_completed']} committed; "
+            "rerun the same command to resume",
+            file=sys.stderr,
+        )
         return 3
-    shown = {k: v for k, v in summary.items() if k not in ("loss_history", "step_times", "step_end_times", "transitions")}
+    shown = {
+        k: v
+        for k, v in summary.items()
+        if k not in ("loss_history", "step_times", "step_end_times", "transitions")
+    }
     print(f"run summary ({trainer.run_dir / 'summary.json'}):")
     print(json.dumps(shown, indent=2))
     return 0
@@ -60,10 +71,12 @@ def _ckpt_export(args: argparse.Namespace) -> int:
         return 2
     for skipped in info["skipped"]:
         print(f"skipped {skipped}", file=sys.stderr)
-    print(f"exported step {info['step']}: {info['tensors']} tensors, "
-          f"{info['parameters']:,} parameters -> {info['out']} (read "
-          f"{info['fetched_bytes'] / 2**20:.1f} of {info['total_bytes'] / 2**20:.1f} MiB"
-          f"{', ranged' if info['ranged'] else ''})")
+    print(
+        f"exported step {info['step']}: {info['tensors']} tensors, "
+        f"{info['parameters']:,} parameters -> {info['out']} (read "
+        f"{info['fetched_bytes'] / 2**20:.1f} of {info['total_bytes'] / 2**20:.1f} MiB"
+        f"{', ranged' if info['ranged'] else ''})"
+    )
     return 0
 
 
@@ -80,30 +93,46 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser("train", help="train the reference GPT on a Ray cluster")
     train.add_argument("--config", help="YAML config (default: the packaged tiny_cpu config)")
-    train.add_argument("items", nargs="*", metavar="[CONFIG.yaml] key=value",
-                       help="a config file and/or OmegaConf overrides, e.g. run.max_steps=10")
+    train.add_argument(
+        "items",
+        nargs="*",
+        metavar="[CONFIG.yaml] key=value",
+        help="a config file and/or OmegaConf overrides, e.g. run.max_steps=10",
+    )
     train.set_defaults(func=_train)
 
     ckpt = commands.add_parser("ckpt", help="inspect and convert checkpoints")
     ckpt_commands = ckpt.add_subparsers(dest="ckpt_command", required=True)
     export = ckpt_commands.add_parser("export", help="full model to Hugging Face safetensors")
-    export.add_argument("location", metavar="RUN_OR_PATH",
-                        help="a run directory, a checkpoints directory, a step-<N> directory, "
-                             "or an s3:// prefix or step URI (newest committed step if not given)")
-    export.add_argument("--to", required=True, help="output .safetensors file (its directory "
-                                                    "is created if need be)")
+    export.add_argument(
+        "location",
+        metavar="RUN_OR_PATH",
+        help="a run directory, a checkpoints directory, a step-<N> directory, "
+        "or an s3:// prefix or step URI (newest committed step if not given)",
+    )
+    export.add_argument(
+        "--to", required=True, help="output .safetensors file (its directory is created if need be)"
+    )
     export.add_argument("--s3-endpoint-url", default=None)
     export.set_defaults(func=_ckpt_export)
-    from raytrain_ext.ops.doctor import add_parser as add_doctor; add_doctor(commands)
-    from raytrain_ext.plan.cli import add_parser as add_plan; add_plan(commands)
-    from raytrain_ext.ops.report import add_parser as add_report; add_report(commands)
+    from raytrain_ext.ops.doctor import add_parser as add_doctor
+
+    add_doctor(commands)
+    from raytrain_ext.plan.cli import add_parser as add_plan
+
+    add_plan(commands)
+    from raytrain_ext.ops.report import add_parser as add_report
+
+    add_report(commands)
     return parser
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Every command ends in a message, never a traceback: an error no command expected
     is reported in one line, its traceback written to a log file that the line names."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
@@ -123,8 +152,11 @@ def _unexpected(command: str, error: Exception) -> int:
     fd, path = tempfile.mkstemp(prefix=f"raytrain-ext-{command}-", suffix=".log")
     with os.fdopen(fd, "w") as f:
         f.write("".join(traceback.format_exception(type(error), error, error.__traceback__)))
-    print(f"{command} failed: {one_line(error)}\n(traceback in {path}; please report it if the "
-          "message does not say what to fix)", file=sys.stderr)
+    print(
+        f"{command} failed: {one_line(error)}\n(traceback in {path}; please report it if the "
+        "message does not say what to fix)",
+        file=sys.stderr,
+    )
     return 1
 
 

@@ -56,14 +56,16 @@ class RunDirectory:
         write_atomic(directory / CONFIG, config_yaml)
         return Attempt(number, directory)
 
-    def finish(self, attempt: Attempt, summary: Dict[str, Any],
-               error: Optional[BaseException] = None) -> None:
+    def finish(
+        self, attempt: Attempt, summary: Dict[str, Any], error: Optional[BaseException] = None
+    ) -> None:
         """Record the attempt; promote it to the run's current state if it trained."""
         if error is not None:
             log_path = attempt.directory / ERROR_LOG
             write_atomic(log_path, full_text(error))
-            summary["error"] = strip_ansi(str(error)) if isinstance(error, TrainingFailed) \
-                else one_line(error)
+            summary["error"] = (
+                strip_ansi(str(error)) if isinstance(error, TrainingFailed) else one_line(error)
+            )
             summary["error_log"] = str(log_path)
         summary["attempt"] = attempt.number
         text = json.dumps(summary, indent=2)

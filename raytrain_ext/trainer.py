@@ -29,12 +29,16 @@ log = logging.getLogger(__name__)
 
 
 class Trainer:
-    def __init__(self, config: DictConfig | str | Path | None = None, overrides: Sequence[str] = ()):
+    def __init__(
+        self, config: DictConfig | str | Path | None = None, overrides: Sequence[str] = ()
+    ):
         """``config`` is a loaded config, a YAML path, or None for the packaged default."""
         if isinstance(config, DictConfig):
             if overrides:
-                raise ValueError("overrides go with a config path; for a loaded config apply "
-                                 "them with load_config(path, overrides) instead")
+                raise ValueError(
+                    "overrides go with a config path; for a loaded config apply "
+                    "them with load_config(path, overrides) instead"
+                )
             self.cfg = config
         else:
             self.cfg = load_config(config, overrides)
@@ -111,6 +115,7 @@ class Trainer:
         self._stop_reason = reason
         if self._controller is not None:
             self._controller.stop(reason)
+
 
 def absolute_paths(cfg: DictConfig, base: Optional[Path] = None) -> DictConfig:
     """Workers do not share the driver's working directory: ship absolute local paths.
@@ -195,8 +200,11 @@ def build_summary(cfg, result: Optional[ControllerResult], start: float) -> Dict
     digests = sorted({r["samples_digest"] for r in ranks})
     summary: Dict[str, Any] = {
         "run_name": cfg.run.name,
-        "status": (result.state.value.lower() if result.state in (RunState.FINISHED, RunState.PREEMPTED)
-                   else "failed"),
+        "status": (
+            result.state.value.lower()
+            if result.state in (RunState.FINISHED, RunState.PREEMPTED)
+            else "failed"
+        ),
         "steps_completed": ranks[0]["steps"] if ranks else (records[-1]["step"] if records else 0),
         "final_loss": records[-1]["loss"] if records else None,
         "first_loss": records[0]["loss"] if records else None,

@@ -32,8 +32,12 @@ from raytrain_ext.trainer import Trainer, absolute_paths
 DRIVER_CPUS = 0.25  # a trial's own process only waits on its workers
 
 
-def training_trial(config: Optional[str | Path] = None, overrides: Sequence[str] = (), *,
-                   driver_cpus: float = DRIVER_CPUS) -> Callable[[dict], None]:
+def training_trial(
+    config: Optional[str | Path] = None,
+    overrides: Sequence[str] = (),
+    *,
+    driver_cpus: float = DRIVER_CPUS,
+) -> Callable[[dict], None]:
     """A Tune function trainable that trains ``config`` + ``overrides`` + the trial's params.
 
     Param keys are dotted config keys (``{"optim.lr": 1e-3}``, or nested dicts that
@@ -53,8 +57,11 @@ def training_trial(config: Optional[str | Path] = None, overrides: Sequence[str]
 
     def train_trial(params: dict) -> None:
         ctx = tune.get_context()
-        trial_overrides = [*overrides, f"run.name={base.run.name}-{ctx.get_trial_id()}",
-                           *param_overrides(params)]
+        trial_overrides = [
+            *overrides,
+            f"run.name={base.run.name}-{ctx.get_trial_id()}",
+            *param_overrides(params),
+        ]
         cfg = load_config(_config_copy(yaml_text, ctx.get_trial_dir()), trial_overrides)
         trainer = Trainer(absolute_paths(cfg, base=start_dir))
         summary = trainer.fit()
@@ -80,9 +87,13 @@ def scalar_fields(summary: Mapping[str, Any]) -> Dict[str, Any]:
     return {k: v for k, v in summary.items() if isinstance(v, (int, float, str, bool))}
 
 
-def concurrent_trials(config: Optional[str | Path] = None, overrides: Sequence[str] = (), *,
-                      cluster_resources: Optional[Mapping[str, float]] = None,
-                      driver_cpus: float = DRIVER_CPUS) -> int:
+def concurrent_trials(
+    config: Optional[str | Path] = None,
+    overrides: Sequence[str] = (),
+    *,
+    cluster_resources: Optional[Mapping[str, float]] = None,
+    driver_cpus: float = DRIVER_CPUS,
+) -> int:
     """How many trials' drivers and worker groups fit the cluster's totals at once.
 
     A trial is counted at ``scaling.max_workers`` (its elastic group may grow that
@@ -105,7 +116,8 @@ def concurrent_trials(config: Optional[str | Path] = None, overrides: Sequence[s
             f"one trial needs {need} (scaling.max_workers={workers} x "
             f"scaling.resources_per_worker, plus {driver_cpus} CPU for the trial) but the "
             f"cluster has {dict(cluster_resources)}. Lower scaling.max_workers (and "
-            "num_workers) or scaling.resources_per_worker, or add nodes.")
+            "num_workers) or scaling.resources_per_worker, or add nodes."
+        )
     return fits
 
 

@@ -6,8 +6,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-AWS_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
-            "AWS_DEFAULT_REGION", "AWS_REGION")
+AWS_KEYS = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_PROFILE",
+    "AWS_DEFAULT_REGION",
+    "AWS_REGION",
+)
 
 
 def clean_env(**extra):
@@ -19,8 +25,13 @@ def clean_env(**extra):
 def without_aws_credentials(env: dict) -> dict:
     """No credentials anywhere boto3 looks (and no instance-metadata probing)."""
     env = {k: v for k, v in env.items() if k not in AWS_KEYS}
-    env.update({"AWS_SHARED_CREDENTIALS_FILE": "/nonexistent", "AWS_CONFIG_FILE": "/nonexistent",
-                "AWS_EC2_METADATA_DISABLED": "true"})
+    env.update(
+        {
+            "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent",
+            "AWS_CONFIG_FILE": "/nonexistent",
+            "AWS_EC2_METADATA_DISABLED": "true",
+        }
+    )
     return env
 
 
@@ -30,8 +41,9 @@ def raytrain_ext_cmd():
 
 
 def run(cmd, cwd, env=None, timeout=300):
-    return subprocess.run(cmd, cwd=cwd, env=env or clean_env(), capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        cmd, cwd=cwd, env=env or clean_env(), capture_output=True, text=True, timeout=timeout
+    )
 
 
 class RaySessionWatch:

@@ -26,8 +26,14 @@ def ray_local():
     import ray
 
     if not ray.is_initialized():
-        ray.init(address="local", num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1",
-                 object_store_memory=200 * 1024**2, log_to_driver=False)
+        ray.init(
+            address="local",
+            num_cpus=4,
+            include_dashboard=False,
+            _node_ip_address="127.0.0.1",
+            object_store_memory=200 * 1024**2,
+            log_to_driver=False,
+        )
     yield ray
 
 
@@ -42,13 +48,22 @@ def ray_cluster():
     from ray.cluster_utils import Cluster
 
     ray.shutdown()
-    fast = {"RAY_health_check_period_ms": "500", "RAY_health_check_timeout_ms": "500",
-            "RAY_health_check_failure_threshold": "3"}
+    fast = {
+        "RAY_health_check_period_ms": "500",
+        "RAY_health_check_timeout_ms": "500",
+        "RAY_health_check_failure_threshold": "3",
+    }
     saved = {k: os.environ.get(k) for k in fast}
     os.environ.update(fast)
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "object_store_memory": 150 * 1024**2, "include_dashboard": False,
-        "node_ip_address": "127.0.0.1"})
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 0,
+            "object_store_memory": 150 * 1024**2,
+            "include_dashboard": False,
+            "node_ip_address": "127.0.0.1",
+        },
+    )
     try:
         ray.init(address=cluster.address, log_to_driver=False)
         yield cluster
@@ -93,15 +108,23 @@ FAST_MODEL = ["model.n_layers=2", "model.d_model=64", "model.n_heads=2", "model.
 
 def tiny_overrides(tmp_path, *extra):
     """The packaged default, shortened for tests, writing under tmp_path."""
-    return [f"run.output_dir={tmp_path}", "run.max_steps=6", "run.log_every=2",
-            "run.tensorboard=false", *extra]
+    return [
+        f"run.output_dir={tmp_path}",
+        "run.max_steps=6",
+        "run.log_every=2",
+        "run.tensorboard=false",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="session")
 def aws_env():
     """Dummy credentials for the local S3 server (never real ones)."""
-    for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                       "AWS_DEFAULT_REGION": "us-east-1"}.items():
+    for key, value in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
         os.environ.setdefault(key, value)
 
 
@@ -127,8 +150,9 @@ def ddp_layout_reference(tmp_path_factory):
     return {"ranks": train(2, tmp), "ckpt": tmp / "ckpt"}
 
 
-def wait_for_checkpoint(directory: Path, min_step: int, timeout_s: float = 120.0,
-                        while_running=None) -> int:
+def wait_for_checkpoint(
+    directory: Path, min_step: int, timeout_s: float = 120.0, while_running=None
+) -> int:
     """Block until a committed checkpoint of step >= ``min_step`` is in ``directory``; its step.
 
     Not one exact step: with ``checkpoint.on_busy=skip`` (the default) a save that falls
@@ -144,8 +168,10 @@ def wait_for_checkpoint(directory: Path, min_step: int, timeout_s: float = 120.0
         if steps and steps[-1] >= min_step:
             return steps[-1]
         time.sleep(0.02)
-    raise AssertionError(f"no checkpoint of step >= {min_step} in {directory} within "
-                         f"{timeout_s:.0f} s" + (" while the run ran" if while_running else ""))
+    raise AssertionError(
+        f"no checkpoint of step >= {min_step} in {directory} within "
+        f"{timeout_s:.0f} s" + (" while the run ran" if while_running else "")
+    )
 
 
 class FitThread:
@@ -182,8 +208,10 @@ class FitThread:
         self.thread.join(timeout=timeout_s)
         if self.thread.is_alive():
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-            raise AssertionError(f"the run was still going after {timeout_s:.0f} s "
-                                 "(every thread's stack is on stderr)")
+            raise AssertionError(
+                f"the run was still going after {timeout_s:.0f} s "
+                "(every thread's stack is on stderr)"
+            )
         (outcome,) = self.outcome
         return outcome
 

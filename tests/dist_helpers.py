@@ -16,8 +16,15 @@ from raytrain_ext.worker.dist_env import WorkerEnv, destroy_distributed, free_po
 
 
 def _run_rank(rank: int, world: int, port: int, cfg_dict: dict, out_dir: str) -> None:
-    env = WorkerEnv(rank=rank, local_rank=rank, world_size=world, local_world_size=world,
-                    node_rank=0, master_addr="127.0.0.1", master_port=port)
+    env = WorkerEnv(
+        rank=rank,
+        local_rank=rank,
+        world_size=world,
+        local_world_size=world,
+        node_rank=0,
+        master_addr="127.0.0.1",
+        master_port=port,
+    )
     torch.set_num_threads(1)
     device = init_distributed(env, "gloo", timeout_s=60)
     try:
@@ -30,12 +37,14 @@ def _fit_and_save(rank: int, world: int, cfg_dict: dict, out_dir: str, device) -
     from raytrain_ext.train.loop import TrainLoop
 
     records: List[Dict] = []
-    loop = TrainLoop(config_from_dict(cfg_dict), rank, world, rank, device, records.append,
-                     chaos_armed=True)
+    loop = TrainLoop(
+        config_from_dict(cfg_dict), rank, world, rank, device, records.append, chaos_armed=True
+    )
     result = loop.fit()
     params = {k: v.clone() for k, v in loop.strategy.full_parameters(loop.model).items()}
-    torch.save({"result": result, "params": params, "records": records},
-               Path(out_dir) / f"rank{rank}.pt")
+    torch.save(
+        {"result": result, "params": params, "records": records}, Path(out_dir) / f"rank{rank}.pt"
+    )
 
 
 def train_processes(world: int, overrides: List[str], out_dir: Path) -> List[Dict]:
@@ -65,12 +74,19 @@ def spawn_ranks(fn: Callable, args: tuple, nprocs: int, deadline_s: float = 240.
     """``mp.start_processes`` that cannot hang a test: a rank still running after
     ``deadline_s`` prints every thread's stack and exits, which fails the join; if
     even that does not end them, the ranks are killed and the test fails."""
-    context = mp.start_processes(_rank_with_deadline, args=(fn, deadline_s, *args),
-                                 nprocs=nprocs, join=False, start_method="spawn")
+    context = mp.start_processes(
+        _rank_with_deadline,
+        args=(fn, deadline_s, *args),
+        nprocs=nprocs,
+        join=False,
+        start_method="spawn",
+    )
     give_up = time.monotonic() + deadline_s + 30
     while not context.join(timeout=1.0):
         if time.monotonic() > give_up:
             for process in context.processes:
                 process.kill()
-            raise TimeoutError(f"{nprocs} ranks of {fn.__name__} still running after "
-                               f"{deadline_s + 30:.0f} s; killed")
+            raise TimeoutError(
+                f"{nprocs} ranks of {fn.__name__} still running after "
+                f"{deadline_s + 30:.0f} s; killed"
+            )

@@ -8,8 +8,11 @@ import psutil
 def live_worker_actors():
     from ray._private.state import actors
 
-    return [a for a in actors().values()
-            if a["ActorClassName"].endswith("TrainWorker") and a["State"] != "DEAD"]
+    return [
+        a
+        for a in actors().values()
+        if a["ActorClassName"].endswith("TrainWorker") and a["State"] != "DEAD"
+    ]
 
 
 def live_placement_groups():
@@ -33,8 +36,10 @@ def describe(pid: int) -> str:
     try:
         proc = psutil.Process(pid)
         parent = proc.parent()
-        return (f"pid {pid} {proc.status()}, {time.time() - proc.create_time():.0f} s old, "
-                f"parent {' '.join(parent.cmdline()[:1]) if parent else None}")
+        return (
+            f"pid {pid} {proc.status()}, {time.time() - proc.create_time():.0f} s old, "
+            f"parent {' '.join(parent.cmdline()[:1]) if parent else None}"
+        )
     except psutil.Error as e:
         return f"pid {pid}: {type(e).__name__}"
 
@@ -48,5 +53,7 @@ def assert_nothing_left(timeout_s: float = 30.0) -> None:
         if not any(left) or time.time() > deadline:
             break
         time.sleep(0.25)
-    assert left == ([], [], []), (f"left behind (actors, placement groups, pids): {left}; "
-                                  + "; ".join(describe(pid) for pid in left[2]))
+    assert left == ([], [], []), (
+        f"left behind (actors, placement groups, pids): {left}; "
+        + "; ".join(describe(pid) for pid in left[2])
+    )

@@ -22,8 +22,13 @@ _RUNS: Dict[Tuple[str, ...], dict] = {}
 def uninterrupted(steps: int, *extra: str) -> dict:
     """Rank 0's ``{"result", "params"}`` of the packaged default config trained for
     ``steps`` steps on 2 ranks (LR decaying over the same ``steps``), plus ``extra``."""
-    overrides = (f"run.max_steps={steps}", f"optim.decay_steps={steps}",
-                 "checkpoint.enabled=false", "run.tensorboard=false", *extra)
+    overrides = (
+        f"run.max_steps={steps}",
+        f"optim.decay_steps={steps}",
+        "checkpoint.enabled=false",
+        "run.tensorboard=false",
+        *extra,
+    )
     if overrides not in _RUNS:
         with tempfile.TemporaryDirectory(prefix=f"raytrain-ext-reference-{steps}-") as tmp:
             out = Path(tmp)

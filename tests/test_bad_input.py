@@ -16,8 +16,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.cli_helpers import RaySessionWatch, clean_env, raytrain_ext_cmd, run, \
-    without_aws_credentials
+from tests.cli_helpers import (
+    RaySessionWatch,
+    clean_env,
+    raytrain_ext_cmd,
+    run,
+    without_aws_credentials,
+)
 from tests.conftest import FAST_MODEL
 
 TRAIN = [*raytrain_ext_cmd(), "train"]
@@ -73,26 +78,38 @@ def write_parquet(path: Path, **columns) -> Path:
 
 # ---- class 1: what the driver can check about the data ----------------------------------
 DATA_CASES = {
-    "text file": (lambda d: _text(d / "corpus.txt"),
-                  r"data\.path: \S+corpus\.txt is neither an Arrow IPC file nor a Parquet file.*"
-                  r"pre-tokenized ids"),
-    "no tokens column": (lambda d: write_parquet(d / "t.parquet", text=pa.array(["a"] * 9)),
-                         r"data\.path: \S+t\.parquet has no 'tokens' column \(columns: text\)"),
-    "float tokens": (lambda d: write_parquet(d / "f.parquet", tokens=pa.array([0.5] * 900)),
-                     r"column 'tokens' of \S+f\.parquet holds double, not integer token ids"),
+    "text file": (
+        lambda d: _text(d / "corpus.txt"),
+        r"data\.path: \S+corpus\.txt is neither an Arrow IPC file nor a Parquet file.*"
+        r"pre-tokenized ids",
+    ),
+    "no tokens column": (
+        lambda d: write_parquet(d / "t.parquet", text=pa.array(["a"] * 9)),
+        r"data\.path: \S+t\.parquet has no 'tokens' column \(columns: text\)",
+    ),
+    "float tokens": (
+        lambda d: write_parquet(d / "f.parquet", tokens=pa.array([0.5] * 900)),
+        r"column 'tokens' of \S+f\.parquet holds double, not integer token ids",
+    ),
     "ids beyond the vocabulary": (
         lambda d: write_parquet(d / "v.parquet", tokens=pa.array(np.arange(9000) % 300)),
         r"data\.path: \S+ holds token id 299, but model\.vocab_size=256 .*Set "
-        r"model\.vocab_size >= 300"),
-    "negative ids": (lambda d: write_parquet(d / "n.parquet",
-                                             tokens=pa.array(np.arange(9000) % 200 - 1)),
-                     r"holds token id -1; ids must be >= 0"),
-    "empty": (lambda d: write_parquet(d / "e.parquet", tokens=pa.array([], pa.int32())),
-              r"holds 0 tokens, fewer than one sample of model\.seq_len\+1=129"),
+        r"model\.vocab_size >= 300",
+    ),
+    "negative ids": (
+        lambda d: write_parquet(d / "n.parquet", tokens=pa.array(np.arange(9000) % 200 - 1)),
+        r"holds token id -1; ids must be >= 0",
+    ),
+    "empty": (
+        lambda d: write_parquet(d / "e.parquet", tokens=pa.array([], pa.int32())),
+        r"holds 0 tokens, fewer than one sample of model\.seq_len\+1=129",
+    ),
     "missing": (lambda d: d / "nowhere.arrow", r"data\.path: \S+nowhere\.arrow does not exist"),
-    "arrow stream": (lambda d: _stream(d / "s.arrow"),
-                     r"data\.path: \S+s\.arrow is an Arrow IPC stream .*Rewrite it as an "
-                     r"Arrow IPC file"),
+    "arrow stream": (
+        lambda d: _stream(d / "s.arrow"),
+        r"data\.path: \S+s\.arrow is an Arrow IPC stream .*Rewrite it as an "
+        r"Arrow IPC file",
+    ),
 }
 
 
@@ -126,22 +143,37 @@ def test_fewer_samples_than_a_global_batch_is_refused_unless_repeat_is_allowed(t
     from raytrain_ext.inputs.preflight import preflight
 
     data = write_parquet(tmp_path / "small.parquet", tokens=pa.array(np.arange(5 * 128 + 1) % 256))
-    stderr = refused_before_ray([*TRAIN, f"data.path={data}", f"run.output_dir={tmp_path}"],
-                                tmp_path)
-    assert re.search(r"data\.global_batch_size: 16 is more than the 5 samples in data\.path .*"
-                     r"set data\.allow_repeat=true", stderr), stderr
-    allowed = load_config(None, [f"data.path={data}", "data.allow_repeat=true",
-                                 f"run.output_dir={tmp_path}"])
+    stderr = refused_before_ray(
+        [*TRAIN, f"data.path={data}", f"run.output_dir={tmp_path}"], tmp_path
+    )
+    assert re.search(
+        r"data\.global_batch_size: 16 is more than the 5 samples in data\.path .*"
+        r"set data\.allow_repeat=true",
+        stderr,
+    ), stderr
+    allowed = load_config(
+        None, [f"data.path={data}", "data.allow_repeat=true", f"run.output_dir={tmp_path}"]
+    )
     preflight(allowed)  # the user said repeating is fine: accepted
 
 
 def test_a_schedule_that_never_reaches_min_lr_is_said_before_anything_starts(tmp_path):
-    stderr = refused_before_ray([*TRAIN, "optim.warmup_steps=1000", "run.max_steps=5",
-                                 f"run.output_dir={tmp_path}", f"data.path={tmp_path / 'none'}"],
-                                tmp_path)
-    assert re.search(r"WARNING .*optim\.warmup_steps: 1000 warmup steps in a run of "
-                     r"run\.max_steps=5 keep the learning rate at or below 1\.5e-05, under "
-                     r"optim\.min_lr=0\.0003", stderr), stderr
+    stderr = refused_before_ray(
+        [
+            *TRAIN,
+            "optim.warmup_steps=1000",
+            "run.max_steps=5",
+            f"run.output_dir={tmp_path}",
+            f"data.path={tmp_path / 'none'}",
+        ],
+        tmp_path,
+    )
+    assert re.search(
+        r"WARNING .*optim\.warmup_steps: 1000 warmup steps in a run of "
+        r"run\.max_steps=5 keep the learning rate at or below 1\.5e-05, under "
+        r"optim\.min_lr=0\.0003",
+        stderr,
+    ), stderr
 
 
 # ---- class 3: local paths and S3, in train and export ------------------------------------
@@ -151,20 +183,34 @@ def test_unusable_local_paths_and_addresses_name_their_key(tmp_path, cli):
     a_file.write_text("x")
     cases = [
         (["train", "run.output_dir=/proc/rte"], r"run\.output_dir: cannot create /proc/rte"),
-        (["train", f"run.output_dir={a_file}/runs"],
-         rf"run\.output_dir: cannot use {a_file}/runs/tiny: {a_file} is a file"),
-        (["train", f"run.output_dir={tmp_path}", f"checkpoint.dir={a_file}"],
-         rf"checkpoint\.dir: cannot use {a_file}: {a_file} is a file"),
-        (["ckpt", "export", str(tmp_path), "--to", "/proc/x.safetensors"],
-         r"--to: cannot write to /proc"),
-        (["ckpt", "export", str(tmp_path), "--to", f"{a_file}/m.safetensors"],
-         rf"--to: cannot use {a_file}: {a_file} is a file"),
-        (["ckpt", "export", str(tmp_path), "--to", str(tmp_path)],
-         rf"--to: {tmp_path} is a directory; give the path of the file"),
-        (["ckpt", "export", str(tmp_path / "nope"), "--to", "m.safetensors"],
-         r"RUN_OR_PATH: \S+nope does not exist"),
-        (["train", f"run.output_dir={tmp_path}", "scaling.ray_address=127.0.0.1:1"],
-         r"scaling\.ray_address: nothing answers at 127\.0\.0\.1:1 .*unset scaling\.ray_address"),
+        (
+            ["train", f"run.output_dir={a_file}/runs"],
+            rf"run\.output_dir: cannot use {a_file}/runs/tiny: {a_file} is a file",
+        ),
+        (
+            ["train", f"run.output_dir={tmp_path}", f"checkpoint.dir={a_file}"],
+            rf"checkpoint\.dir: cannot use {a_file}: {a_file} is a file",
+        ),
+        (
+            ["ckpt", "export", str(tmp_path), "--to", "/proc/x.safetensors"],
+            r"--to: cannot write to /proc",
+        ),
+        (
+            ["ckpt", "export", str(tmp_path), "--to", f"{a_file}/m.safetensors"],
+            rf"--to: cannot use {a_file}: {a_file} is a file",
+        ),
+        (
+            ["ckpt", "export", str(tmp_path), "--to", str(tmp_path)],
+            rf"--to: {tmp_path} is a directory; give the path of the file",
+        ),
+        (
+            ["ckpt", "export", str(tmp_path / "nope"), "--to", "m.safetensors"],
+            r"RUN_OR_PATH: \S+nope does not exist",
+        ),
+        (
+            ["train", f"run.output_dir={tmp_path}", "scaling.ray_address=127.0.0.1:1"],
+            r"scaling\.ray_address: nothing answers at 127\.0\.0\.1:1 .*unset scaling\.ray_address",
+        ),
     ]
     for number, (args, expected) in enumerate(cases):
         stderr = refused_before_ray([*TRAIN[:-1], *args], tmp_path) if number == 0 else cli(args)
@@ -183,33 +229,104 @@ def test_s3_errors_name_the_bucket_endpoint_or_credentials(s3_endpoint, tmp_path
     export = ["ckpt", "export"]
     no_creds = without_aws_credentials(clean_env())
     for args, expected in [
-        (["train", out, "checkpoint.s3.uri=s3://have-bucket/x",
-          f"checkpoint.s3.endpoint_url={s3_endpoint}"],
-         r"S3 credentials: no usable credentials for s3://have-bucket \(checkpoint\.s3\.uri\).*"
-         r"AWS_ACCESS_KEY_ID"),
-        ([*export, "s3://have-bucket/x", "--to", "m.safetensors", "--s3-endpoint-url", s3_endpoint],
-         r"S3 credentials: no usable credentials for s3://have-bucket \(RUN_OR_PATH\)"),
+        (
+            [
+                "train",
+                out,
+                "checkpoint.s3.uri=s3://have-bucket/x",
+                f"checkpoint.s3.endpoint_url={s3_endpoint}",
+            ],
+            r"S3 credentials: no usable credentials for s3://have-bucket \(checkpoint\.s3\.uri\).*"
+            r"AWS_ACCESS_KEY_ID",
+        ),
+        (
+            [
+                *export,
+                "s3://have-bucket/x",
+                "--to",
+                "m.safetensors",
+                "--s3-endpoint-url",
+                s3_endpoint,
+            ],
+            r"S3 credentials: no usable credentials for s3://have-bucket \(RUN_OR_PATH\)",
+        ),
     ]:
         stderr = refused_before_ray([*TRAIN[:-1], *args], tmp_path, no_creds)
         assert re.search(expected, stderr), (args, stderr)
     for args, expected in [
-        (["train", out, "checkpoint.s3.uri=s3://have-bucket/x", "checkpoint.s3.endpoint_url=notaurl"],
-         r"checkpoint\.s3\.endpoint_url: 'notaurl' is not an endpoint URL"),
-        (["train", out, "checkpoint.s3.uri=s3://no-bucket/x",
-          f"checkpoint.s3.endpoint_url={s3_endpoint}"],
-         r"checkpoint\.s3\.uri: bucket 'no-bucket' does not exist at http://127"),
-        (["train", out, "checkpoint.s3.uri=s3://have-bucket/x", f"checkpoint.s3.endpoint_url={dead}"],
-         r"checkpoint\.s3\.endpoint_url: cannot reach http://127\.0\.0\.1:9"),
-        (["train", out, "data.path=s3://no-bucket/tokens", f"data.s3_endpoint_url={s3_endpoint}"],
-         r"data\.path: bucket 'no-bucket' does not exist"),
-        ([*export, "s3://no-bucket/x", "--to", "m.safetensors", "--s3-endpoint-url", s3_endpoint],
-         r"RUN_OR_PATH: bucket 'no-bucket' does not exist"),
-        ([*export, "s3://have-bucket/x", "--to", "m.safetensors", "--s3-endpoint-url", dead],
-         r"--s3-endpoint-url: cannot reach http://127\.0\.0\.1:9"),
-        ([*export, "s3://have-bucket/x", "--to", "m.safetensors", "--s3-endpoint-url", "notaurl"],
-         r"--s3-endpoint-url: 'notaurl' is not an endpoint URL"),
-        ([*export, "s3://have-bucket/x", "--to", "m.safetensors", "--s3-endpoint-url", s3_endpoint],
-         r"RUN_OR_PATH: s3://have-bucket/x holds no committed checkpoint"),
+        (
+            [
+                "train",
+                out,
+                "checkpoint.s3.uri=s3://have-bucket/x",
+                "checkpoint.s3.endpoint_url=notaurl",
+            ],
+            r"checkpoint\.s3\.endpoint_url: 'notaurl' is not an endpoint URL",
+        ),
+        (
+            [
+                "train",
+                out,
+                "checkpoint.s3.uri=s3://no-bucket/x",
+                f"checkpoint.s3.endpoint_url={s3_endpoint}",
+            ],
+            r"checkpoint\.s3\.uri: bucket 'no-bucket' does not exist at http://127",
+        ),
+        (
+            [
+                "train",
+                out,
+                "checkpoint.s3.uri=s3://have-bucket/x",
+                f"checkpoint.s3.endpoint_url={dead}",
+            ],
+            r"checkpoint\.s3\.endpoint_url: cannot reach http://127\.0\.0\.1:9",
+        ),
+        (
+            [
+                "train",
+                out,
+                "data.path=s3://no-bucket/tokens",
+                f"data.s3_endpoint_url={s3_endpoint}",
+            ],
+            r"data\.path: bucket 'no-bucket' does not exist",
+        ),
+        (
+            [
+                *export,
+                "s3://no-bucket/x",
+                "--to",
+                "m.safetensors",
+                "--s3-endpoint-url",
+                s3_endpoint,
+            ],
+            r"RUN_OR_PATH: bucket 'no-bucket' does not exist",
+        ),
+        (
+            [*export, "s3://have-bucket/x", "--to", "m.safetensors", "--s3-endpoint-url", dead],
+            r"--s3-endpoint-url: cannot reach http://127\.0\.0\.1:9",
+        ),
+        (
+            [
+                *export,
+                "s3://have-bucket/x",
+                "--to",
+                "m.safetensors",
+                "--s3-endpoint-url",
+                "notaurl",
+            ],
+            r"--s3-endpoint-url: 'notaurl' is not an endpoint URL",
+        ),
+        (
+            [
+                *export,
+                "s3://have-bucket/x",
+                "--to",
+                "m.safetensors",
+                "--s3-endpoint-url",
+                s3_endpoint,
+            ],
+            r"RUN_OR_PATH: s3://have-bucket/x holds no committed checkpoint",
+        ),
     ]:
         stderr = cli(args)
         assert re.search(expected, stderr), (args, stderr)
@@ -242,8 +359,14 @@ def test_a_failed_resume_leaves_the_earlier_runs_records_and_reports_one_line(tm
     one line naming the rank, the checkpoint and the fix; the full trace, without colour
     codes, in the attempt's error.log; summary.json, config.yaml and every checkpoint file of
     the earlier run byte-identical.  A later start refused by the preflight adds nothing."""
-    common = [f"run.output_dir={tmp_path}", "run.name=r", "run.max_steps=4",
-              "checkpoint.every_steps=2", "run.tensorboard=false", *FAST_MODEL]
+    common = [
+        f"run.output_dir={tmp_path}",
+        "run.name=r",
+        "run.max_steps=4",
+        "checkpoint.every_steps=2",
+        "run.tensorboard=false",
+        *FAST_MODEL,
+    ]
     first = run([*TRAIN, *common], tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
     run_dir = tmp_path / "r"
@@ -259,25 +382,39 @@ def test_a_failed_resume_leaves_the_earlier_runs_records_and_reports_one_line(tm
     assert len(line) == 1 and re.search(
         r"worker rank \d \(node 127\.0\.0\.1, pid \d+\) raised CheckpointMismatch: checkpoint "
         r"\S+/r/checkpoints/step-00000004 was saved from a different model: .* Resume with the "
-        r"model config it was saved with", line[0]), resumed.stderr[-2000:]
+        r"model config it was saved with",
+        line[0],
+    ), resumed.stderr[-2000:]
     assert snapshot(run_dir) == before  # summary, config and checkpoints untouched
     attempt = json.loads((run_dir / "attempts" / "002" / "summary.json").read_text())
     assert attempt["status"] == "failed" and attempt["error"] == line[0]
     assert "\x1b[" not in json.dumps(attempt) and "\n" not in attempt["error"]
     trace = (run_dir / "attempts" / "002" / "error.log").read_text()
     assert "\x1b[" not in trace and 'manager.py", line' in trace  # the worker's own frames
-    assert f"full error: {run_dir}/attempts/002/error.log (this attempt's records: " \
-           f"{run_dir}/attempts/002)" in resumed.stderr
+    assert (
+        f"full error: {run_dir}/attempts/002/error.log (this attempt's records: "
+        f"{run_dir}/attempts/002)" in resumed.stderr
+    )
 
-    refused_before_ray([*TRAIN, *common, "checkpoint.s3.uri=s3://b/x",
-                        "checkpoint.s3.endpoint_url=http://127.0.0.1:9"], tmp_path)
+    refused_before_ray(
+        [
+            *TRAIN,
+            *common,
+            "checkpoint.s3.uri=s3://b/x",
+            "checkpoint.s3.endpoint_url=http://127.0.0.1:9",
+        ],
+        tmp_path,
+    )
     assert snapshot(run_dir) == before and not (run_dir / "attempts" / "003").exists()
 
 
 def snapshot(run_dir: Path) -> dict:
     """Bytes of the run's summary, config and every checkpoint file."""
-    files = [run_dir / "summary.json", run_dir / "config.yaml",
-             *sorted((run_dir / "checkpoints").rglob("*"))]
+    files = [
+        run_dir / "summary.json",
+        run_dir / "config.yaml",
+        *sorted((run_dir / "checkpoints").rglob("*")),
+    ]
     return {str(p): p.read_bytes() for p in files if p.is_file()}
 
 
@@ -296,15 +433,27 @@ def test_a_damaged_newest_manifest_is_described_alike_by_export_report_and_resto
     (ckpt / step_dir_name(6) / MANIFEST).write_text("{ not json")
 
     found = newest_usable(tier)
-    damaged = (r"local step-00000006/manifest\.json is there but is not a valid manifest "
-               r"\(JSONDecodeError: .*\): the step was committed, then its manifest was damaged")
+    damaged = (
+        r"local step-00000006/manifest\.json is there but is not a valid manifest "
+        r"\(JSONDecodeError: .*\): the step was committed, then its manifest was damaged"
+    )
     assert found.step == 4 and len(found.skipped) == 1 and re.search(damaged, found.skipped[0])
 
-    export = run([*raytrain_ext_cmd(), "ckpt", "export", str(ckpt / step_dir_name(6)),
-                  "--to", str(tmp_path / "m.safetensors")], tmp_path)
+    export = run(
+        [
+            *raytrain_ext_cmd(),
+            "ckpt",
+            "export",
+            str(ckpt / step_dir_name(6)),
+            "--to",
+            str(tmp_path / "m.safetensors"),
+        ],
+        tmp_path,
+    )
     assert export.returncode == 2 and "Traceback" not in export.stderr
-    assert re.search(r"RUN_OR_PATH: no usable checkpoint in \S+step-00000006: " + damaged,
-                     export.stderr), export.stderr
+    assert re.search(
+        r"RUN_OR_PATH: no usable checkpoint in \S+step-00000006: " + damaged, export.stderr
+    ), export.stderr
     assert "never committed" not in export.stderr
 
     from raytrain_ext.config import load_config, to_yaml
@@ -322,8 +471,11 @@ def test_the_rendezvous_store_listens_on_the_group_address_only():
     from raytrain_ext.worker.dist_env import host_store
 
     store = host_store("127.0.0.1", timeout_s=5)
-    listening = [c.laddr for c in psutil.net_connections("tcp")
-                 if c.status == psutil.CONN_LISTEN and c.laddr.port == store.port]
+    listening = [
+        c.laddr
+        for c in psutil.net_connections("tcp")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == store.port
+    ]
     assert [addr.ip for addr in listening] == ["127.0.0.1"], listening
     store.set("k", "v")
     assert store.get("k") == b"v"
@@ -339,19 +491,35 @@ def test_s3_error_mapper_names_the_key_for_each_class():
 
     uri, endpoint = "s3://bkt/prefix", "http://127.0.0.1:9000"
     expected = [
-        (client_error("NoSuchBucket"), CHECKPOINT_KEYS, r"^checkpoint\.s3\.uri: bucket 'bkt' "
-                                                        r"does not exist at http://127\.0\.0\.1:9000"),
+        (
+            client_error("NoSuchBucket"),
+            CHECKPOINT_KEYS,
+            r"^checkpoint\.s3\.uri: bucket 'bkt' "
+            r"does not exist at http://127\.0\.0\.1:9000",
+        ),
         (client_error("AccessDenied"), CHECKPOINT_KEYS, r"^S3 credentials: .*AWS_ACCESS_KEY_ID"),
         (NoCredentialsError(), DATA_KEYS, r"^S3 credentials: .*\(data\.path\)"),
-        (client_error("AuthorizationHeaderMalformed"), CHECKPOINT_KEYS,
-         r"^checkpoint\.s3\.region: s3://bkt is not in the region .* Set checkpoint\.s3\.region"),
+        (
+            client_error("AuthorizationHeaderMalformed"),
+            CHECKPOINT_KEYS,
+            r"^checkpoint\.s3\.region: s3://bkt is not in the region .* Set checkpoint\.s3\.region",
+        ),
         (client_error("PermanentRedirect"), DATA_KEYS, r"^data\.s3_region: "),
-        (EndpointConnectionError(endpoint_url=endpoint), DATA_KEYS,
-         r"^data\.s3_endpoint_url: cannot reach http://127\.0\.0\.1:9000"),
-        (OSError("AWS Error NETWORK_CONNECTION during HeadObject operation: curl error"),
-         DATA_KEYS, r"^data\.s3_endpoint_url: cannot reach"),
-        (OSError("AWS Error ACCESS_DENIED during HeadObject operation: HTTP response code: 403"),
-         DATA_KEYS, r"^S3 credentials: "),
+        (
+            EndpointConnectionError(endpoint_url=endpoint),
+            DATA_KEYS,
+            r"^data\.s3_endpoint_url: cannot reach http://127\.0\.0\.1:9000",
+        ),
+        (
+            OSError("AWS Error NETWORK_CONNECTION during HeadObject operation: curl error"),
+            DATA_KEYS,
+            r"^data\.s3_endpoint_url: cannot reach",
+        ),
+        (
+            OSError("AWS Error ACCESS_DENIED during HeadObject operation: HTTP response code: 403"),
+            DATA_KEYS,
+            r"^S3 credentials: ",
+        ),
     ]
     for error, keys, pattern in expected:
         message = describe_s3_error(error, keys, uri, endpoint)

@@ -49,7 +49,8 @@ def test_manifest_round_trip_and_verification(tmp_path):
     data[100] ^= 0xFF
     shard.write_bytes(bytes(data))
     assert "checksum" in verify_dir(tier.step_dir(5), again) and "corrupted" in verify_dir(
-        tier.step_dir(5), again)
+        tier.step_dir(5), again
+    )
     shard.write_bytes(bytes(data[:50]))
     assert "truncated" in verify_dir(tier.step_dir(5), again)
     shard.unlink()
@@ -78,13 +79,16 @@ def test_retention_keeps_last_k_and_never_the_newest_committed(tmp_path):
     assert tier.committed_steps() == [4]
 
 
-@pytest.mark.parametrize("override,message", [
-    ("checkpoint.every_steps=0", r"checkpoint\.every_steps: must be > 0 or null"),
-    ("checkpoint.s3.uri=bucket/x", r"checkpoint\.s3\.uri: 'bucket/x' is not an s3://"),
-    ("checkpoint.resume=/some/dir", r"checkpoint\.resume: '/some/dir' must be auto, never"),
-    ("checkpoint.on_busy=queue", r"checkpoint\.on_busy: 'queue' is not one of skip, wait"),
-    ("checkpoint.local=false", r"checkpoint\.local: checkpoints are enabled but no persistent"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("checkpoint.every_steps=0", r"checkpoint\.every_steps: must be > 0 or null"),
+        ("checkpoint.s3.uri=bucket/x", r"checkpoint\.s3\.uri: 'bucket/x' is not an s3://"),
+        ("checkpoint.resume=/some/dir", r"checkpoint\.resume: '/some/dir' must be auto, never"),
+        ("checkpoint.on_busy=queue", r"checkpoint\.on_busy: 'queue' is not one of skip, wait"),
+        ("checkpoint.local=false", r"checkpoint\.local: checkpoints are enabled but no persistent"),
+    ],
+)
 def test_checkpoint_config_errors(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, [override])
@@ -97,7 +101,7 @@ def test_chunk_checksums_cover_the_file_in_order(tmp_path):
     (tmp_path / "f").write_bytes(data)
     entry = checksum_file(tmp_path / "f", chunk_size=300)
     assert entry.size == 1280 and entry.chunk_size == 300 and len(entry.chunk_xxh3) == 5
-    assert entry.chunk_xxh3 == [checksum_bytes(data[i:i + 300]) for i in range(0, 1280, 300)]
+    assert entry.chunk_xxh3 == [checksum_bytes(data[i : i + 300]) for i in range(0, 1280, 300)]
     assert entry.xxh3_128 == checksum_bytes(data)
 
 
@@ -105,8 +109,12 @@ def _saved_step(directory):
     import torch
     import torch.distributed.checkpoint as dcp
 
-    saved = {"w": torch.randn(64, 32), "b": torch.arange(7.0),
-             "h": torch.randn(8, 8).to(torch.bfloat16), "step": 12}
+    saved = {
+        "w": torch.randn(64, 32),
+        "b": torch.arange(7.0),
+        "h": torch.randn(8, 8).to(torch.bfloat16),
+        "step": 12,
+    }
     dcp.save(saved, checkpoint_id=directory, no_dist=True)
     names = sorted(p.name for p in directory.iterdir())
     chunked = {n: checksum_file(directory / n, chunk_size=1024) for n in names}
@@ -119,8 +127,12 @@ def _load_verified(views, manifest):
 
     from raytrain_ext.checkpoint.reader import VerifiedReader
 
-    loaded = {"w": torch.zeros(64, 32), "b": torch.zeros(7),
-              "h": torch.zeros(8, 8, dtype=torch.bfloat16), "step": 0}
+    loaded = {
+        "w": torch.zeros(64, 32),
+        "b": torch.zeros(7),
+        "h": torch.zeros(8, 8, dtype=torch.bfloat16),
+        "step": 0,
+    }
     reader = VerifiedReader(views, manifest, "memory://r/step-12", threads=3)
     dcp.load(loaded, storage_reader=reader, no_dist=True)
     return loaded, reader.problem
@@ -135,8 +147,10 @@ def test_verified_reader_loads_mapped_and_in_memory_files_bit_identical(tmp_path
 
     saved, manifest = _saved_step(tmp_path)
     names = sorted(manifest.files)
-    for views in (map_files(tmp_path, names),
-                  {n: memoryview((tmp_path / n).read_bytes()) for n in names}):
+    for views in (
+        map_files(tmp_path, names),
+        {n: memoryview((tmp_path / n).read_bytes()) for n in names},
+    ):
         assert size_problem(views, manifest, "memory://r") is None
         loaded, problem = _load_verified(views, manifest)
         assert problem is None and loaded["step"] == 12
@@ -153,8 +167,9 @@ def test_verified_reader_names_a_corrupted_chunk_and_a_truncated_file(tmp_path):
     views[data][-1] ^= 0xFF
     _, problem = _load_verified(views, manifest)
     size = views[data].nbytes
-    assert problem.startswith(f"memory://r/step-12/{data} bytes ") and \
-        problem.endswith(f"-{size} fail their checksum (corrupted)"), problem
+    assert problem.startswith(f"memory://r/step-12/{data} bytes ") and problem.endswith(
+        f"-{size} fail their checksum (corrupted)"
+    ), problem
     problem = size_problem({**views, data: views[data][:-1]}, manifest, "memory://r")
     assert f"memory://r/{data} has" in problem and "(truncated?)" in problem
 
@@ -168,9 +183,14 @@ def test_saved_tensor_view_aliases_the_bytes_and_matches_torch_load():
 
     from raytrain_ext.checkpoint.saved_tensor import tensor_view
 
-    cases = [torch.randn(5, 6).t(), torch.arange(12, dtype=torch.bfloat16).view(3, 4)[1:],
-             torch.tensor(3.0), torch.zeros(0, 4), torch.ones(7, dtype=torch.bool),
-             torch.randint(0, 9, (4,), dtype=torch.int64)]
+    cases = [
+        torch.randn(5, 6).t(),
+        torch.arange(12, dtype=torch.bfloat16).view(3, 4)[1:],
+        torch.tensor(3.0),
+        torch.zeros(0, 4),
+        torch.ones(7, dtype=torch.bool),
+        torch.randint(0, 9, (4,), dtype=torch.int64),
+    ]
     for tensor in cases:
         buffer = io.BytesIO()
         torch.save(tensor, buffer)

@@ -13,8 +13,14 @@ import torch.multiprocessing as mp
 from tests.dist_helpers import train_processes
 from tests.test_training_math import ATOL_UNEVEN, max_param_diff
 
-BASE = ["data.global_batch_size=12", "data.micro_batch_size=2", "optim.decay_steps=8",
-        "optim.warmup_steps=2", "checkpoint.every_steps=4", "checkpoint.every_seconds=null"]
+BASE = [
+    "data.global_batch_size=12",
+    "data.micro_batch_size=2",
+    "optim.decay_steps=8",
+    "optim.warmup_steps=2",
+    "checkpoint.every_steps=4",
+    "checkpoint.every_seconds=null",
+]
 
 
 def train(world, tmp, name, ckpt_dir, *extra):
@@ -73,7 +79,10 @@ def test_corrupted_shard_falls_back_to_previous_checkpoint(uninterrupted, tmp_pa
     assert "step-00000008" in restored["skipped"][0] and "__1_0.distcp" in restored["skipped"][0]
     assert "corrupted" in restored["skipped"][0]
     # it then re-trains steps 5..8 exactly as the uninterrupted run did
-    assert resumed[0]["result"]["params_sha256"] == uninterrupted["ranks"][0]["result"]["params_sha256"]
+    assert (
+        resumed[0]["result"]["params_sha256"]
+        == uninterrupted["ranks"][0]["result"]["params_sha256"]
+    )
 
 
 @pytest.mark.slow
@@ -81,8 +90,9 @@ def test_checkpoint_of_another_model_shape_is_refused(uninterrupted, tmp_path):
     ckpt = tmp_path / "ckpt"
     shutil.copytree(uninterrupted["ckpt"], ckpt)
     with pytest.raises(mp.ProcessRaisedException) as info:
-        train(1, tmp_path, "r", ckpt, "run.max_steps=10", "model.d_model=64",
-              "scaling.num_workers=1")
+        train(
+            1, tmp_path, "r", ckpt, "run.max_steps=10", "model.d_model=64", "scaling.num_workers=1"
+        )
     text = str(info.value)
     assert "CheckpointMismatch" in text and "was saved from a different model" in text
     assert "model.tok_emb.weight: checkpoint [256, 128] vs model [256, 64]" in text
@@ -115,10 +125,18 @@ def test_safetensors_export_through_the_cli(uninterrupted, tmp_path, capsys):
 
 def test_time_based_saves(tmp_path):
     """every_seconds alone (rank 0's clock, agreed through the step exchange)."""
-    ranks = train_processes(2, ["data.global_batch_size=8", "run.max_steps=30",
-                                "checkpoint.every_seconds=0.4", "checkpoint.save_final=false",
-                                "checkpoint.keep_last=100", f"checkpoint.dir={tmp_path / 'c'}"],
-                            tmp_path / "out")
+    ranks = train_processes(
+        2,
+        [
+            "data.global_batch_size=8",
+            "run.max_steps=30",
+            "checkpoint.every_seconds=0.4",
+            "checkpoint.save_final=false",
+            "checkpoint.keep_last=100",
+            f"checkpoint.dir={tmp_path / 'c'}",
+        ],
+        tmp_path / "out",
+    )
     from raytrain_ext.checkpoint.disk import DiskTier
 
     committed = DiskTier(tmp_path / "c").committed_steps()
@@ -133,11 +151,15 @@ def test_time_based_saves(tmp_path):
 
 def test_resume_from_an_explicit_checkpoint_path(uninterrupted, tmp_path):
     source = uninterrupted["ckpt"] / "step-00000004"
-    resumed = train(2, tmp_path, "r", tmp_path / "fresh", "run.max_steps=8",
-                    f"checkpoint.resume={source}")
+    resumed = train(
+        2, tmp_path, "r", tmp_path / "fresh", "run.max_steps=8", f"checkpoint.resume={source}"
+    )
     assert resumed[0]["result"]["restored"]["step"] == 4
     assert resumed[0]["result"]["restored"]["path"] == str(source)
-    assert resumed[0]["result"]["params_sha256"] == uninterrupted["ranks"][0]["result"]["params_sha256"]
+    assert (
+        resumed[0]["result"]["params_sha256"]
+        == uninterrupted["ranks"][0]["result"]["params_sha256"]
+    )
 
 
 @pytest.mark.slow
@@ -155,7 +177,7 @@ def test_damaged_manifest_is_skipped_alike_by_restore_and_export(uninterrupted, 
     restored = resumed[0]["result"]["restored"]
     assert restored["step"] == 4 and len(restored["skipped"]) == 1
     said = restored["skipped"][0]
-    assert said.startswith("local step-00000008/manifest.json is there but is not a valid "
-                           "manifest (JSONDecodeError") and said.endswith(
-        "the step was committed, then its manifest was damaged")
+    assert said.startswith(
+        "local step-00000008/manifest.json is there but is not a valid manifest (JSONDecodeError"
+    ) and said.endswith("the step was committed, then its manifest was damaged")
     assert f"skipped {said}" in exported.err and "exported step 4" in exported.out

@@ -17,13 +17,16 @@ def test_file_hasher_gives_the_same_entry_for_any_split(tmp_path):
         hasher.update(memoryview(data)[start:end])
     entry = hasher.entry()
     assert entry == checksum_file(tmp_path / "f", chunk_size=300)
-    assert entry.chunk_xxh3 == [checksum_bytes(data[i:i + 300]) for i in range(0, 1280, 300)]
+    assert entry.chunk_xxh3 == [checksum_bytes(data[i : i + 300]) for i in range(0, 1280, 300)]
     assert entry.size == 1280
 
 
 def test_writer_checksums_match_the_files_and_torch_loads_them(tmp_path):
-    state = {"w": torch.randn(300, 70), "b": torch.arange(1000, dtype=torch.int64),
-             "step": torch.tensor(7.0)}
+    state = {
+        "w": torch.randn(300, 70),
+        "b": torch.arange(1000, dtype=torch.int64),
+        "step": torch.tensor(7.0),
+    }
     writer = ChecksummingWriter(tmp_path / "ckpt", chunk_size=4096, thread_count=2)
     dcp.save(state, storage_writer=writer, no_dist=True)
     data_files = sorted(p.name for p in (tmp_path / "ckpt").glob("*.distcp"))

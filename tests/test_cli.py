@@ -17,14 +17,22 @@ from tests.reference import uninterrupted
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 60
-PROGRESS = re.compile(r"^step +\d+/\d+  loss [\d.]+  lr [\d.e+-]+  grad_norm [\d.]+  "
-                      r"tokens/s +\d+  step_time [\d.]+ ms  world 2$", re.M)
+PROGRESS = re.compile(
+    r"^step +\d+/\d+  loss [\d.]+  lr [\d.e+-]+  grad_norm [\d.]+  "
+    r"tokens/s +\d+  step_time [\d.]+ ms  world 2$",
+    re.M,
+)
 
 
 @pytest.mark.slow
 def test_cli_trains_logs_from_rank0_and_writes_the_run_dir(tmp_path):
-    common = [f"run.max_steps={STEPS}", f"optim.decay_steps={STEPS}", "run.log_every=30",
-              f"run.output_dir={tmp_path}", *FAST_MODEL]
+    common = [
+        f"run.max_steps={STEPS}",
+        f"optim.decay_steps={STEPS}",
+        "run.log_every=30",
+        f"run.output_dir={tmp_path}",
+        *FAST_MODEL,
+    ]
     cli = run([*raytrain_ext_cmd(), "train", *common, "run.name=cli"], cwd=tmp_path)
     assert cli.returncode == 0, cli.stderr[-3000:]
     assert len(PROGRESS.findall(cli.stdout)) == 2, cli.stdout  # steps 30 and 60, rank 0 only
@@ -57,17 +65,37 @@ def test_killed_cli_run_resumed_by_the_job_entrypoint_ends_as_if_uninterrupted(t
     """SIGKILL the whole `raytrain-ext train` process group mid-run, then resume it with
     `python jobs/train.py --config configs/tiny_cpu.yaml` (the `ray job submit` entrypoint,
     whose config file equals the packaged default): same parameters, same samples."""
-    common = [f"run.max_steps={STEPS}", "run.log_every=10", f"optim.decay_steps={STEPS}",
-              "checkpoint.every_steps=5", f"run.output_dir={tmp_path}", "run.tensorboard=false",
-              "run.name=victim", *FAST_MODEL]
-    proc = subprocess.Popen([*raytrain_ext_cmd(), "train", *common], cwd=tmp_path, env=clean_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    common = [
+        f"run.max_steps={STEPS}",
+        "run.log_every=10",
+        f"optim.decay_steps={STEPS}",
+        "checkpoint.every_steps=5",
+        f"run.output_dir={tmp_path}",
+        "run.tensorboard=false",
+        "run.name=victim",
+        *FAST_MODEL,
+    ]
+    proc = subprocess.Popen(
+        [*raytrain_ext_cmd(), "train", *common],
+        cwd=tmp_path,
+        env=clean_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     wait_for_checkpoint(tmp_path / "victim" / "checkpoints", 10, while_running=proc)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    resumed = run([sys.executable, str(REPO / "jobs" / "train.py"), "--config",
-                   str(REPO / "configs" / "tiny_cpu.yaml"), *common], cwd=tmp_path)
+    resumed = run(
+        [
+            sys.executable,
+            str(REPO / "jobs" / "train.py"),
+            "--config",
+            str(REPO / "configs" / "tiny_cpu.yaml"),
+            *common,
+        ],
+        cwd=tmp_path,
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     b = json.loads((tmp_path / "victim" / "summary.json").read_text())
     a = uninterrupted(STEPS, *FAST_MODEL)["result"]
@@ -76,20 +104,37 @@ def test_killed_cli_run_resumed_by_the_job_entrypoint_ends_as_if_uninterrupted(t
 
 
 def _worker_pids(root_pid):
-    return [p.pid for p in psutil.Process(root_pid).children(recursive=True)
-            if " ".join(p.cmdline()).startswith("ray::TrainWorker")]
+    return [
+        p.pid
+        for p in psutil.Process(root_pid).children(recursive=True)
+        if " ".join(p.cmdline()).startswith("ray::TrainWorker")
+    ]
 
 
 @pytest.mark.slow
 def test_sigterm_to_a_worker_checkpoints_then_resumes_with_zero_steps_redone(tmp_path):
-    common = [f"run.max_steps={STEPS}", "run.log_every=10", f"optim.decay_steps={STEPS}",
-              "checkpoint.every_steps=5", "checkpoint.every_seconds=null",
-              # two tiers: the ranks without the notice must join the deadline checks too
-              "checkpoint.memory=true",
-              f"run.output_dir={tmp_path}", "run.tensorboard=false", "run.name=spot", *FAST_MODEL]
+    common = [
+        f"run.max_steps={STEPS}",
+        "run.log_every=10",
+        f"optim.decay_steps={STEPS}",
+        "checkpoint.every_steps=5",
+        "checkpoint.every_seconds=null",
+        # two tiers: the ranks without the notice must join the deadline checks too
+        "checkpoint.memory=true",
+        f"run.output_dir={tmp_path}",
+        "run.tensorboard=false",
+        "run.name=spot",
+        *FAST_MODEL,
+    ]
     cmd = [*raytrain_ext_cmd(), "train", *common]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=tmp_path,
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     wait_for_checkpoint(tmp_path / "spot" / "checkpoints", 5, while_running=proc)
     os.kill(_worker_pids(proc.pid)[1], signal.SIGTERM)
     _, stderr = proc.communicate(timeout=120)
@@ -106,4 +151,3 @@ def test_sigterm_to_a_worker_checkpoints_then_resumes_with_zero_steps_redone(tmp
     reference = uninterrupted(STEPS, *FAST_MODEL)["result"]
     assert after["params_sha256"] == reference["params_sha256"]
     assert after["samples_digest"] == reference["samples_digest"]
-

@@ -77,8 +77,9 @@ def _entrypoint_args(job: dict) -> list[str]:
     """The entrypoint as the job sees it, after the submitter's shell expanded
     ``${VAR}`` / ``${VAR:?message}`` (here to sample values)."""
     samples = {"DATA_PATH": "s3://bucket/data/", "CHECKPOINT_S3_PREFIX": "s3://bucket/ckpt"}
-    expanded = re.sub(r"\$\{(\w+)(:\?[^}]*)?\}", lambda m: samples[m.group(1)],
-                      job["spec"]["entrypoint"])
+    expanded = re.sub(
+        r"\$\{(\w+)(:\?[^}]*)?\}", lambda m: samples[m.group(1)], job["spec"]["entrypoint"]
+    )
     return shlex.split(expanded)
 
 
@@ -100,6 +101,7 @@ def _sleep_s(command: str) -> int:
 
 
 # ---- parsing and CRD schemas --------------------------------------------------------------
+
 
 def test_every_yaml_under_cluster_parses_and_names_its_kind():
     files = sorted(CLUSTER.rglob("*.yaml"))
@@ -127,16 +129,23 @@ def test_rayjob_validates_against_the_kuberay_crd_schema(relpath):
 def test_raycluster_spec_of_the_rayjob_validates_as_a_raycluster():
     validator = _validator("raycluster-ray.io-v1.json")
     job = _rayjob("rayjob.yaml")
-    cluster = {"apiVersion": "ray.io/v1", "kind": "RayCluster",
-               "metadata": {"name": "gpt-1b"}, "spec": job["spec"]["rayClusterSpec"]}
+    cluster = {
+        "apiVersion": "ray.io/v1",
+        "kind": "RayCluster",
+        "metadata": {"name": "gpt-1b"},
+        "spec": job["spec"]["rayClusterSpec"],
+    }
     assert [e.message for e in validator.iter_errors(cluster)] == []
 
 
-@pytest.mark.parametrize("path, typo", [
-    (("spec",), "shutdownAfterJobFinish"),
-    (("spec", "rayClusterSpec", "workerGroupSpecs", 0), "replica"),
-    (("spec", "rayClusterSpec", "headGroupSpec", "template", "spec"), "terminationGracePeriod"),
-])
+@pytest.mark.parametrize(
+    "path, typo",
+    [
+        (("spec",), "shutdownAfterJobFinish"),
+        (("spec", "rayClusterSpec", "workerGroupSpecs", 0), "replica"),
+        (("spec", "rayClusterSpec", "headGroupSpec", "template", "spec"), "terminationGracePeriod"),
+    ],
+)
 def test_schema_validation_is_strict_about_typos(path, typo):
     validator = _validator("rayjob-ray.io-v1.json")
     job = copy.deepcopy(_rayjob("rayjob.yaml"))
@@ -164,6 +173,7 @@ def test_rayjob_gpu_workers_and_shared_memory():
 
 
 # ---- credentials, entrypoint, config ------------------------------------------------------
+
 
 @pytest.mark.parametrize("relpath", RAYJOB_FILES)
 def test_credentials_come_from_a_secret_never_from_the_files(relpath):
@@ -210,8 +220,10 @@ def test_ray_up_config_passes_rays_own_validator():
     validate_config(prepare_config(copy.deepcopy(raw)))  # what `ray up` runs, minus AWS calls
     workers = raw["available_node_types"]["worker.gpu.spot"]
     assert workers["node_config"]["InstanceMarketOptions"] == {"MarketType": "spot"}
-    assert workers["resources"]["GPU"] == 8 and "GPU" not in raw["available_node_types"][
-        raw["head_node_type"]]["resources"]
+    assert (
+        workers["resources"]["GPU"] == 8
+        and "GPU" not in raw["available_node_types"][raw["head_node_type"]]["resources"]
+    )
     assert any("pip install" in c and "raytrain-ext" in c for c in raw["setup_commands"])
     broken = copy.deepcopy(raw)
     broken["setup_command"] = broken.pop("setup_commands")
@@ -221,11 +233,13 @@ def test_ray_up_config_passes_rays_own_validator():
 
 # ---- preemption timing budget -------------------------------------------------------------
 
+
 @pytest.mark.parametrize("relpath", RAYJOB_FILES)
 def test_preemption_budget_gives_the_emergency_checkpoint_its_grace(relpath):
     job = _rayjob(relpath)
-    grace_s = load_config(REPO / "configs/gpt_1b_2x8gpu.yaml",
-                          _overrides(job)).checkpoint.preemption_grace_s
+    grace_s = load_config(
+        REPO / "configs/gpt_1b_2x8gpu.yaml", _overrides(job)
+    ).checkpoint.preemption_grace_s
     assert CheckpointConfig.preemption_grace_s == 30.0  # the default documented in the YAML
     sleeps = {}
     for name, template in _pod_templates(job).items():
@@ -249,7 +263,7 @@ def test_worker_prestop_runs_the_signal_script_shipped_in_the_image(relpath):
             continue
         script = shlex.split(_prestop_command(template).split(";")[0])[-1]
         assert script.startswith(IMAGE_WORKDIR + "/")
-        assert (REPO / script[len(IMAGE_WORKDIR) + 1:]).is_file()
+        assert (REPO / script[len(IMAGE_WORKDIR) + 1 :]).is_file()
     dockerfile = (CLUSTER / "Dockerfile").read_text()
     assert f"WORKDIR {IMAGE_WORKDIR}" in dockerfile
 
@@ -261,26 +275,37 @@ def _unshare_works() -> bool:
     return probe.returncode == 0
 
 
-@pytest.mark.skipif(not _unshare_works(), reason="needs unshare (user + PID namespaces) to "
-                    "signal only processes of this test, never the machine's real Ray workers")
+@pytest.mark.skipif(
+    not _unshare_works(),
+    reason="needs unshare (user + PID namespaces) to "
+    "signal only processes of this test, never the machine's real Ray workers",
+)
 def test_signal_script_sigterms_training_workers_and_nothing_else(tmp_path):
     """Runs in a private PID namespace: a fake `ray::TrainWorker.fit` and a bystander
     `ray::IDLE` each record the signals they get."""
-    fake = ("import signal, sys, time, pathlib\n"
-            "out = pathlib.Path(sys.argv[1])\n"
-            "signal.signal(signal.SIGTERM, lambda *a: (out.write_text('SIGTERM'), sys.exit(0)))\n"
-            "out.write_text('ready')\n"
-            "time.sleep(30)\n")
+    fake = (
+        "import signal, sys, time, pathlib\n"
+        "out = pathlib.Path(sys.argv[1])\n"
+        "signal.signal(signal.SIGTERM, lambda *a: (out.write_text('SIGTERM'), sys.exit(0)))\n"
+        "out.write_text('ready')\n"
+        "time.sleep(30)\n"
+    )
     (tmp_path / "fake.py").write_text(fake)
-    inner = (f"exec -a ray::TrainWorker.fit {sys.executable} {tmp_path}/fake.py "
-             f"{tmp_path}/worker & "
-             f"exec -a ray::IDLE {sys.executable} {tmp_path}/fake.py {tmp_path}/idle & "
-             f"while [ ! -s {tmp_path}/worker ] || [ ! -s {tmp_path}/idle ]; do sleep 0.05; done; "
-             f"/bin/sh {CLUSTER}/signal_training_workers.sh; wait %1; "
-             f"kill -KILL %2")
+    inner = (
+        f"exec -a ray::TrainWorker.fit {sys.executable} {tmp_path}/fake.py "
+        f"{tmp_path}/worker & "
+        f"exec -a ray::IDLE {sys.executable} {tmp_path}/fake.py {tmp_path}/idle & "
+        f"while [ ! -s {tmp_path}/worker ] || [ ! -s {tmp_path}/idle ]; do sleep 0.05; done; "
+        f"/bin/sh {CLUSTER}/signal_training_workers.sh; wait %1; "
+        f"kill -KILL %2"
+    )
     started = time.time()
-    out = subprocess.run(["unshare", "-Urpf", "--mount-proc", "bash", "-c", inner],
-                         capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        ["unshare", "-Urpf", "--mount-proc", "bash", "-c", inner],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert re.fullmatch(r"SIGTERM -> training worker pid \d+\n", out.stdout), out
     assert (tmp_path / "worker").read_text() == "SIGTERM"
     assert (tmp_path / "idle").read_text() == "ready"
@@ -289,20 +314,26 @@ def test_signal_script_sigterms_training_workers_and_nothing_else(tmp_path):
 
 # ---- Kueue and Volcano ----------------------------------------------------------------------
 
+
 def _priority_values(relpath: str, kind: str) -> dict[str, int]:
     return {d["metadata"]["name"]: d["value"] for d in _kind(relpath, kind)}
 
 
-@pytest.mark.parametrize("relpath, kind", [
-    ("kueue/priority-classes.yaml", "WorkloadPriorityClass"),
-    ("volcano/priority-classes.yaml", "PriorityClass"),
-])
+@pytest.mark.parametrize(
+    "relpath, kind",
+    [
+        ("kueue/priority-classes.yaml", "WorkloadPriorityClass"),
+        ("volcano/priority-classes.yaml", "PriorityClass"),
+    ],
+)
 def test_three_priority_tiers_ordered_urgent_regular_experimental(relpath, kind):
     values = _priority_values(relpath, kind)
     assert list(values) == TIERS
     assert values[TIERS[0]] > values[TIERS[1]] > values[TIERS[2]] > 0
     for doc in _kind(relpath, kind):
-        api = "kueue.x-k8s.io/v1beta1" if kind == "WorkloadPriorityClass" else "scheduling.k8s.io/v1"
+        api = (
+            "kueue.x-k8s.io/v1beta1" if kind == "WorkloadPriorityClass" else "scheduling.k8s.io/v1"
+        )
         assert doc["apiVersion"] == api and doc["description"]
 
 
@@ -314,18 +345,25 @@ def test_kueue_queues_and_rayjob_labels_resolve():
     assert cq["spec"]["preemption"]["withinClusterQueue"] == "LowerPriority"
     (group,) = cq["spec"]["resourceGroups"]
     assert {f["name"] for f in group["flavors"]} == flavors
-    gpu_quota = sum(r["nominalQuota"] for f in group["flavors"] for r in f["resources"]
-                    if r["name"] == "nvidia.com/gpu")
+    gpu_quota = sum(
+        r["nominalQuota"]
+        for f in group["flavors"]
+        for r in f["resources"]
+        if r["name"] == "nvidia.com/gpu"
+    )
     job = _rayjob("kueue/rayjob.yaml")
     labels = job["metadata"]["labels"]
     assert labels["kueue.x-k8s.io/queue-name"] == lq["metadata"]["name"]
     assert labels["kueue.x-k8s.io/priority-class"] in _priority_values(
-        "kueue/priority-classes.yaml", "WorkloadPriorityClass")
+        "kueue/priority-classes.yaml", "WorkloadPriorityClass"
+    )
     assert job["spec"]["suspend"] is True
     assert job["spec"]["rayClusterSpec"]["enableInTreeAutoscaling"] is False
     (workers,) = job["spec"]["rayClusterSpec"]["workerGroupSpecs"]
-    needed = workers["replicas"] * workers["template"]["spec"]["containers"][0][
-        "resources"]["limits"]["nvidia.com/gpu"]
+    needed = (
+        workers["replicas"]
+        * workers["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
+    )
     assert needed == gpu_quota  # one job fills the queue: a second one must preempt
 
 

@@ -33,8 +33,10 @@ def test_samples_are_shifted_windows():
 
 def test_local_parquet_directory_and_arrow_file(tmp_path):
     for i in range(2):
-        pq.write_table(pa.table({"tokens": pa.array(np.arange(600) + i * 600, pa.uint16())}),
-                       tmp_path / f"part-{i}.parquet")
+        pq.write_table(
+            pa.table({"tokens": pa.array(np.arange(600) + i * 600, pa.uint16())}),
+            tmp_path / f"part-{i}.parquet",
+        )
     ds = open_token_dataset(str(tmp_path), seq_len=100)
     assert len(ds.tokens) == 1200 and ds.tokens[600] == 600 and ds.num_samples == 11
     from raytrain_ext.data.corpus import write_token_file
@@ -61,8 +63,9 @@ def test_s3_prefix_through_a_real_s3_server(s3_endpoint):
         buf = io.BytesIO()
         pq.write_table(pa.table({"tokens": pa.array(np.full(500, i), pa.uint16())}), buf)
         s3.put_object(Bucket="tokens-test", Key=f"ds/part-{i}.parquet", Body=buf.getvalue())
-    ds = open_token_dataset("s3://tokens-test/ds/", seq_len=99, s3_endpoint_url=s3_endpoint,
-                            s3_region="us-east-1")
+    ds = open_token_dataset(
+        "s3://tokens-test/ds/", seq_len=99, s3_endpoint_url=s3_endpoint, s3_region="us-east-1"
+    )
     assert len(ds.tokens) == 1000 and ds.tokens[0] == 0 and ds.tokens[999] == 1
     with pytest.raises(FileNotFoundError, match=r"s3://tokens-test/missing/ does not exist"):
         open_token_dataset("s3://tokens-test/missing/", seq_len=8, s3_endpoint_url=s3_endpoint)

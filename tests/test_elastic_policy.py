@@ -85,8 +85,9 @@ def test_failure_origin_is_the_dead_rank_not_the_peers_that_echo_it():
 
     from raytrain_ext.elastic.survivors import is_peer_loss, origin_of
 
-    echo = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer "
-                        "[127.0.0.1]:39856")
+    echo = RuntimeError(
+        "[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:39856"
+    )
     dead = ray.exceptions.ActorDiedError()
     assert is_peer_loss(echo) and not is_peer_loss(ValueError("bad batch"))
     assert origin_of({0: echo}) is None  # only an echo so far: the origin has yet to report

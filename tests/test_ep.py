@@ -14,11 +14,16 @@ import pytest
 from raytrain_ext.config import ConfigError, load_config
 from raytrain_ext.config.validate import validate
 from raytrain_ext.parallel.dims import ParallelDims, ParallelLayoutError, check_batch_split
-from raytrain_ext.parallel.ep import expert_group_ranks, group_ranks, owned_experts
+from raytrain_ext.parallel.ep_shards import expert_group_ranks, group_ranks, owned_experts
 from tests.dist_helpers import train_processes
 
-MOE = ["run.max_steps=8", "data.global_batch_size=12", "data.micro_batch_size=2",
-       "model.moe.num_experts=4", "model.moe.top_k=2"]
+MOE = [
+    "run.max_steps=8",
+    "data.global_batch_size=12",
+    "data.micro_batch_size=2",
+    "model.moe.num_experts=4",
+    "model.moe.top_k=2",
+]
 ATOL = 1e-5
 LOSS_ATOL = 1e-5
 
@@ -38,8 +43,11 @@ def assert_curves_match(ddp, run):
 
 def step4_checkpoint(tmp_path):
     """Overrides for a checkpoint every 4 steps under ``tmp_path / 'ckpt'``."""
-    return ["checkpoint.enabled=true", "checkpoint.every_steps=4",
-            f"checkpoint.dir={tmp_path / 'ckpt'}"]
+    return [
+        "checkpoint.enabled=true",
+        "checkpoint.every_steps=4",
+        f"checkpoint.dir={tmp_path / 'ckpt'}",
+    ]
 
 
 def layout_matches_ddp_and_resumes_on_one_ddp_rank(ddp, layout, tmp_path):
@@ -53,9 +61,16 @@ def layout_matches_ddp_and_resumes_on_one_ddp_rank(ddp, layout, tmp_path):
     assert_curves_match(ddp, run)
     assert run[0]["result"]["samples_digest"] == ddp[0]["result"]["samples_digest"]
 
-    resumed = train_processes(1, [*MOE, *ckpt[:2], f"checkpoint.resume={tmp_path / 'ckpt'}/"
-                                  "step-00000004", f"checkpoint.dir={tmp_path / 'ck1'}"],
-                              tmp_path / "one")
+    resumed = train_processes(
+        1,
+        [
+            *MOE,
+            *ckpt[:2],
+            f"checkpoint.resume={tmp_path / 'ckpt'}/step-00000004",
+            f"checkpoint.dir={tmp_path / 'ck1'}",
+        ],
+        tmp_path / "one",
+    )
     assert resumed[0]["result"]["restored"]["step"] == 4
     assert max_param_diff(resumed[0]["params"], ddp[0]["params"]) < ATOL
     return resumed
@@ -73,16 +88,21 @@ def test_under_tp_expert_groups_stay_within_one_tp_coordinate():
     dims = ParallelDims(dp_replicate=1, dp_shard=2, tp=2, ep=2)
     assert expert_group_ranks(dims, 4) == ([[0, 2], [1, 3]], [[0], [2], [1], [3]])
     dims = ParallelDims(dp_replicate=1, dp_shard=4, tp=2, ep=2)
-    assert expert_group_ranks(dims, 8) == ([[0, 2], [4, 6], [1, 3], [5, 7]],
-                                           [[0, 4], [2, 6], [1, 5], [3, 7]])
+    assert expert_group_ranks(dims, 8) == (
+        [[0, 2], [4, 6], [1, 3], [5, 7]],
+        [[0, 4], [2, 6], [1, 5], [3, 7]],
+    )
 
 
 def test_dims_accept_ep_dividing_experts_and_dp():
     cfg = load_config(None, ["scaling.num_workers=4", "parallel.ep=2", *MOE[3:]])
     dims = ParallelDims.build(cfg.parallel, cfg.model, 4)
     assert (dims.ep, dims.dp_size) == (2, 4)
-    with pytest.raises(ParallelLayoutError, match=r"parallel\.ep: ep=2 does not divide the "
-                                                  r"data-parallel size 3 \(world size 3\)"):
+    with pytest.raises(
+        ParallelLayoutError,
+        match=r"parallel\.ep: ep=2 does not divide the "
+        r"data-parallel size 3 \(world size 3\)",
+    ):
         ParallelDims.build(cfg.parallel, cfg.model, 3)
 
 
@@ -90,28 +110,50 @@ def test_ranks_need_equal_microbatch_counts_under_ep():
     """Each forward is an all-to-all, so no rank may run one micro-batch more than its peers."""
     dims = ParallelDims(dp_replicate=1, dp_shard=2, tp=1, ep=2)
     check_batch_split("ddp", 8, 2, dims)
-    with pytest.raises(ParallelLayoutError, match=r"data\.global_batch_size: 5 samples over 2 "
-                       r"data-parallel ranks .* give some ranks 1 and others 2 micro-batches; "
-                       r"expert parallelism \(all-to-all per forward\) needs the same count"):
+    with pytest.raises(
+        ParallelLayoutError,
+        match=r"data\.global_batch_size: 5 samples over 2 "
+        r"data-parallel ranks .* give some ranks 1 and others 2 micro-batches; "
+        r"expert parallelism \(all-to-all per forward\) needs the same count",
+    ):
         check_batch_split("ddp", 5, 2, dims)
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["parallel.ep=3", "scaling.num_workers=3", "data.global_batch_size=6"],
-     r"parallel\.ep: model\.moe\.num_experts=4 is not divisible by ep=3 .* Choose ep among 1, 2, 4"),
-    (["parallel.ep=4", "scaling.num_workers=2"],
-     r"parallel\.ep: ep=4 does not divide the data-parallel size 2 \(world size 2\)"),
-    (["parallel.ep=2", "parallel.strategy=zero"],
-     r"parallel\.ep: expert parallelism \(ep=2\) is not supported yet with parallel\.strategy=zero"),
-    (["parallel.ep=2", "scaling.num_workers=4", "parallel.strategy=fsdp",
-      "parallel.dp_replicate=2"],
-     r"parallel\.ep: .* not supported yet with parallel\.dp_replicate=2"),
-    (["parallel.ep=2", "model.moe.num_experts=0"],
-     r"parallel\.ep: expert parallelism \(ep=2\) needs a mixture-of-experts model"),
-    (["parallel.ep=2", "scaling.min_workers=2", "scaling.max_workers=5"],
-     r"scaling\.max_workers: 5 is not a multiple of dp_replicate x tp x pp x ep = "
-     r"1 x 1 x 1 x 2 = 2"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["parallel.ep=3", "scaling.num_workers=3", "data.global_batch_size=6"],
+            r"parallel\.ep: model\.moe\.num_experts=4 is not divisible by ep=3 .* Choose ep among 1, 2, 4",
+        ),
+        (
+            ["parallel.ep=4", "scaling.num_workers=2"],
+            r"parallel\.ep: ep=4 does not divide the data-parallel size 2 \(world size 2\)",
+        ),
+        (
+            ["parallel.ep=2", "parallel.strategy=zero"],
+            r"parallel\.ep: expert parallelism \(ep=2\) is not supported yet with parallel\.strategy=zero",
+        ),
+        (
+            [
+                "parallel.ep=2",
+                "scaling.num_workers=4",
+                "parallel.strategy=fsdp",
+                "parallel.dp_replicate=2",
+            ],
+            r"parallel\.ep: .* not supported yet with parallel\.dp_replicate=2",
+        ),
+        (
+            ["parallel.ep=2", "model.moe.num_experts=0"],
+            r"parallel\.ep: expert parallelism \(ep=2\) needs a mixture-of-experts model",
+        ),
+        (
+            ["parallel.ep=2", "scaling.min_workers=2", "scaling.max_workers=5"],
+            r"scaling\.max_workers: 5 is not a multiple of dp_replicate x tp x pp x ep = "
+            r"1 x 1 x 1 x 2 = 2",
+        ),
+    ],
+)
 def test_invalid_expert_layouts_name_the_key(overrides, message):
     base = ["scaling.num_workers=2", "data.micro_batch_size=2", *MOE[3:]]
     with pytest.raises(ConfigError, match=message):
@@ -121,8 +163,10 @@ def test_invalid_expert_layouts_name_the_key(overrides, message):
 @pytest.fixture(scope="module")
 def ddp_and_ep(tmp_path_factory):
     root = tmp_path_factory.mktemp("ep")
-    return (train_processes(2, MOE, root / "ddp"),
-            train_processes(2, MOE + ["parallel.ep=2"], root / "ep"))
+    return (
+        train_processes(2, MOE, root / "ddp"),
+        train_processes(2, MOE + ["parallel.ep=2"], root / "ep"),
+    )
 
 
 @pytest.mark.slow
@@ -214,8 +258,9 @@ def test_ep2_in_two_pipeline_stages_matches_ddp_and_resumes_on_one_ddp_rank(ddp_
     expert written by its owner, whole-model param groups) carries on under 1-rank DDP.
     Measured: parameters 9.0e-7, losses 8e-8, grad norms 7e-8 relative."""
     ddp, _ = ddp_and_ep
-    layout_matches_ddp_and_resumes_on_one_ddp_rank(ddp, ["parallel.pp=2", "parallel.ep=2"],
-                                                   tmp_path)
+    layout_matches_ddp_and_resumes_on_one_ddp_rank(
+        ddp, ["parallel.pp=2", "parallel.ep=2"], tmp_path
+    )
 
 
 @pytest.mark.slow

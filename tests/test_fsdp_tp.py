@@ -13,8 +13,8 @@ sample fails either.  Every step's loss agrees within 3.5e-6 for FSDP/HSDP
 and 1.3e-5 with TP (asserted: 1e-5 and 1e-4), so a loss counted by both
 ranks of a TP group (2x) fails; every step's pre-clip gradient norm agrees
 within 8e-6 relative (asserted: 1e-4), so gradients averaged over the wrong
-group (world instead of dp: 2x), which AdamW alone would hide, fail.  TP forward vs the unsharded model: measured 4.8e-7 on the logits,
-5e-12 on a weight gradient.
+group (world instead of dp: 2x), which AdamW alone would hide, fail.  TP forward vs the
+unsharded model: measured 4.8e-7 on the logits, 5e-12 on a weight gradient.
 """
 
 from pathlib import Path
@@ -28,8 +28,14 @@ from raytrain_ext.worker.dist_env import WorkerEnv, destroy_distributed, free_po
 from tests.dist_helpers import spawn_ranks, train_processes
 from tests.test_training_math import ATOL, ATOL_UNEVEN, max_param_diff
 
-BASE = ["run.max_steps=8", "data.global_batch_size=8", "data.micro_batch_size=2",
-        "optim.warmup_steps=2", "checkpoint.every_steps=4", "checkpoint.every_seconds=null"]
+BASE = [
+    "run.max_steps=8",
+    "data.global_batch_size=8",
+    "data.micro_batch_size=2",
+    "optim.warmup_steps=2",
+    "checkpoint.every_steps=4",
+    "checkpoint.every_seconds=null",
+]
 FSDP = ["parallel.strategy=fsdp"]
 TP2 = FSDP + ["parallel.tp=2"]
 LOSS_ATOL = 1e-5
@@ -105,8 +111,14 @@ def test_dp2_x_tp2_with_sequence_parallel_matches_ddp_and_resumes_on_ddp(ddp, tm
 @pytest.mark.slow
 def test_hsdp_two_replicas_of_two_shards_matches_ddp(ddp, tmp_path):
     """Also with activation checkpointing: recomputing a block's forward changes nothing."""
-    hsdp = train(4, tmp_path, *FSDP, "parallel.dp_replicate=2",
-                 "parallel.activation_checkpointing=true", "checkpoint.enabled=false")
+    hsdp = train(
+        4,
+        tmp_path,
+        *FSDP,
+        "parallel.dp_replicate=2",
+        "parallel.activation_checkpointing=true",
+        "checkpoint.enabled=false",
+    )
     assert_matches(hsdp, ddp)
 
 
@@ -140,24 +152,39 @@ def _tp_forward_rank(rank: int, world: int, port: int, out_dir: str) -> None:
 
     from raytrain_ext.parallel.tp import apply_tensor_parallel
 
-    env = WorkerEnv(rank=rank, local_rank=rank, world_size=world, local_world_size=world,
-                    node_rank=0, master_addr="127.0.0.1", master_port=port)
+    env = WorkerEnv(
+        rank=rank,
+        local_rank=rank,
+        world_size=world,
+        local_world_size=world,
+        node_rank=0,
+        master_addr="127.0.0.1",
+        master_port=port,
+    )
     torch.set_num_threads(1)
     init_distributed(env, "gloo", timeout_s=60)
     try:
         model_cfg = load_config(None, []).model
         reference, sharded = build_model(model_cfg, 7), build_model(model_cfg, 7)
         apply_tensor_parallel(sharded, init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)))
-        tokens = torch.randint(0, model_cfg.vocab_size, (2, model_cfg.seq_len),
-                               generator=torch.Generator().manual_seed(0))
+        tokens = torch.randint(
+            0,
+            model_cfg.vocab_size,
+            (2, model_cfg.seq_len),
+            generator=torch.Generator().manual_seed(0),
+        )
         expected, actual = reference(tokens), sharded(tokens)
         expected.square().mean().backward()
         actual.square().mean().backward()
         grad = sharded.blocks[0].attn.wq.weight.grad.full_tensor()
-        torch.save({"logits": (actual - expected).abs().max().item(),
-                    "local_wq": tuple(sharded.blocks[0].attn.wq.weight.to_local().shape),
-                    "grad": (grad - reference.blocks[0].attn.wq.weight.grad).abs().max().item()},
-                   Path(out_dir) / f"rank{rank}.pt")
+        torch.save(
+            {
+                "logits": (actual - expected).abs().max().item(),
+                "local_wq": tuple(sharded.blocks[0].attn.wq.weight.to_local().shape),
+                "grad": (grad - reference.blocks[0].attn.wq.weight.grad).abs().max().item(),
+            },
+            Path(out_dir) / f"rank{rank}.pt",
+        )
     finally:
         destroy_distributed()
 

@@ -32,13 +32,16 @@ def test_straggler_compares_with_peers_median_and_ignores_jitter():
     assert StragglerDetector(1.5, 1).observe([5.0]) == []  # alone: nobody to compare with
 
 
-@pytest.mark.parametrize("policy,so_far,rollback_possible,expected", [
-    ("skip_step", 0, True, "skip"),
-    ("rollback", 0, True, "rollback"),
-    ("rollback", 0, False, "skip"),
-    ("fail", 0, True, "fail"),
-    ("skip_step", 3, True, "fail"),  # over guards.max_nan_steps=3
-])
+@pytest.mark.parametrize(
+    "policy,so_far,rollback_possible,expected",
+    [
+        ("skip_step", 0, True, "skip"),
+        ("rollback", 0, True, "rollback"),
+        ("rollback", 0, False, "skip"),
+        ("fail", 0, True, "fail"),
+        ("skip_step", 3, True, "fail"),  # over guards.max_nan_steps=3
+    ],
+)
 def test_nonfinite_decision(policy, so_far, rollback_possible, expected):
     decision = nonfinite_decision(policy, float("nan"), 1.0, so_far, 3, rollback_possible)
     assert decision.action == expected
@@ -46,12 +49,21 @@ def test_nonfinite_decision(policy, so_far, rollback_possible, expected):
     if so_far == 3:
         assert "4 non-finite steps exceed guards.max_nan_steps=3" in decision.reason
     assert nonfinite_decision(policy, 2.5, 0.7, 0, 3, True).action == "ok"
-    assert nonfinite_decision(policy, 2.5, math.inf, so_far, 3, rollback_possible).action == expected
+    assert (
+        nonfinite_decision(policy, 2.5, math.inf, so_far, 3, rollback_possible).action == expected
+    )
 
 
-COMMON = ["run.max_steps=8", "optim.decay_steps=8", "model.n_layers=1", "model.d_model=64",
-          "model.seq_len=64", "data.global_batch_size=8", "data.micro_batch_size=2",
-          "run.tensorboard=false"]
+COMMON = [
+    "run.max_steps=8",
+    "optim.decay_steps=8",
+    "model.n_layers=1",
+    "model.d_model=64",
+    "model.seq_len=64",
+    "data.global_batch_size=8",
+    "data.micro_batch_size=2",
+    "run.tensorboard=false",
+]
 
 
 @pytest.mark.slow
@@ -59,11 +71,22 @@ def test_skip_step_and_rollback_give_the_same_model_and_count_every_sample_once(
     """A NaN on rank 1 at step 5: skip_step drops that update; rollback restores step 3,
     redoes step 4 and skips step 5's batch. Both must end with identical parameters."""
     nan = ["chaos.nan_rank=1", "chaos.nan_at_step=5"]
-    skip = train_processes(2, [*COMMON, *nan, "guards.nan_policy=skip_step",
-                               "checkpoint.enabled=false"], tmp_path / "skip")
-    rollback = train_processes(2, [*COMMON, *nan, "guards.nan_policy=rollback",
-                                   "checkpoint.every_steps=3", "checkpoint.async_save=false"],
-                               tmp_path / "rollback")
+    skip = train_processes(
+        2,
+        [*COMMON, *nan, "guards.nan_policy=skip_step", "checkpoint.enabled=false"],
+        tmp_path / "skip",
+    )
+    rollback = train_processes(
+        2,
+        [
+            *COMMON,
+            *nan,
+            "guards.nan_policy=rollback",
+            "checkpoint.every_steps=3",
+            "checkpoint.async_save=false",
+        ],
+        tmp_path / "rollback",
+    )
     for ranks in (skip, rollback):
         assert ranks[0]["result"]["steps"] == 8
         assert ranks[0]["result"]["samples_consumed"] == 8 * 8  # the skipped batch is consumed once
@@ -83,8 +106,17 @@ def test_skip_step_and_rollback_give_the_same_model_and_count_every_sample_once(
 @pytest.mark.slow
 def test_fail_policy_stops_with_step_and_batch(tmp_path):
     with pytest.raises(Exception) as raised:
-        train_processes(2, [*COMMON, "chaos.nan_rank=0", "chaos.nan_at_step=2",
-                            "guards.nan_policy=fail", "checkpoint.enabled=false"], tmp_path)
+        train_processes(
+            2,
+            [
+                *COMMON,
+                "chaos.nan_rank=0",
+                "chaos.nan_at_step=2",
+                "guards.nan_policy=fail",
+                "checkpoint.enabled=false",
+            ],
+            tmp_path,
+        )
     text = str(raised.value)
     assert "NonFiniteLossError" in text and "non-finite step 2: loss " in text
     assert "grad_norm nan" in text
@@ -93,8 +125,17 @@ def test_fail_policy_stops_with_step_and_batch(tmp_path):
 
 @pytest.mark.slow
 def test_slowed_rank_is_reported_as_straggler(tmp_path):
-    ranks = train_processes(2, [*COMMON, "chaos.slow_rank=1", "chaos.slow_s=0.15",
-                                "guards.straggler_window=3", "checkpoint.enabled=false"], tmp_path)
+    ranks = train_processes(
+        2,
+        [
+            *COMMON,
+            "chaos.slow_rank=1",
+            "chaos.slow_s=0.15",
+            "guards.straggler_window=3",
+            "checkpoint.enabled=false",
+        ],
+        tmp_path,
+    )
     records = ranks[0]["records"]
     flags = [r["stragglers"] for r in records]
     # 3 slow steps in a row; DDP rebuilds its buckets (a collective) in its second forward,

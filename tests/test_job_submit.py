@@ -28,9 +28,17 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 RAY = str(VENV_BIN / "ray")
-HEAD_PORTS = ("port", "dashboard-port", "ray-client-server-port", "dashboard-agent-listen-port",
-              "dashboard-agent-grpc-port", "runtime-env-agent-port", "metrics-export-port",
-              "node-manager-port", "object-manager-port")
+HEAD_PORTS = (
+    "port",
+    "dashboard-port",
+    "ray-client-server-port",
+    "dashboard-agent-listen-port",
+    "dashboard-agent-grpc-port",
+    "runtime-env-agent-port",
+    "metrics-export-port",
+    "node-manager-port",
+    "object-manager-port",
+)
 
 
 @dataclass
@@ -47,9 +55,14 @@ def free_port() -> int:
 
 def head_env() -> Dict[str, str]:
     """The head's processes (and so the job's driver) run this venv's `python`, on loopback."""
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
-           "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1",
-           "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env = {
+        **os.environ,
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+        "RAY_AUTH_MODE": "disabled",
+        "GLOO_SOCKET_IFNAME": "lo",
+        "PYTHONUNBUFFERED": "1",
+        "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
     env.pop("RAY_ADDRESS", None)
     return env
 
@@ -92,14 +105,25 @@ def ray_head():
     temp_dir = tempfile.mkdtemp(prefix="rtj-", dir="/tmp")  # short: Ray's sockets live under it
     ports = {name: free_port() for name in HEAD_PORTS}
     log = Path(temp_dir) / "ray-start.log"
-    cmd = [RAY, "start", "--head", "--block", "--node-ip-address=127.0.0.1",
-           "--dashboard-host=127.0.0.1", "--include-dashboard=true", "--num-cpus=4",
-           "--object-store-memory=200000000", "--disable-usage-stats", f"--temp-dir={temp_dir}",
-           *[f"--{name}={port}" for name, port in ports.items()]]
+    cmd = [
+        RAY,
+        "start",
+        "--head",
+        "--block",
+        "--node-ip-address=127.0.0.1",
+        "--dashboard-host=127.0.0.1",
+        "--include-dashboard=true",
+        "--num-cpus=4",
+        "--object-store-memory=200000000",
+        "--disable-usage-stats",
+        f"--temp-dir={temp_dir}",
+        *[f"--{name}={port}" for name, port in ports.items()],
+    ]
     env = head_env()
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
     url = f"http://127.0.0.1:{ports['dashboard-port']}"
     try:
         wait_for_dashboard(url, proc, log)
@@ -121,9 +145,17 @@ def example_runtime_env() -> dict:
 
 
 def train_args(output_dir: Path, name: str):
-    return ["python", "jobs/train.py", "--config", "configs/tiny_cpu.yaml", "run.max_steps=6",
-            "run.log_every=3", "run.tensorboard=false", f"run.output_dir={output_dir}",
-            f"run.name={name}"]
+    return [
+        "python",
+        "jobs/train.py",
+        "--config",
+        "configs/tiny_cpu.yaml",
+        "run.max_steps=6",
+        "run.log_every=3",
+        "run.tensorboard=false",
+        f"run.output_dir={output_dir}",
+        f"run.name={name}",
+    ]
 
 
 def assert_finished(run_dir: Path, steps: int) -> dict:
@@ -138,15 +170,35 @@ def test_ray_job_submit_cli_runs_training_to_the_end(ray_head, tmp_path):
     runtime_env = tmp_path / "runtime_env.yaml"
     runtime_env.write_text(yaml.safe_dump(example_runtime_env()))
     submit = subprocess.run(
-        [RAY, "job", "submit", "--address", ray_head.dashboard_url, "--working-dir", ".",
-         "--runtime-env", str(runtime_env), "--", *train_args(tmp_path, "cli-job")],
-        cwd=REPO, env=ray_head.env, capture_output=True, text=True, timeout=300)
+        [
+            RAY,
+            "job",
+            "submit",
+            "--address",
+            ray_head.dashboard_url,
+            "--working-dir",
+            ".",
+            "--runtime-env",
+            str(runtime_env),
+            "--",
+            *train_args(tmp_path, "cli-job"),
+        ],
+        cwd=REPO,
+        env=ray_head.env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     out = submit.stdout + submit.stderr
     job_id = re.search(r"Job '(raysubmit_\w+)' submitted successfully", out)
     assert submit.returncode == 0 and job_id, out[-4000:]
     assert re.search(r"^step +6/6  loss", out, re.M), out[-4000:]  # logs are tailed to the end
-    status = subprocess.run([RAY, "job", "status", "--address", ray_head.dashboard_url,
-                             job_id.group(1)], env=ray_head.env, capture_output=True, text=True)
+    status = subprocess.run(
+        [RAY, "job", "status", "--address", ray_head.dashboard_url, job_id.group(1)],
+        env=ray_head.env,
+        capture_output=True,
+        text=True,
+    )
     assert f"Job '{job_id.group(1)}' succeeded" in status.stdout, status.stdout + status.stderr
     assert_finished(tmp_path / "cli-job", 6)
 
@@ -157,8 +209,9 @@ def test_jobs_python_sdk_applies_the_runtime_env_and_streams_rank0_progress(ray_
 
     client = JobSubmissionClient(ray_head.dashboard_url)
     runtime_env = {**example_runtime_env(), "working_dir": str(REPO)}
-    entrypoint = ("printenv NCCL_SOCKET_IFNAME NCCL_IB_DISABLE TORCH_EXTENSIONS_DIR && "
-                  + " ".join(train_args(tmp_path, "sdk-job")))
+    entrypoint = "printenv NCCL_SOCKET_IFNAME NCCL_IB_DISABLE TORCH_EXTENSIONS_DIR && " + " ".join(
+        train_args(tmp_path, "sdk-job")
+    )
     job_id = client.submit_job(entrypoint=entrypoint, runtime_env=runtime_env)
     deadline = time.time() + 240
     while not (status := client.get_job_status(job_id)).is_terminal() and time.time() < deadline:

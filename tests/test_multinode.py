@@ -9,15 +9,14 @@ import pytest
 import ray
 from ray.core.generated import autoscaler_pb2
 
-from raytrain_ext import Trainer, load_config
+from raytrain_ext import Trainer, TrainingFailed, load_config
+from raytrain_ext.checkpoint.disk import DiskTier
+from raytrain_ext.checkpoint.export import load_model_state
 from raytrain_ext.checkpoint.manifest import Manifest, checksum_file, verify_dir
 from raytrain_ext.checkpoint.memory import MemoryTier, start_memory_tier, stop_memory_tier
 from raytrain_ext.checkpoint.resolve import check_step
 from raytrain_ext.checkpoint.tier import prune
 from tests.conftest import FitThread, tiny_overrides, wait_for_checkpoint
-from raytrain_ext import TrainingFailed
-from raytrain_ext.checkpoint.disk import DiskTier
-from raytrain_ext.checkpoint.export import load_model_state
 from tests.leaks import assert_nothing_left
 from tests.reference import uninterrupted
 from tests.test_training_math import ATOL_UNEVEN
@@ -68,12 +67,20 @@ def test_losing_any_one_node_loses_no_committed_file(ray_cluster, tmp_path):
     on_c = ShardWriter.options(resources={"c": 1}).remote()
     payloads = {"__0_0.distcp": os.urandom(3 * 2**20), "__1_0.distcp": os.urandom(2**20)}
     for step in (1, 2, 3):
-        ray.get([on_b.write.remote("mt", step, str(tmp_path / "b"), "__0_0.distcp",
-                                   payloads["__0_0.distcp"]),
-                 on_c.write.remote("mt", step, str(tmp_path / "c"), "__1_0.distcp",
-                                   payloads["__1_0.distcp"])])
-        files = {"__0_0.distcp": checksum_file(tmp_path / "b" / "__0_0.distcp"),
-                 "__1_0.distcp": checksum_file(tmp_path / "c" / "__1_0.distcp")}
+        ray.get(
+            [
+                on_b.write.remote(
+                    "mt", step, str(tmp_path / "b"), "__0_0.distcp", payloads["__0_0.distcp"]
+                ),
+                on_c.write.remote(
+                    "mt", step, str(tmp_path / "c"), "__1_0.distcp", payloads["__1_0.distcp"]
+                ),
+            ]
+        )
+        files = {
+            "__0_0.distcp": checksum_file(tmp_path / "b" / "__0_0.distcp"),
+            "__1_0.distcp": checksum_file(tmp_path / "c" / "__1_0.distcp"),
+        }
         tier.commit(Manifest(step=step, world_size=2, tier="memory", files=files))
         prune(tier, keep_last=2)
     assert tier.committed_steps() == [2, 3] and tier.all_steps() == [2, 3]
@@ -92,9 +99,14 @@ def test_losing_any_one_node_loses_no_committed_file(ray_cluster, tmp_path):
 def test_training_resumes_from_peer_memory_after_a_node_loss(ray_cluster, tmp_path):
     node_b, node_c = add_two_worker_nodes(ray_cluster)
     actors = start_memory_tier("tiny")  # outlives both fits, like the elastic controller's
-    common = tiny_overrides(tmp_path, "run.max_steps=8", "optim.decay_steps=8",
-                            "checkpoint.every_steps=4", "checkpoint.memory=true",
-                            "scaling.placement_strategy=SPREAD")
+    common = tiny_overrides(
+        tmp_path,
+        "run.max_steps=8",
+        "optim.decay_steps=8",
+        "checkpoint.every_steps=4",
+        "checkpoint.memory=true",
+        "scaling.placement_strategy=SPREAD",
+    )
     first = Trainer(load_config(None, [*common, "run.max_steps=4"])).fit()
     assert first["checkpoint"]["committed"]["memory"] == 4
     assert {w["node_id"] for w in first["workers"]} == {node_b.node_id, node_c.node_id}
@@ -111,9 +123,15 @@ def test_training_resumes_from_peer_memory_after_a_node_loss(ray_cluster, tmp_pa
 
 def test_node_lost_during_a_save_never_loads_the_half_written_step(ray_cluster, tmp_path):
     node_b, node_c = add_two_worker_nodes(ray_cluster)
-    common = tiny_overrides(tmp_path, "run.max_steps=20", "optim.decay_steps=20",
-                            "checkpoint.every_steps=5", "scaling.placement_strategy=SPREAD",
-                            "parallel.timeout_s=15", "checkpoint.on_busy=wait")
+    common = tiny_overrides(
+        tmp_path,
+        "run.max_steps=20",
+        "optim.decay_steps=20",
+        "checkpoint.every_steps=5",
+        "scaling.placement_strategy=SPREAD",
+        "parallel.timeout_s=15",
+        "checkpoint.on_busy=wait",
+    )
     ckpt = tmp_path / "tiny" / "checkpoints"
     partial = ckpt / "step-00000010"
     with FitThread(Trainer(load_config(None, [*common, "chaos.stall_save_s=3"]))) as run:
@@ -135,21 +153,31 @@ def test_ray_drain_notice_checkpoints_then_shrinks_away_from_the_node(ray_cluste
     """A drain (spot reclaim) of node B: emergency checkpoint, then the run re-forms on node C
     with zero steps redone, and the preemption does not use up the failure budget."""
     node_b, node_c = add_two_worker_nodes(ray_cluster)
-    common = tiny_overrides(tmp_path, "run.max_steps=60", "optim.decay_steps=60",
-                            "scaling.placement_strategy=SPREAD", "checkpoint.every_seconds=null",
-                            "checkpoint.every_steps=10", "checkpoint.memory=false",
-                            "elastic.max_failures=0")
+    common = tiny_overrides(
+        tmp_path,
+        "run.max_steps=60",
+        "optim.decay_steps=60",
+        "scaling.placement_strategy=SPREAD",
+        "checkpoint.every_seconds=null",
+        "checkpoint.every_steps=10",
+        "checkpoint.memory=false",
+        "elastic.max_failures=0",
+    )
     reference = uninterrupted(60)["result"]
     with FitThread(Trainer(load_config(None, common))) as run:
         wait_for_checkpoint(tmp_path / "tiny" / "checkpoints", 10)
         gcs = ray._private.worker.global_worker.gcs_client
         accepted, why = gcs.drain_node(
-            node_b.node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
-            "spot reclaim rehearsal", int((time.time() + 30) * 1000))
+            node_b.node_id,
+            autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+            "spot reclaim rehearsal",
+            int((time.time() + 30) * 1000),
+        )
         assert accepted, why
         summary = run.summary(timeout_s=180)
-    assert summary["status"] == "finished" and summary["steps_completed"] == 60, \
-        summary["transitions"]
+    assert summary["status"] == "finished" and summary["steps_completed"] == 60, summary[
+        "transitions"
+    ]
     (preemption,) = summary["recoveries"]
     assert preemption["kind"] == "preemption" and "node drain" in preemption["reason"]
     stopped = preemption["last_step"]  # the emergency checkpoint's step, restored on node C
@@ -163,10 +191,17 @@ def test_ray_drain_notice_checkpoints_then_shrinks_away_from_the_node(ray_cluste
 def test_below_min_workers_waits_for_a_replacement_node(ray_cluster, tmp_path):
     node_b, node_c = (ray_cluster.add_node(num_cpus=1), ray_cluster.add_node(num_cpus=1))
     ray_cluster.wait_for_nodes()
-    common = tiny_overrides(tmp_path, "run.max_steps=16", "optim.decay_steps=16",
-                            "checkpoint.every_steps=2", "scaling.placement_strategy=SPREAD",
-                            "parallel.timeout_s=15", "elastic.max_failures=1",
-                            "checkpoint.memory=true", "elastic.wait_for_capacity_s=60")
+    common = tiny_overrides(
+        tmp_path,
+        "run.max_steps=16",
+        "optim.decay_steps=16",
+        "checkpoint.every_steps=2",
+        "scaling.placement_strategy=SPREAD",
+        "parallel.timeout_s=15",
+        "elastic.max_failures=1",
+        "checkpoint.memory=true",
+        "elastic.wait_for_capacity_s=60",
+    )
     with FitThread(Trainer(load_config(None, common))) as run:
         wait_for_checkpoint(tmp_path / "tiny" / "checkpoints", 4)
         ray_cluster.remove_node(node_b, allow_graceful=False)  # 1 worker fits, min is 2
@@ -188,11 +223,24 @@ def test_straggler_is_named_with_its_node_and_evicted(ray_cluster, tmp_path):
     for _ in range(3):
         ray_cluster.add_node(num_cpus=1, object_store_memory=100 * 2**20)
     ray_cluster.wait_for_nodes()
-    summary = Trainer(load_config(None, tiny_overrides(
-        tmp_path, "run.max_steps=12", "optim.decay_steps=12", "checkpoint.every_steps=2",
-        "scaling.placement_strategy=SPREAD", "chaos.slow_rank=1", "chaos.slow_s=0.3",
-        "guards.straggler_window=3", "guards.evict_stragglers=true", "elastic.max_failures=0",
-        "parallel.timeout_s=15"))).fit()
+    summary = Trainer(
+        load_config(
+            None,
+            tiny_overrides(
+                tmp_path,
+                "run.max_steps=12",
+                "optim.decay_steps=12",
+                "checkpoint.every_steps=2",
+                "scaling.placement_strategy=SPREAD",
+                "chaos.slow_rank=1",
+                "chaos.slow_s=0.3",
+                "guards.straggler_window=3",
+                "guards.evict_stragglers=true",
+                "elastic.max_failures=0",
+                "parallel.timeout_s=15",
+            ),
+        )
+    ).fit()
     assert summary["status"] == "finished" and summary["steps_completed"] == 12
     (straggler,) = summary["stragglers"]
     assert straggler["rank"] == 1 and 3 <= straggler["step"] <= 6  # window 3 (+ DDP warm-up)
@@ -210,18 +258,31 @@ def test_node_loss_shrinks_then_grows_back_when_a_node_joins(ray_cluster, tmp_pa
     memory. Node D joins: the run grows back to 4 workers at a checkpoint boundary. Every
     sample is seen exactly once; parameters match the uninterrupted (2-worker) run within
     ATOL_UNEVEN (segments of 4, 2 and 4 workers differ only in float summation order)."""
-    nodes = {n.node_id: n for n in (
-        ray_cluster.add_node(num_cpus=2, object_store_memory=100 * 2**20),
-        ray_cluster.add_node(num_cpus=2, object_store_memory=100 * 2**20))}
+    nodes = {
+        n.node_id: n
+        for n in (
+            ray_cluster.add_node(num_cpus=2, object_store_memory=100 * 2**20),
+            ray_cluster.add_node(num_cpus=2, object_store_memory=100 * 2**20),
+        )
+    }
     ray_cluster.wait_for_nodes()
-    common = tiny_overrides(tmp_path, "run.max_steps=60", "optim.decay_steps=60",
-                            "checkpoint.every_steps=4", "scaling.placement_strategy=SPREAD",
-                            "scaling.num_workers=4", "scaling.min_workers=1",
-                            "parallel.timeout_s=15", "elastic.grow_stable_s=1", "elastic.resize_cooldown_s=2",
-                            "elastic.grow_check_s=0.5")
+    common = tiny_overrides(
+        tmp_path,
+        "run.max_steps=60",
+        "optim.decay_steps=60",
+        "checkpoint.every_steps=4",
+        "scaling.placement_strategy=SPREAD",
+        "scaling.num_workers=4",
+        "scaling.min_workers=1",
+        "parallel.timeout_s=15",
+        "elastic.grow_stable_s=1",
+        "elastic.resize_cooldown_s=2",
+        "elastic.grow_check_s=0.5",
+    )
     reference = uninterrupted(60)
-    trainer = Trainer(load_config(None, [*common, "elastic.max_failures=1",
-                                         "checkpoint.memory=true"]))
+    trainer = Trainer(
+        load_config(None, [*common, "elastic.max_failures=1", "checkpoint.memory=true"])
+    )
     with FitThread(trainer) as run:
         wait_for_checkpoint(tmp_path / "tiny" / "checkpoints", 8)
         rank0_node = trainer._controller.group.infos[0]["node_id"]
@@ -230,8 +291,8 @@ def test_node_loss_shrinks_then_grows_back_when_a_node_joins(ray_cluster, tmp_pa
         ray_cluster.remove_node(nodes[rank0_node], allow_graceful=False)
         deadline = time.time() + 120
         while time.time() < deadline and not (  # the shrunk group is training
-                trainer._controller.state.value == "RUNNING"
-                and trainer._controller.world_size == 2):
+            trainer._controller.state.value == "RUNNING" and trainer._controller.world_size == 2
+        ):
             time.sleep(0.2)
         node_d = ray_cluster.add_node(num_cpus=2, object_store_memory=100 * 2**20)
         summary = run.summary(timeout_s=240)

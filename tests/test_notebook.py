@@ -39,27 +39,40 @@ def test_notebook_trains_on_the_attached_ray_and_plots_the_loss(ray_local, tmp_p
 
     nb = nbformat.read(NOTEBOOK, as_version=4)
     params = parameters_cell(nb)
-    params.source = "\n".join([  # the notebook's CONFIG stays; the run is shorter, elsewhere
-        *[line for line in params.source.splitlines() if line.startswith("CONFIG =")],
-        'RUN_NAME = "nb"', f'OUTPUT_DIR = "{tmp_path}"',
-        f'OVERRIDES = ["run.max_steps={STEPS}", "run.log_every=3", "run.tensorboard=false"]'])
-    nb.cells.append(nbformat.v4.new_code_cell(  # the test's probe of the kernel's state
-        "import json\nprint(json.dumps({'points': len(loss_line.get_xdata()), "
-        "'address': ray_address_used}))"))
+    params.source = "\n".join(
+        [  # the notebook's CONFIG stays; the run is shorter, elsewhere
+            *[line for line in params.source.splitlines() if line.startswith("CONFIG =")],
+            'RUN_NAME = "nb"',
+            f'OUTPUT_DIR = "{tmp_path}"',
+            f'OVERRIDES = ["run.max_steps={STEPS}", "run.log_every=3", "run.tensorboard=false"]',
+        ]
+    )
+    nb.cells.append(
+        nbformat.v4.new_code_cell(  # the test's probe of the kernel's state
+            "import json\nprint(json.dumps({'points': len(loss_line.get_xdata()), "
+            "'address': ray_address_used}))"
+        )
+    )
     connect = next(c for c in nb.cells if "ray.init(address=" in c.source)
     connect.source += "\nray_address_used = ray.get_runtime_context().gcs_address"
     monkeypatch.setenv("RAY_ADDRESS", ray_local.get_runtime_context().gcs_address)
     monkeypatch.setenv("MPLBACKEND", "Agg")
-    NotebookClient(nb, timeout=240, kernel_name="python3",
-                   resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()  # as Jupyter
+    NotebookClient(
+        nb,
+        timeout=240,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(NOTEBOOK.parent)}},
+    ).execute()  # as Jupyter
 
     summary = json.loads((tmp_path / "nb" / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["steps_completed"] == STEPS
     probe = json.loads(nb.cells[-1].outputs[0]["text"])
     assert probe == {"points": STEPS, "address": os.environ["RAY_ADDRESS"]}
     fit_output = "".join(o.get("text", "") for o in nb.cells[4].outputs)
-    assert f"finished: {STEPS} steps, loss {summary['first_loss']:.3f} -> " \
-           f"{summary['final_loss']:.3f}" in fit_output
+    assert (
+        f"finished: {STEPS} steps, loss {summary['first_loss']:.3f} -> "
+        f"{summary['final_loss']:.3f}" in fit_output
+    )
     png = (tmp_path / "nb" / "loss.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     assert (int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")) == (600, 350)

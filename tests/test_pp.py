@@ -53,8 +53,14 @@ def test_gpipe_two_stages_match_ddp(gpipe, ddp):
 @pytest.mark.slow
 def test_1f1b_with_fsdp_stages_matches_ddp(ddp, tmp_path):
     """1F1B, each stage under FSDP2 (the schedule drives its gradient sync)."""
-    ranks = train(2, tmp_path, *PP2, "parallel.pp_schedule=1f1b", "parallel.strategy=fsdp",
-                  "checkpoint.enabled=false")
+    ranks = train(
+        2,
+        tmp_path,
+        *PP2,
+        "parallel.pp_schedule=1f1b",
+        "parallel.strategy=fsdp",
+        "checkpoint.enabled=false",
+    )
     assert_matches(ranks, ddp["ranks"])
 
 
@@ -71,8 +77,9 @@ def test_dp2_x_tp2_x_pp2_on_eight_processes_matches_ddp(ddp, tmp_path):
     """3-D: two pipelines of two stages, each stage tensor-parallel over a tp pair and
     FSDP-sharded over its dp pair. TP blocks the matmuls differently, so test_fsdp_tp's TP
     tolerances apply (measured: parameters 5.4e-6, loss 1.3e-5, gradient norm 8e-6 relative)."""
-    ranks = train(8, tmp_path, *PP2, "parallel.tp=2", "parallel.strategy=fsdp",
-                  "checkpoint.enabled=false")
+    ranks = train(
+        8, tmp_path, *PP2, "parallel.tp=2", "parallel.strategy=fsdp", "checkpoint.enabled=false"
+    )
     assert_matches(ranks, ddp["ranks"], ATOL_UNEVEN, TP_LOSS_ATOL)
 
 
@@ -99,8 +106,9 @@ def resume_from(ckpt: Path, tmp: Path, world: int, *extra):
     return resumed
 
 
-@pytest.mark.parametrize("n_layers,pp,sizes", [(4, 2, [2, 2]), (5, 2, [3, 2]), (7, 3, [3, 2, 2]),
-                                               (3, 3, [1, 1, 1])])
+@pytest.mark.parametrize(
+    "n_layers,pp,sizes", [(4, 2, [2, 2]), (5, 2, [3, 2]), (7, 3, [3, 2, 2]), (3, 3, [1, 1, 1])]
+)
 def test_blocks_split_contiguously_earlier_stages_take_the_remainder(n_layers, pp, sizes):
     split = stage_layers(n_layers, pp)
     assert [len(r) for r in split] == sizes
@@ -114,16 +122,25 @@ def test_stages_keep_the_gpt_parameter_names_and_compute_its_logits():
     names = [[n for n, _ in stage.named_parameters()] for stage in stages]
     assert names[0] + names[1] == [n for n, _ in model.named_parameters()]
     assert "blocks.2.attn.wq.weight" in names[1] and "tok_emb.weight" in names[0]
-    tokens = torch.randint(0, model_cfg.vocab_size, (2, model_cfg.seq_len),
-                           generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(
+        0, model_cfg.vocab_size, (2, model_cfg.seq_len), generator=torch.Generator().manual_seed(0)
+    )
     assert torch.equal(stages[1](stages[0](tokens)), model(tokens))
 
 
 def test_pp_layout_ranks_stage_major():
     """(pp, dp_replicate, dp_shard, tp) row-major: stage 0 is ranks 0..3 of 8."""
-    cfg = load_config(None, ["scaling.num_workers=8", "parallel.strategy=fsdp", "parallel.pp=2",
-                             "parallel.tp=2", "data.global_batch_size=8",
-                             "data.micro_batch_size=2"])
+    cfg = load_config(
+        None,
+        [
+            "scaling.num_workers=8",
+            "parallel.strategy=fsdp",
+            "parallel.pp=2",
+            "parallel.tp=2",
+            "data.global_batch_size=8",
+            "data.micro_batch_size=2",
+        ],
+    )
     dims = ParallelDims.build(cfg.parallel, cfg.model, 8)
     assert (dims.pp, dims.dp_shard, dims.tp, dims.dp_size) == (2, 2, 2, 2)
     assert [dims.pp_rank(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
@@ -133,19 +150,38 @@ def test_pp_layout_ranks_stage_major():
 
 
 BAD_PP = [
-    (["scaling.num_workers=2", "parallel.pp=2", "parallel.pp_schedule=zb"],
-     r"parallel\.pp_schedule: 'zb' is not one of gpipe, 1f1b"),
-    (["scaling.num_workers=2", "parallel.pp=2", "parallel.strategy=zero"],
-     r"parallel\.pp: pipeline parallelism \(pp=2\) .*parallel\.strategy.*zero"),
-    (["scaling.num_workers=4", "parallel.pp=4", "model.n_layers=3"],
-     r"parallel\.pp: model\.n_layers=3 cannot fill pp=4 stages.*Choose pp <= 3"),
-    (["scaling.num_workers=4", "parallel.pp=4", "data.global_batch_size=8",
-      "data.micro_batch_size=4"],
-     r"data\.global_batch_size: 8 samples over 1 data-parallel ranks in micro-batches of 4 give "
-     r"2 micro-batches per step, fewer than the pp=4 stages parallel\.pp_schedule=1f1b needs"),
-    (["scaling.num_workers=4", "scaling.min_workers=1", "parallel.pp=2",
-      "data.global_batch_size=8", "data.micro_batch_size=2"],
-     r"scaling\.min_workers: 1 is not a multiple of dp_replicate x tp x pp x ep = 1 x 1 x 2 x 1"),
+    (
+        ["scaling.num_workers=2", "parallel.pp=2", "parallel.pp_schedule=zb"],
+        r"parallel\.pp_schedule: 'zb' is not one of gpipe, 1f1b",
+    ),
+    (
+        ["scaling.num_workers=2", "parallel.pp=2", "parallel.strategy=zero"],
+        r"parallel\.pp: pipeline parallelism \(pp=2\) .*parallel\.strategy.*zero",
+    ),
+    (
+        ["scaling.num_workers=4", "parallel.pp=4", "model.n_layers=3"],
+        r"parallel\.pp: model\.n_layers=3 cannot fill pp=4 stages.*Choose pp <= 3",
+    ),
+    (
+        [
+            "scaling.num_workers=4",
+            "parallel.pp=4",
+            "data.global_batch_size=8",
+            "data.micro_batch_size=4",
+        ],
+        r"data\.global_batch_size: 8 samples over 1 data-parallel ranks in micro-batches of 4 give "
+        r"2 micro-batches per step, fewer than the pp=4 stages parallel\.pp_schedule=1f1b needs",
+    ),
+    (
+        [
+            "scaling.num_workers=4",
+            "scaling.min_workers=1",
+            "parallel.pp=2",
+            "data.global_batch_size=8",
+            "data.micro_batch_size=2",
+        ],
+        r"scaling\.min_workers: 1 is not a multiple of dp_replicate x tp x pp x ep = 1 x 1 x 2 x 1",
+    ),
 ]
 
 
@@ -156,6 +192,14 @@ def test_invalid_pipeline_layouts_are_config_errors(overrides, message):
 
 
 def test_gpipe_accepts_fewer_micro_batches_than_stages():
-    cfg = load_config(None, ["scaling.num_workers=4", "parallel.pp=4", "data.global_batch_size=8",
-                             "data.micro_batch_size=4", "parallel.pp_schedule=gpipe"])
+    cfg = load_config(
+        None,
+        [
+            "scaling.num_workers=4",
+            "parallel.pp=4",
+            "data.global_batch_size=8",
+            "data.micro_batch_size=4",
+            "parallel.pp_schedule=gpipe",
+        ],
+    )
     assert cfg.parallel.pp == 4

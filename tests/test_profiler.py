@@ -12,10 +12,16 @@ from raytrain_ext.ops.profiler import TOOL_ENV, StepProfiler
 
 
 def profile_cfg(tmp_path, steps, ranks=(0,)):
-    overrides = [f"profile.steps=[{','.join(map(str, steps))}]",
-                 f"profile.ranks=[{','.join(map(str, ranks))}]", f"profile.dir={tmp_path}/prof",
-                 "model.n_layers=1", "model.d_model=32", "model.n_heads=2", "model.seq_len=16",
-                 "scaling.num_workers=2"]
+    overrides = [
+        f"profile.steps=[{','.join(map(str, steps))}]",
+        f"profile.ranks=[{','.join(map(str, ranks))}]",
+        f"profile.dir={tmp_path}/prof",
+        "model.n_layers=1",
+        "model.d_model=32",
+        "model.n_heads=2",
+        "model.seq_len=16",
+        "scaling.num_workers=2",
+    ]
     return load_config(None, overrides)
 
 
@@ -47,10 +53,12 @@ def test_trace_covers_exactly_the_configured_steps(tmp_path):
     train(cfg, profiler, 1, 5)
     path = tmp_path / "prof" / "rank0-steps2-3.json"
     assert profiler.trace_path == path and sorted(p.name for p in path.parent.iterdir()) == [
-        "rank0-steps2-3.json"]
+        "rank0-steps2-3.json"
+    ]
     events = trace_events(path)
-    steps = sorted((e for e in events if e.get("name", "").startswith("ProfilerStep#")),
-                   key=lambda e: e["ts"])
+    steps = sorted(
+        (e for e in events if e.get("name", "").startswith("ProfilerStep#")), key=lambda e: e["ts"]
+    )
     assert [e["name"] for e in steps] == ["ProfilerStep#2", "ProfilerStep#3"]
     ops = [e for e in events if e.get("cat") == "cpu_op"]
     names = {e["name"] for e in ops}
@@ -77,8 +85,11 @@ def test_run_that_resumes_and_stops_inside_the_range_records_what_it_ran(tmp_pat
     profiler = StepProfiler(cfg.profile, rank=1)
     train(cfg, profiler, 4, 6)  # resumed from a step-3 checkpoint, preempted after step 6
     assert profiler.trace_path == tmp_path / "prof" / "rank1-steps4-6.json"
-    names = sorted(e["name"] for e in trace_events(profiler.trace_path)
-                   if e.get("name", "").startswith("ProfilerStep#"))
+    names = sorted(
+        e["name"]
+        for e in trace_events(profiler.trace_path)
+        if e.get("name", "").startswith("ProfilerStep#")
+    )
     assert names == ["ProfilerStep#4", "ProfilerStep#5", "ProfilerStep#6"]
 
 

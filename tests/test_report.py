@@ -16,21 +16,29 @@ from tests.conftest import tiny_overrides
 
 _RUNS = {}
 # The recovery of tests/test_worker_group.py: rank 1 dies after step 7, restore from step 4.
-RECOVERY = ["run.max_steps=12", "optim.decay_steps=12", "checkpoint.every_steps=4",
-            "chaos.kill_rank=1", "chaos.kill_at_step=7", "elastic.max_failures=1",
-            "checkpoint.memory=true"]
+RECOVERY = [
+    "run.max_steps=12",
+    "optim.decay_steps=12",
+    "checkpoint.every_steps=4",
+    "chaos.kill_rank=1",
+    "chaos.kill_at_step=7",
+    "elastic.max_failures=1",
+    "checkpoint.memory=true",
+]
 TOKENS_PER_STEP = 16 * 128  # the default global_batch_size x seq_len
 
 
 @pytest.fixture()
 def trained(ray_local, tmp_path_factory):
     """Run directories of real tiny trainings, each trained once per module."""
+
     def run(name, *extra):
         if name not in _RUNS:
             out = tmp_path_factory.mktemp("runs")
             Trainer(load_config(None, tiny_overrides(out, f"run.name={name}", *extra))).fit()
             _RUNS[name] = out / name
         return _RUNS[name]
+
     return run
 
 
@@ -66,7 +74,8 @@ def test_report_files_and_plot_of_a_run_with_a_recovery(trained, capsys):
     assert len(finite(loss.get_ydata())) == 12 + 3  # 12 steps, steps 5-7 ran twice
     assert len(loss.get_ydata()) == 15 + 1  # one break, where the steps go back to 5
     assert finite(rate.get_ydata()) == pytest.approx(
-        [TOKENS_PER_STEP / t for t in summary["step_times"]])
+        [TOKENS_PER_STEP / t for t in summary["step_times"]]
+    )
     assert list(world.get_ydata()) == [2, 2, 2]  # formed, re-formed, end of run
     (detected,) = [line for line in ax_loss.get_lines() if line.get_gid() == "recovery-1"]
     assert detected.get_xdata()[0] == pytest.approx(recovery["detected_at"] - start)
@@ -95,7 +104,11 @@ def test_report_markdown_mttr_table_matches_the_summary(trained):
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[2] == recovery["reason"]
     assert (cells[3], cells[5], cells[6], cells[8]) == (
-        f"{detect:.2f}", f"{reform:.2f}", f"{recovery['restore_s']:.2f}", f"{mttr:.2f}")
+        f"{detect:.2f}",
+        f"{reform:.2f}",
+        f"{recovery['restore_s']:.2f}",
+        f"{mttr:.2f}",
+    )
     assert sum(float(c) for c in cells[3:8]) == pytest.approx(mttr, abs=0.03)  # phases add up
     assert cells[9:] == ["memory @ step 4", "3"]
     (mean,) = [line for line in report.splitlines() if line.startswith("| mean |")]
@@ -120,8 +133,12 @@ def test_report_of_a_clean_run_and_mfu_with_a_known_device(trained, tmp_path):
     loss = fig.axes[0].get_lines()[0]
     assert list(loss.get_ydata()) == [v for _, v in summary["loss_history"]]
     assert len(loss.get_ydata()) == 6
-    assert not [a for ax in fig.axes for a in [*ax.get_lines(), *ax.patches]
-                if (a.get_gid() or "").startswith("recovery")]
+    assert not [
+        a
+        for ax in fig.axes
+        for a in [*ax.get_lines(), *ax.patches]
+        if (a.get_gid() or "").startswith("recovery")
+    ]
     cfg = load_run_config(run_dir)
     report = render_markdown(summary, cfg)
     assert "No failures." in report and "| steps | 6 (6 step records, 0 redone) |" in report
@@ -134,24 +151,36 @@ def test_report_of_a_clean_run_and_mfu_with_a_known_device(trained, tmp_path):
 
 def test_missing_summary_names_the_argument_and_the_fix(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == 2
-    assert f"report failed: RUN_DIR {tmp_path}: no summary.json there; pass the run directory" \
+    assert (
+        f"report failed: RUN_DIR {tmp_path}: no summary.json there; pass the run directory"
         in capsys.readouterr().err
+    )
 
 
 def test_recovery_that_never_resumed_reports_only_what_happened():
-    summary = {"started_at": 100.0, "step_end_times": [[1, 101.0], [2, 102.0]],
-               "recoveries": [{"reason": "worker rank 1 raised X", "detected_at": 102.5,
-                               "last_step": 2}],
-               "transitions": [{"source": "RUNNING", "target": "RECOVERING", "at": 102.6,
-                                "reason": "x"}]}
+    summary = {
+        "started_at": 100.0,
+        "step_end_times": [[1, 101.0], [2, 102.0]],
+        "recoveries": [{"reason": "worker rank 1 raised X", "detected_at": 102.5, "last_step": 2}],
+        "transitions": [{"source": "RUNNING", "target": "RECOVERING", "at": 102.6, "reason": "x"}],
+    }
     (phase,) = recovery_phases(summary)
     assert phase["at_s"] == 2.5 and phase["detect_s"] == 0.5
     assert [phase[k] for k in ("decide_s", "reform_s", "first_step_s", "mttr_s")] == [None] * 4
 
 
 def tiny_model_cfg(*extra):
-    return load_config(None, ["model.n_layers=2", "model.d_model=128", "model.n_heads=4",
-                              "model.seq_len=128", "model.vocab_size=256", *extra]).model
+    return load_config(
+        None,
+        [
+            "model.n_layers=2",
+            "model.d_model=128",
+            "model.n_heads=4",
+            "model.seq_len=128",
+            "model.vocab_size=256",
+            *extra,
+        ],
+    ).model
 
 
 def test_flops_per_token_by_hand():
@@ -170,10 +199,20 @@ def test_flops_per_token_by_hand():
 def test_mfu_and_peak_table():
     assert mfu(1e5, 2949120, 989e12, num_devices=2) == pytest.approx(1e5 * 2949120 / 1.978e15)
     assert mfu(1e5, 2949120, None) is None and mfu(None, 2949120, 312e12) is None
-    names = {"NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100 PCIe": 756e12,
-             "NVIDIA H100 NVL": 835e12, "NVIDIA H200": 989e12, "NVIDIA A100-SXM4-80GB": 312e12,
-             "NVIDIA A100-PCIE-40GB": 312e12, "NVIDIA L4": 121e12, "NVIDIA L40S": 362e12,
-             "NVIDIA A10": 125e12, "NVIDIA A10G": None, "cpu": None, None: None}
+    names = {
+        "NVIDIA H100 80GB HBM3": 989e12,
+        "NVIDIA H100 PCIe": 756e12,
+        "NVIDIA H100 NVL": 835e12,
+        "NVIDIA H200": 989e12,
+        "NVIDIA A100-SXM4-80GB": 312e12,
+        "NVIDIA A100-PCIE-40GB": 312e12,
+        "NVIDIA L4": 121e12,
+        "NVIDIA L40S": 362e12,
+        "NVIDIA A10": 125e12,
+        "NVIDIA A10G": None,
+        "cpu": None,
+        None: None,
+    }
     assert {name: peak_flops_for(name) for name in names} == names
     with pytest.raises(ValueError, match=r"peak_flops must be > 0 FLOP/s \(got 0\); pass None"):
         mfu(1e5, 1e6, 0)

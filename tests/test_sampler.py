@@ -51,9 +51,9 @@ def test_every_sample_once_per_epoch_across_resizes_and_a_resume():
     assert len(consumed) == 32 * G
     full_epochs = len(consumed) // N
     for e in range(full_epochs):
-        epoch = consumed[e * N:(e + 1) * N]
+        epoch = consumed[e * N : (e + 1) * N]
         assert sorted(epoch.tolist()) == list(range(N)), f"epoch {e} is not a permutation"
-    tail = consumed[full_epochs * N:]
+    tail = consumed[full_epochs * N :]
     assert len(set(tail.tolist())) == len(tail)  # the partial epoch repeats nothing
 
 

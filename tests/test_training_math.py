@@ -58,8 +58,12 @@ def test_two_workers_match_one_worker(one_worker, tmp_path):
 @pytest.mark.slow
 def test_uneven_split_on_three_workers_matches(one_worker, tmp_path):
     """10 samples over 3 ranks split 4/3/3, as after an elastic resize."""
-    base = ["scaling.num_workers=1", "run.max_steps=6", "data.global_batch_size=10",
-            "data.micro_batch_size=2"]
+    base = [
+        "scaling.num_workers=1",
+        "run.max_steps=6",
+        "data.global_batch_size=10",
+        "data.micro_batch_size=2",
+    ]
     one = train_processes(1, base, tmp_path / "one")
     three = train_processes(3, base, tmp_path / "three")
     assert max_param_diff(one[0]["params"], three[0]["params"]) < ATOL_UNEVEN
@@ -76,9 +80,21 @@ def test_identical_runs_are_bit_identical(one_worker, tmp_path):
 
 
 def test_token_ids_beyond_the_vocabulary_are_refused(tmp_path):
-    pq.write_table(pa.table({"tokens": pa.array(np.arange(4000) % 300, pa.uint16())}),
-                   tmp_path / "tokens.parquet")
-    with pytest.raises(mp.ProcessRaisedException, match=r"holds token id 299, but "
-                                                         r"model\.vocab_size is 256"):
-        train_processes(1, [f"data.path={tmp_path / 'tokens.parquet'}", "run.max_steps=1",
-                            "data.global_batch_size=4"], tmp_path / "out")
+    pq.write_table(
+        pa.table({"tokens": pa.array(np.arange(4000) % 300, pa.uint16())}),
+        tmp_path / "tokens.parquet",
+    )
+    with pytest.raises(
+        mp.ProcessRaisedException,
+        match=r"holds token id 299, but "
+        r"model\.vocab_size is 256",
+    ):
+        train_processes(
+            1,
+            [
+                f"data.path={tmp_path / 'tokens.parquet'}",
+                "run.max_steps=1",
+                "data.global_batch_size=4",
+            ],
+            tmp_path / "out",
+        )

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from raytrain_ext.config import load_config
-from raytrain_ext.config.loader import ConfigError
+from raytrain_ext.config.errors import ConfigError
 from raytrain_ext.parallel.zero import deep_merge, deepspeed_config
 from tests.dist_helpers import train_processes
 
@@ -26,9 +26,16 @@ from tests.dist_helpers import train_processes
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions"))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-SMALL = ["model.n_layers=2", "model.d_model=32", "model.n_heads=2", "model.seq_len=32",
-         "data.global_batch_size=8", "data.micro_batch_size=2", "run.max_steps=4",
-         "run.tensorboard=false"]
+SMALL = [
+    "model.n_layers=2",
+    "model.d_model=32",
+    "model.n_heads=2",
+    "model.seq_len=32",
+    "data.global_batch_size=8",
+    "data.micro_batch_size=2",
+    "run.max_steps=4",
+    "run.tensorboard=false",
+]
 NO_CKPT = ["checkpoint.enabled=false"]
 PARAM_ATOL = 1e-6
 LOSS_ATOL = 1e-6
@@ -71,9 +78,16 @@ def zero_cfg(*overrides):
 
 
 def test_deepspeed_config_from_our_config():
-    config = deepspeed_config(zero_cfg("parallel.zero.stage=3", "parallel.zero.offload_optimizer=cpu",
-                                       "parallel.zero.offload_param=cpu"),
-                              micro_batch_size=2, grad_clip=0.5, bf16=True)
+    config = deepspeed_config(
+        zero_cfg(
+            "parallel.zero.stage=3",
+            "parallel.zero.offload_optimizer=cpu",
+            "parallel.zero.offload_param=cpu",
+        ),
+        micro_batch_size=2,
+        grad_clip=0.5,
+        bf16=True,
+    )
     assert config["train_micro_batch_size_per_gpu"] == 2
     assert config["gradient_accumulation_steps"] == 1  # the loop owns accumulation and scaling
     assert config["gradient_clipping"] == 0.5
@@ -88,45 +102,72 @@ def test_deepspeed_config_from_our_config():
 def test_nvme_offload_without_libaio_names_the_key_and_the_fix():
     from raytrain_ext.parallel.zero import check_nvme_support
 
-    cfg = zero_cfg("parallel.zero.stage=3", "parallel.zero.offload_param=nvme",
-                   "parallel.zero.nvme_path=/local_nvme")
-    with pytest.raises(RuntimeError, match=r"parallel\.zero\.offload_param: nvme offload needs "
-                                           r"DeepSpeed's async_io op.*libaio-dev.*or offload to cpu"):
+    cfg = zero_cfg(
+        "parallel.zero.stage=3",
+        "parallel.zero.offload_param=nvme",
+        "parallel.zero.nvme_path=/local_nvme",
+    )
+    with pytest.raises(
+        RuntimeError,
+        match=r"parallel\.zero\.offload_param: nvme offload needs "
+        r"DeepSpeed's async_io op.*libaio-dev.*or offload to cpu",
+    ):
         check_nvme_support(cfg, async_io_available=False)
     check_nvme_support(cfg, async_io_available=True)
     check_nvme_support(zero_cfg("parallel.zero.offload_optimizer=cpu"), async_io_available=False)
 
 
 def test_nvme_offload_carries_its_path():
-    cfg = zero_cfg("parallel.zero.stage=3", "parallel.zero.offload_optimizer=nvme",
-                   "parallel.zero.nvme_path=/local_nvme")
+    cfg = zero_cfg(
+        "parallel.zero.stage=3",
+        "parallel.zero.offload_optimizer=nvme",
+        "parallel.zero.nvme_path=/local_nvme",
+    )
     section = deepspeed_config(cfg, 2, 1.0, False)["zero_optimization"]["offload_optimizer"]
     assert (section["device"], section["nvme_path"]) == ("nvme", "/local_nvme")
 
 
 def test_extra_keys_merge_last_and_deep():
-    cfg = zero_cfg("parallel.zero.extra={zero_optimization: {reduce_bucket_size: 1000}, "
-                   "gradient_clipping: 2.0}")
+    cfg = zero_cfg(
+        "parallel.zero.extra={zero_optimization: {reduce_bucket_size: 1000}, "
+        "gradient_clipping: 2.0}"
+    )
     config = deepspeed_config(cfg, 2, 1.0, False)
     assert config["zero_optimization"] == {"stage": 2, "reduce_bucket_size": 1000}
     assert config["gradient_clipping"] == 2.0
     assert deep_merge({"a": {"b": 1, "c": 2}}, {"a": {"c": 3}}) == {"a": {"b": 1, "c": 3}}
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["parallel.zero.stage=4"], "parallel.zero.stage: 4 is not a ZeRO stage"),
-    (["parallel.zero.offload_param=cpu"], "parallel.zero.offload_param: offloading parameters "
-                                          "needs ZeRO stage 3 (got stage 2)"),
-    (["parallel.zero.stage=3", "parallel.zero.offload_optimizer=nvme"],
-     "parallel.zero.offload_optimizer: nvme offload needs a directory"),
-    (["parallel.zero.offload_optimizer=nvme", "parallel.zero.nvme_path=/nvme"],
-     "nvme offload (ZeRO-Infinity) needs ZeRO stage 3"),
-    (["parallel.zero.offload_optimizer=disk"], "parallel.zero.offload_optimizer: 'disk' is not one of"),
-    (["parallel.tp=2"], "parallel.tp: tensor parallelism (tp=2) is not supported with "
-                        "parallel.strategy=zero"),
-    (["parallel.zero.stage=3", "scaling.num_workers=2", "scaling.max_workers=3"],
-     "ZeRO stage 3 gathers parameters in every forward"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["parallel.zero.stage=4"], "parallel.zero.stage: 4 is not a ZeRO stage"),
+        (
+            ["parallel.zero.offload_param=cpu"],
+            "parallel.zero.offload_param: offloading parameters needs ZeRO stage 3 (got stage 2)",
+        ),
+        (
+            ["parallel.zero.stage=3", "parallel.zero.offload_optimizer=nvme"],
+            "parallel.zero.offload_optimizer: nvme offload needs a directory",
+        ),
+        (
+            ["parallel.zero.offload_optimizer=nvme", "parallel.zero.nvme_path=/nvme"],
+            "nvme offload (ZeRO-Infinity) needs ZeRO stage 3",
+        ),
+        (
+            ["parallel.zero.offload_optimizer=disk"],
+            "parallel.zero.offload_optimizer: 'disk' is not one of",
+        ),
+        (
+            ["parallel.tp=2"],
+            "parallel.tp: tensor parallelism (tp=2) is not supported with parallel.strategy=zero",
+        ),
+        (
+            ["parallel.zero.stage=3", "scaling.num_workers=2", "scaling.max_workers=3"],
+            "ZeRO stage 3 gathers parameters in every forward",
+        ),
+    ],
+)
 def test_invalid_zero_configs_name_the_key_and_the_fix(overrides, message):
     with pytest.raises(ConfigError) as error:
         load_config(None, [*SMALL, "parallel.strategy=zero", *overrides])
@@ -159,8 +200,12 @@ def test_zero2_uneven_micro_batch_counts_match_ddp(ddp, tmp_path):
 
 @pytest.mark.slow
 def test_offload_optimizer_and_params_to_cpu_match_ddp(ddp, tmp_path):
-    run = train(2, tmp_path, *NO_CKPT, *zero(3, "parallel.zero.offload_optimizer=cpu",
-                                            "parallel.zero.offload_param=cpu"))
+    run = train(
+        2,
+        tmp_path,
+        *NO_CKPT,
+        *zero(3, "parallel.zero.offload_optimizer=cpu", "parallel.zero.offload_param=cpu"),
+    )
     assert_matches(run, ddp)
 
 
@@ -179,15 +224,22 @@ def test_skipped_nan_step_matches_ddp(tmp_path):
 @pytest.mark.slow
 def test_zero2_checkpoint_resumes_on_fewer_workers_and_in_ddp(ddp, tmp_path):
     """Saved by 2 ZeRO-2 ranks at step 2; resumed by 1 ZeRO-2 rank and by 2 DDP ranks."""
-    saved = train(2, tmp_path / "save", *zero(2), "run.max_steps=2",
-                  f"checkpoint.dir={tmp_path / 'ckpt'}")
+    saved = train(
+        2, tmp_path / "save", *zero(2), "run.max_steps=2", f"checkpoint.dir={tmp_path / 'ckpt'}"
+    )
     step_dir = tmp_path / "ckpt" / "step-00000002"
     manifest = json.loads((step_dir / "manifest.json").read_text())
     assert manifest["world_size"] == 2 and "__1_0.distcp" in manifest["files"]
     assert curve(saved, "loss") == pytest.approx(curve(ddp, "loss")[:2], abs=LOSS_ATOL)
     for name, world, extra in (("zero1rank", 1, zero(2)), ("ddp", 2, [])):
-        run = train(world, tmp_path / name, *extra, f"scaling.num_workers={world}",
-                    f"checkpoint.resume={step_dir}", f"checkpoint.dir={tmp_path / name / 'ck'}")
+        run = train(
+            world,
+            tmp_path / name,
+            *extra,
+            f"scaling.num_workers={world}",
+            f"checkpoint.resume={step_dir}",
+            f"checkpoint.dir={tmp_path / name / 'ck'}",
+        )
         restored = run[0]["result"]["restored"]
         assert (restored["step"], restored["saved_world_size"]) == (2, 2)
         assert_matches(run, ddp, steps=slice(2, None))
@@ -203,15 +255,19 @@ def test_native_deepspeed_files_are_committed_and_restored_through_load_checkpoi
     from raytrain_ext.checkpoint import native
 
     native_on = zero(2, "parallel.zero.native_checkpoint=true")
-    saved = train(2, tmp_path / "save", *native_on, "run.max_steps=2",
-                  f"checkpoint.dir={tmp_path / 'ckpt'}")
+    saved = train(
+        2, tmp_path / "save", *native_on, "run.max_steps=2", f"checkpoint.dir={tmp_path / 'ckpt'}"
+    )
     step_dir = tmp_path / "ckpt" / "step-00000002"
     manifest = json.loads((step_dir / "manifest.json").read_text())
     assert manifest["native"] == {"format": "deepspeed", "stage": 2, "tag": "step-00000002"}
     names = sorted(n for n in manifest["files"] if native.is_native(n))
     tag = "native--step-00000002--"
-    assert {f"{tag}mp_rank_00_model_states.pt", f"{tag}zero_pp_rank_0_mp_rank_00_optim_states.pt",
-            f"{tag}zero_pp_rank_1_mp_rank_00_optim_states.pt"} <= set(names)
+    assert {
+        f"{tag}mp_rank_00_model_states.pt",
+        f"{tag}zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        f"{tag}zero_pp_rank_1_mp_rank_00_optim_states.pt",
+    } <= set(names)
     assert not list(step_dir.glob(".native-rank*"))  # private save dirs are emptied into the step
 
     tree = native.rebuild(step_dir, names, tmp_path / "tree")
@@ -219,8 +275,14 @@ def test_native_deepspeed_files_are_committed_and_restored_through_load_checkpoi
     assert max_param_diff(fp32, saved[0]["params"]) == 0.0
 
     for name, world, expect_native in (("same", 2, True), ("fewer", 1, False)):
-        run = train(world, tmp_path / name, *native_on, f"scaling.num_workers={world}",
-                    f"checkpoint.resume={step_dir}", f"checkpoint.dir={tmp_path / name / 'ck'}")
+        run = train(
+            world,
+            tmp_path / name,
+            *native_on,
+            f"scaling.num_workers={world}",
+            f"checkpoint.resume={step_dir}",
+            f"checkpoint.dir={tmp_path / name / 'ck'}",
+        )
         restored = run[0]["result"]["restored"]
         assert (restored["step"], restored["native"]) == (2, expect_native)
         assert_matches(run, ddp, steps=slice(2, None))

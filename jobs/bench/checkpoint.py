@@ -24,12 +24,17 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-os.environ.update({"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
-                   "AWS_DEFAULT_REGION": "us-east-1", "GLOO_SOCKET_IFNAME": "lo"})
+os.environ.update(
+    {
+        "AWS_ACCESS_KEY_ID": "bench",
+        "AWS_SECRET_ACCESS_KEY": "bench",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "GLOO_SOCKET_IFNAME": "lo",
+    }
+)
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-
 from restore_reference import (  # noqa: E402  (this script's folder)
     drop_from_page_cache,
     local_read_s,
@@ -37,6 +42,7 @@ from restore_reference import (  # noqa: E402  (this script's folder)
     s3_download_s,
     step_files,
 )
+
 from raytrain_ext.checkpoint.manifest import step_dir_name  # noqa: E402
 from raytrain_ext.config import load_config  # noqa: E402
 from raytrain_ext.models import build_model  # noqa: E402
@@ -46,9 +52,15 @@ KEEP_LAST = 2  # the local tier's retention: from save KEEP_LAST + 2 on, files a
 
 
 def model_overrides(args):
-    return [f"model.d_model={args.d_model}", f"model.n_layers={args.layers}",
-            f"model.n_heads={args.d_model // 64}", "data.global_batch_size=4",
-            "data.micro_batch_size=2", f"scaling.num_workers={args.workers}", *args.set]
+    return [
+        f"model.d_model={args.d_model}",
+        f"model.n_layers={args.layers}",
+        f"model.n_heads={args.d_model // 64}",
+        "data.global_batch_size=4",
+        "data.micro_batch_size=2",
+        f"scaling.num_workers={args.workers}",
+        *args.set,
+    ]
 
 
 def state_tensors(args):
@@ -100,8 +112,13 @@ def references(args, endpoint, bucket, raw_dir):
     blob = b"".join(t.numpy().tobytes() for t in tensors)
     writes_s = raw_disk_writes_s(blob, 2, raw_dir)
     upload_s = s3_upload_s(endpoint, bucket, blob) if "s3" in args.tiers else None
-    return {"bytes": nbytes, "workers": args.workers, "copy_s": copy_s, "disk_writes_s": writes_s,
-            "s3_upload_s": upload_s}
+    return {
+        "bytes": nbytes,
+        "workers": args.workers,
+        "copy_s": copy_s,
+        "disk_writes_s": writes_s,
+        "s3_upload_s": upload_s,
+    }
 
 
 def s3_upload_s(endpoint, bucket, blob):
@@ -109,10 +126,12 @@ def s3_upload_s(endpoint, bucket, blob):
     from boto3.s3.transfer import TransferConfig
 
     client = boto3.client("s3", endpoint_url=endpoint)
-    config = TransferConfig(multipart_threshold=16 * MB, multipart_chunksize=16 * MB,
-                            max_concurrency=8)
-    upload_s = best_of(2, lambda: client.upload_fileobj(io.BytesIO(blob), bucket, "raw.bin",
-                                                        Config=config))
+    config = TransferConfig(
+        multipart_threshold=16 * MB, multipart_chunksize=16 * MB, max_concurrency=8
+    )
+    upload_s = best_of(
+        2, lambda: client.upload_fileobj(io.BytesIO(blob), bucket, "raw.bin", Config=config)
+    )
     client.delete_object(Bucket=bucket, Key="raw.bin")
     return upload_s
 
@@ -169,32 +188,55 @@ def object_store_put_s(nbytes, workers):
 
 
 def run_framework(args, endpoint, bucket, workdir, nbytes):
+    import ray
+
     from raytrain_ext import Trainer
     from raytrain_ext.checkpoint.memory import start_memory_tier, stop_memory_tier
     from raytrain_ext.trainer import connect_ray
-
-    import ray
 
     connect_ray(None)
     put_s = object_store_put_s(nbytes, args.workers)
     memory = start_memory_tier("bench")
     common = model_overrides(args) + [
-        f"run.output_dir={workdir}", "run.name=bench", "run.tensorboard=false",
-        f"run.max_steps={args.steps}", f"optim.decay_steps={args.steps}",
-        f"checkpoint.every_steps={args.every}", "checkpoint.every_seconds=null",
-        f"checkpoint.keep_last={KEEP_LAST}", "parallel.timeout_s=600"]
+        f"run.output_dir={workdir}",
+        "run.name=bench",
+        "run.tensorboard=false",
+        f"run.max_steps={args.steps}",
+        f"optim.decay_steps={args.steps}",
+        f"checkpoint.every_steps={args.every}",
+        "checkpoint.every_seconds=null",
+        f"checkpoint.keep_last={KEEP_LAST}",
+        "parallel.timeout_s=600",
+    ]
     if "s3" in args.tiers:
-        common += [f"checkpoint.s3.uri=s3://{bucket}/${{run.name}}",
-                   f"checkpoint.s3.endpoint_url={endpoint}"]
+        common += [
+            f"checkpoint.s3.uri=s3://{bucket}/${{run.name}}",
+            f"checkpoint.s3.endpoint_url={endpoint}",
+        ]
     try:
         saved = Trainer(load_config(None, common + ["checkpoint.memory=true"])).fit()
-        paused = None if args.skip_paused else Trainer(load_config(None, common + [
-            "checkpoint.memory=true", "checkpoint.async_save=false", "run.name=bench-sync",
-            f"run.max_steps={args.steps + args.every}"])).fit()
+        paused = (
+            None
+            if args.skip_paused
+            else Trainer(
+                load_config(
+                    None,
+                    common
+                    + [
+                        "checkpoint.memory=true",
+                        "checkpoint.async_save=false",
+                        "run.name=bench-sync",
+                        f"run.max_steps={args.steps + args.every}",
+                    ],
+                )
+            ).fit()
+        )
         restores = {}
-        for tier, extra in (("memory", ["checkpoint.memory=true"]),
-                            ("local", ["checkpoint.memory=false"]),
-                            ("s3", ["checkpoint.memory=false", "checkpoint.local=false"])):
+        for tier, extra in (
+            ("memory", ["checkpoint.memory=true"]),
+            ("local", ["checkpoint.memory=false"]),
+            ("s3", ["checkpoint.memory=false", "checkpoint.local=false"]),
+        ):
             if tier not in args.tiers:
                 continue
             if tier == "local":  # a restore after a node's restart reads from the disk
@@ -207,12 +249,14 @@ def run_framework(args, endpoint, bucket, workdir, nbytes):
     finally:
         stop_memory_tier(memory)
         ray.shutdown()
-    reference_s["local"] = min(local_read_s(newest_step_dir(workdir), args.workers)
-                               for _ in range(2))
+    reference_s["local"] = min(
+        local_read_s(newest_step_dir(workdir), args.workers) for _ in range(2)
+    )
     if "s3" in args.tiers:
         prefix = f"bench/{step_dir_name(restores['s3']['step'])}/"
-        reference_s["s3"] = min(s3_download_s(endpoint, bucket, prefix, args.workers)
-                                for _ in range(2))
+        reference_s["s3"] = min(
+            s3_download_s(endpoint, bucket, prefix, args.workers) for _ in range(2)
+        )
     return saved, paused, restores, put_s, reference_s
 
 
@@ -249,30 +293,49 @@ def ray_train_report_blocking(args, workdir):
             compute = time.perf_counter() - start
             if step % config["every"] == 0:
                 with tempfile.TemporaryDirectory() as tmp:
-                    torch.save({"model": model.state_dict(), "optim": opt.state_dict()},
-                               os.path.join(tmp, "state.pt"))
-                    train.report({"step": step, "compute_s": compute,
-                                  "blocked_s": time.perf_counter() - start - compute},
-                                 checkpoint=Checkpoint.from_directory(tmp))
+                    torch.save(
+                        {"model": model.state_dict(), "optim": opt.state_dict()},
+                        os.path.join(tmp, "state.pt"),
+                    )
+                    train.report(
+                        {
+                            "step": step,
+                            "compute_s": compute,
+                            "blocked_s": time.perf_counter() - start - compute,
+                        },
+                        checkpoint=Checkpoint.from_directory(tmp),
+                    )
             else:
-                train.report({"step": step, "compute_s": compute,
-                              "blocked_s": time.perf_counter() - start - compute})
+                train.report(
+                    {
+                        "step": step,
+                        "compute_s": compute,
+                        "blocked_s": time.perf_counter() - start - compute,
+                    }
+                )
 
-    ray.init(num_cpus=args.workers, include_dashboard=False, _node_ip_address="127.0.0.1",
-             log_to_driver=False)
+    ray.init(
+        num_cpus=args.workers,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        log_to_driver=False,
+    )
     try:
-        trainer = TorchTrainer(loop, train_loop_config={"overrides": overrides, "steps": args.steps,
-                                                        "every": args.every},
-                               scaling_config=ScalingConfig(num_workers=args.workers),
-                               run_config=RunConfig(storage_path=str(workdir / "ray_train"),
-                                                    name="bench"))
+        trainer = TorchTrainer(
+            loop,
+            train_loop_config={"overrides": overrides, "steps": args.steps, "every": args.every},
+            scaling_config=ScalingConfig(num_workers=args.workers),
+            run_config=RunConfig(storage_path=str(workdir / "ray_train"), name="bench"),
+        )
         result = trainer.fit()
         history = result.metrics_dataframe
     finally:
         ray.shutdown()
     saves = history[history["step"] % args.every == 0]
-    return {"compute_s": float(history["compute_s"].median()),
-            "report_with_ckpt_s": float(saves["blocked_s"].median())}
+    return {
+        "compute_s": float(history["compute_s"].median()),
+        "report_with_ckpt_s": float(saves["blocked_s"].median()),
+    }
 
 
 # GB of state -> (d_model, layers) of the reference GPT with AdamW
@@ -287,15 +350,27 @@ def main():
     parser.add_argument("--steps", type=int, default=28)  # 7 saves: 3 reach the steady state
     parser.add_argument("--every", type=int, default=4)
     parser.add_argument("--skip-ray-train", action="store_true")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="a config override for every run (e.g. checkpoint.read_threads=2)")
-    parser.add_argument("--tiers", default="memory,local,s3",
-                        help="the tiers to save to and restore from (local is always saved)")
-    parser.add_argument("--skip-paused", action="store_true",
-                        help="no second run with training paused during saves")
-    parser.add_argument("--sizes", default="",
-                        help="e.g. 0.3,1,3: one run per state size (GB, of %s), then a table of "
-                             "how stall, persist and restore grow" % sorted(SIZES))
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override for every run (e.g. checkpoint.read_threads=2)",
+    )
+    parser.add_argument(
+        "--tiers",
+        default="memory,local,s3",
+        help="the tiers to save to and restore from (local is always saved)",
+    )
+    parser.add_argument(
+        "--skip-paused", action="store_true", help="no second run with training paused during saves"
+    )
+    parser.add_argument(
+        "--sizes",
+        default="",
+        help="e.g. 0.3,1,3: one run per state size (GB, of %s), then a table of "
+        "how stall, persist and restore grow" % sorted(SIZES),
+    )
     args = parser.parse_args()
     args.tiers = args.tiers.split(",")
     if not args.sizes:
@@ -313,8 +388,8 @@ def main():
 
 
 def run_size(args):
-    from moto.server import ThreadedMotoServer
     import boto3
+    from moto.server import ThreadedMotoServer
 
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
@@ -327,7 +402,8 @@ def run_size(args):
         raw_dir = workdir / "bench" / "checkpoints" / "raw-reference"
         ref = references(args, endpoint, "bench", raw_dir)
         saved, paused, restores, ref["put_s"], ref["restore_s"] = run_framework(
-            args, endpoint, "bench", workdir, ref["bytes"])
+            args, endpoint, "bench", workdir, ref["bytes"]
+        )
         # the same number of bytes again (not kept through the runs: at 2 GB of state that
         # memory pressure slowed the runs themselves)
         blob = np.random.default_rng(0).bytes(ref["bytes"])
@@ -346,8 +422,10 @@ def restore_seconds(restored):
 
 def trend_row(ref, saved, paused, restores, peer):
     timings = saved["checkpoint"]["timings"]
-    row = {"GB": statistics.median(t["bytes"] for t in timings) / 1e9,
-           "stall s": statistics.median(saved["checkpoint"]["stalls_s"])}
+    row = {
+        "GB": statistics.median(t["bytes"] for t in timings) / 1e9,
+        "stall s": statistics.median(saved["checkpoint"]["stalls_s"]),
+    }
     for tier in timings[0]["tiers_s"]:
         row[f"persist {tier} s"] = statistics.median(t["tiers_s"][tier] for t in timings)
     for tier, restored in restores.items():
@@ -363,7 +441,8 @@ def print_trend(rows):
     for row in rows:
         cells = [f"{row['GB']:22.2f}"] + [
             f"{row[key]:10.3f} ({row[key] / row['GB']:6.3f}/GB)" if key in row else f"{'-':>22}"
-            for key in keys[1:]]
+            for key in keys[1:]
+        ]
         print("".join(cells))
 
 
@@ -382,11 +461,14 @@ def bandwidth_rows(ref, timings):
     rows = [("local disk (DCP write)", saved_bytes / write_s, disk_ref)]
     if all("local" in t["tiers_s"] for t in timings):
         persist_s = statistics.median(
-            t["write_s"] + t.get("checksum_s", 0.0) + t["tiers_s"]["local"] for t in timings)
+            t["write_s"] + t.get("checksum_s", 0.0) + t["tiers_s"]["local"] for t in timings
+        )
         rows.append(("local disk (write+checksum+commit)", saved_bytes / persist_s, disk_ref))
-    for label, tier, ref_s in (("memory (persist) vs copy", "memory", ref["copy_s"] / ref["workers"]),
-                               ("memory (persist) vs ray.put", "memory", ref["put_s"]),
-                               ("s3 (persist)", "s3", ref["s3_upload_s"])):
+    for label, tier, ref_s in (
+        ("memory (persist) vs copy", "memory", ref["copy_s"] / ref["workers"]),
+        ("memory (persist) vs ray.put", "memory", ref["put_s"]),
+        ("s3 (persist)", "s3", ref["s3_upload_s"]),
+    ):
         if tier not in timings[0]["tiers_s"]:
             continue
         tier_s = statistics.median(t["tiers_s"][tier] for t in timings)
@@ -396,10 +478,13 @@ def bandwidth_rows(ref, timings):
 
 def persist_phases_ms(timings):
     """Where a save's persist time goes: DCP write, checksums, then each tier's upload+commit."""
-    phases = [("dcp write", [t["write_s"] for t in timings]),
-              ("checksum", [t.get("checksum_s", 0.0) for t in timings])]
-    phases += [(tier, [t["tiers_s"].get(tier, 0.0) for t in timings])
-               for tier in timings[0]["tiers_s"]]
+    phases = [
+        ("dcp write", [t["write_s"] for t in timings]),
+        ("checksum", [t.get("checksum_s", 0.0) for t in timings]),
+    ]
+    phases += [
+        (tier, [t["tiers_s"].get(tier, 0.0) for t in timings]) for tier in timings[0]["tiers_s"]
+    ]
     return [(name, statistics.median(values) * 1e3) for name, values in phases]
 
 
@@ -408,12 +493,14 @@ def per_save_line(timings, ref):
     step and the writer overwrites its recycled files, the run's steady state."""
     per_save = [t["bytes"] / 1e9 / t["write_s"] for t in timings]
     line = f"DCP write per save (GB/s): {[round(b, 2) for b in per_save]}"
-    steady = per_save[KEEP_LAST + 1:]
+    steady = per_save[KEEP_LAST + 1 :]
     if steady:
         best_raw = ref["bytes"] / 1e9 / min(ref["disk_writes_s"])
         median = statistics.median(steady)
-        line += (f"; from save {KEEP_LAST + 2} on (recycled files) median {median:.2f} = "
-                 f"{median / best_raw:.2f} x the best raw write")
+        line += (
+            f"; from save {KEEP_LAST + 2} on (recycled files) median {median:.2f} = "
+            f"{median / best_raw:.2f} x the best raw write"
+        )
     return line
 
 
@@ -424,9 +511,11 @@ def report(args, ref, saved, paused, restores, peer):
     stalls = saved["checkpoint"]["stalls_s"]
     print(f"stalls per save (ms): {[round(s * 1e3, 1) for s in stalls]}")
     stall_s = statistics.median(stalls)
-    print(f"median stall        {stall_s * 1e3:8.1f} ms  = {stall_s / step_s:.3f} x step time "
-          f"({step_s * 1e3:.0f} ms); plain copy {ref['copy_s'] * 1e3:.1f} ms -> ratio "
-          f"{stall_s / ref['copy_s']:.2f}")
+    print(
+        f"median stall        {stall_s * 1e3:8.1f} ms  = {stall_s / step_s:.3f} x step time "
+        f"({step_s * 1e3:.0f} ms); plain copy {ref['copy_s'] * 1e3:.1f} ms -> ratio "
+        f"{stall_s / ref['copy_s']:.2f}"
+    )
     for label, run in (("async, during training", saved), ("training paused", paused)):
         if run is None:
             continue
@@ -434,37 +523,58 @@ def report(args, ref, saved, paused, restores, peer):
         for name, ours, theirs in bandwidth_rows(ref, run["checkpoint"]["timings"]):
             print(f"  {name:36}{ours:11.2f} GB/s{theirs:9.2f} GB/s{ours / theirs:8.2f}")
         print("  " + per_save_line(run["checkpoint"]["timings"], ref))
-        print("  phases, median ms: " + ", ".join(
-            f"{phase} {ms:.0f}" for phase, ms in persist_phases_ms(run["checkpoint"]["timings"])))
+        print(
+            "  phases, median ms: "
+            + ", ".join(
+                f"{phase} {ms:.0f}" for phase, ms in persist_phases_ms(run["checkpoint"]["timings"])
+            )
+        )
     writes = [ref["bytes"] / 1e9 / w for w in ref["disk_writes_s"]]
     line = f"raw disk writes before and after the runs (GB/s): {[round(w, 2) for w in writes]}"
     if paused is not None:
-        paused_write = statistics.median(t["bytes"] / 1e9 / t["write_s"]
-                                         for t in paused["checkpoint"]["timings"])
-        line += (f"; DCP write with training paused / median raw write = "
-                 f"{paused_write / statistics.median(writes):.2f}")
+        paused_write = statistics.median(
+            t["bytes"] / 1e9 / t["write_s"] for t in paused["checkpoint"]["timings"]
+        )
+        line += (
+            f"; DCP write with training paused / median raw write = "
+            f"{paused_write / statistics.median(writes):.2f}"
+        )
     print(line)
     saved_bytes = statistics.median(t["bytes"] for t in timings) / 1e9
-    print(f"restores ({args.workers} workers, each loading the whole replicated state; the "
-          "reference gets the same bytes into each worker from the same medium, "
-          "see restore_reference.py):")
+    print(
+        f"restores ({args.workers} workers, each loading the whole replicated state; the "
+        "reference gets the same bytes into each worker from the same medium, "
+        "see restore_reference.py):"
+    )
     for tier, restored in restores.items():
         seconds, reference = restore_seconds(restored), ref["restore_s"][tier]
-        print(f"restore from {tier}: {seconds:.2f} s, {saved_bytes / seconds:.2f} GB/s, "
-              f"reference {saved_bytes / reference:.2f} GB/s, ratio {reference / seconds:.2f}")
-        print("  phases (s): " + ", ".join(f"{name[:-2]} {value:.3f}" for name, value
-                                          in restored["phases"].items() if value >= 0.0005))
+        print(
+            f"restore from {tier}: {seconds:.2f} s, {saved_bytes / seconds:.2f} GB/s, "
+            f"reference {saved_bytes / reference:.2f} GB/s, ratio {reference / seconds:.2f}"
+        )
+        print(
+            "  phases (s): "
+            + ", ".join(
+                f"{name[:-2]} {value:.3f}"
+                for name, value in restored["phases"].items()
+                if value >= 0.0005
+            )
+        )
         memory = restored["memory"]
         if memory:
-            print(f"  peak private memory: this rank's state {memory['state_mb']:.0f} MB + "
-                  f"{memory['transient_peak_mb']:.0f} MB held by the restore at its peak = "
-                  f"{memory['peak_over_state']:.2f} x the state")
+            print(
+                f"  peak private memory: this rank's state {memory['state_mb']:.0f} MB + "
+                f"{memory['transient_peak_mb']:.0f} MB held by the restore at its peak = "
+                f"{memory['peak_over_state']:.2f} x the state"
+            )
     if peer:
-        print(f"Ray Train report(checkpoint) blocks {peer['report_with_ckpt_s']:.2f} s per save "
-              f"({peer['report_with_ckpt_s'] / peer['compute_s']:.1f} x its step compute "
-              f"{peer['compute_s'] * 1e3:.0f} ms); "
-              f"raytrain-ext stall {stall_s:.3f} s -> "
-              f"{peer['report_with_ckpt_s'] / stall_s:.0f}x less blocking")
+        print(
+            f"Ray Train report(checkpoint) blocks {peer['report_with_ckpt_s']:.2f} s per save "
+            f"({peer['report_with_ckpt_s'] / peer['compute_s']:.1f} x its step compute "
+            f"{peer['compute_s'] * 1e3:.0f} ms); "
+            f"raytrain-ext stall {stall_s:.3f} s -> "
+            f"{peer['report_with_ckpt_s'] / stall_s:.0f}x less blocking"
+        )
 
 
 if __name__ == "__main__":

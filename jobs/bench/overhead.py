@@ -24,28 +24,49 @@ from raytrain_ext.worker.dist_env import free_port  # noqa: E402
 
 def run_raytrain_ext(workdir: Path, workers: int, overrides: list, name: str) -> dict:
     """The default user path (checkpointing on, every 600 s and at the end)."""
-    cmd = [sys.executable, str(REPO / "jobs" / "train.py"), f"run.output_dir={workdir}",
-           f"run.name={name}", f"scaling.num_workers={workers}", "run.tensorboard=false",
-           *overrides]
+    cmd = [
+        sys.executable,
+        str(REPO / "jobs" / "train.py"),
+        f"run.output_dir={workdir}",
+        f"run.name={name}",
+        f"scaling.num_workers={workers}",
+        "run.tensorboard=false",
+        *overrides,
+    ]
     start = time.time()
     subprocess.run(cmd, check=True, capture_output=True, cwd=workdir, timeout=600)
     summary = json.loads((workdir / name / "summary.json").read_text())
-    return {"median_step_s": statistics.median(summary["step_times"][2:]), "first_step_s":
-            summary["first_step_at"] - start, "final_loss": summary["final_loss"]}
+    return {
+        "median_step_s": statistics.median(summary["step_times"][2:]),
+        "first_step_s": summary["first_step_at"] - start,
+        "final_loss": summary["final_loss"],
+    }
 
 
 def run_torchrun(workdir: Path, workers: int, overrides: list) -> dict:
     out = workdir / "torchrun.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={workers}",
-           "--master_addr=127.0.0.1", f"--master_port={free_port('127.0.0.1')}",
-           str(REPO / "jobs" / "bench" / "torchrun_ddp.py"), "--out", str(out),
-           f"scaling.num_workers={workers}", *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={workers}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port('127.0.0.1')}",
+        str(REPO / "jobs" / "bench" / "torchrun_ddp.py"),
+        "--out",
+        str(out),
+        f"scaling.num_workers={workers}",
+        *overrides,
+    ]
     start = time.time()
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     subprocess.run(cmd, check=True, capture_output=True, cwd=workdir, env=env, timeout=600)
     result = json.loads(out.read_text())
-    return {"median_step_s": statistics.median(result["step_times"][2:]),
-            "first_step_s": result["first_step_at"] - start, "final_loss": result["final_loss"]}
+    return {
+        "median_step_s": statistics.median(result["step_times"][2:]),
+        "first_step_s": result["first_step_at"] - start,
+        "final_loss": result["final_loss"],
+    }
 
 
 def main() -> None:
@@ -68,12 +89,16 @@ def main() -> None:
     best_theirs = min(r["median_step_s"] for r in theirs)
     print(f"workers={args.workers} steps={args.steps} overrides={args.overrides}")
     print(f"{'':22}{'raytrain-ext':>14}{'torchrun DDP':>14}{'ratio':>8}")
-    print(f"{'median step time (ms)':22}{best_ours * 1e3:14.1f}{best_theirs * 1e3:14.1f}"
-          f"{best_ours / best_theirs:8.3f}")
+    print(
+        f"{'median step time (ms)':22}{best_ours * 1e3:14.1f}{best_theirs * 1e3:14.1f}"
+        f"{best_ours / best_theirs:8.3f}"
+    )
     first_ours = min(r["first_step_s"] for r in ours)
     first_theirs = min(r["first_step_s"] for r in theirs)
-    print(f"{'start to 1st step (s)':22}{first_ours:14.2f}{first_theirs:14.2f}"
-          f"{first_ours / first_theirs:8.3f}")
+    print(
+        f"{'start to 1st step (s)':22}{first_ours:14.2f}{first_theirs:14.2f}"
+        f"{first_ours / first_theirs:8.3f}"
+    )
 
 
 if __name__ == "__main__":

@@ -33,25 +33,38 @@ from raytrain_ext.config import load_config  # noqa: E402
 def ours(args, workdir: Path, spares: int = 0) -> dict:
     from raytrain_ext import Trainer
 
-    cfg = load_config(None, [
-        f"run.output_dir={workdir}", f"run.name=ours-{spares}", "run.tensorboard=false",
-        f"elastic.spare_workers={spares}",
-        f"run.max_steps={args.steps}", f"optim.decay_steps={args.steps}",
-        f"checkpoint.every_steps={args.ours_every}", "checkpoint.every_seconds=null",
-        "checkpoint.memory=true", "elastic.max_failures=1", "chaos.kill_rank=1",
-        f"chaos.kill_at_step={args.kill_at}"])
+    cfg = load_config(
+        None,
+        [
+            f"run.output_dir={workdir}",
+            f"run.name=ours-{spares}",
+            "run.tensorboard=false",
+            f"elastic.spare_workers={spares}",
+            f"run.max_steps={args.steps}",
+            f"optim.decay_steps={args.steps}",
+            f"checkpoint.every_steps={args.ours_every}",
+            "checkpoint.every_seconds=null",
+            "checkpoint.memory=true",
+            "elastic.max_failures=1",
+            "chaos.kill_rank=1",
+            f"chaos.kill_at_step={args.kill_at}",
+        ],
+    )
     summary = Trainer(cfg).fit()
     recovery = summary["recoveries"][0]
     fault = _fault_time(summary, args.kill_at)
     transitions = {t["target"]: t["at"] for t in summary["transitions"][1:]}
     running_again = [t["at"] for t in summary["transitions"] if t["target"] == "RUNNING"][-1]
-    return {"detect_s": recovery["detected_at"] - fault,
-            "decide_s": recovery["decided_s"],
-            "reform_s": running_again - transitions["SCHEDULING"],
-            "restore_s": recovery["restore_s"],
-            "first_step_after_s": recovery["first_step_after_s"] + recovery["detected_at"] - fault,
-            "steps_redone": recovery["steps_redone"], "restored_from": recovery["restored_from"],
-            "reformed": recovery.get("reformed")}
+    return {
+        "detect_s": recovery["detected_at"] - fault,
+        "decide_s": recovery["decided_s"],
+        "reform_s": running_again - transitions["SCHEDULING"],
+        "restore_s": recovery["restore_s"],
+        "first_step_after_s": recovery["first_step_after_s"] + recovery["detected_at"] - fault,
+        "steps_redone": recovery["steps_redone"],
+        "restored_from": recovery["restored_from"],
+        "reformed": recovery.get("reformed"),
+    }
 
 
 def _fault_time(summary: dict, kill_at: int) -> float:
@@ -68,9 +81,9 @@ def ray_train(args, workdir: Path) -> dict:
     marker = workdir / "ray_train_killed"
 
     def loop(config):
+        import ray.train as train
         import torch
         import torch.nn.functional as F
-        import ray.train as train
 
         from raytrain_ext.models import build_model
 
@@ -93,29 +106,49 @@ def ray_train(args, workdir: Path) -> dict:
             opt.zero_grad()
             if rank == 0:
                 with open(config["log"], "a") as f:
-                    f.write(json.dumps({"step": step, "time": time.time(),
-                                        "resumed_from": start, "pid": os.getpid()}) + "\n")
+                    f.write(
+                        json.dumps(
+                            {
+                                "step": step,
+                                "time": time.time(),
+                                "resumed_from": start,
+                                "pid": os.getpid(),
+                            }
+                        )
+                        + "\n"
+                    )
             if rank == 1 and step == config["kill_at"] and not os.path.exists(config["marker"]):
                 with open(config["marker"], "w") as f:
                     f.write(str(time.time()))
                 os._exit(1)
             if step % config["every"] == 0:
                 with tempfile.TemporaryDirectory() as tmp:
-                    torch.save({"model": model.state_dict(), "optim": opt.state_dict(),
-                                "step": step}, os.path.join(tmp, "state.pt"))
+                    torch.save(
+                        {"model": model.state_dict(), "optim": opt.state_dict(), "step": step},
+                        os.path.join(tmp, "state.pt"),
+                    )
                     train.report({"step": step}, checkpoint=Checkpoint.from_directory(tmp))
             else:
                 train.report({"step": step})
 
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
-             log_to_driver=False)
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     try:
-        TorchTrainer(loop, train_loop_config={
-            "steps": args.steps, "kill_at": args.kill_at, "every": args.ray_every,
-            "log": str(log_path), "marker": str(marker)},
+        TorchTrainer(
+            loop,
+            train_loop_config={
+                "steps": args.steps,
+                "kill_at": args.kill_at,
+                "every": args.ray_every,
+                "log": str(log_path),
+                "marker": str(marker),
+            },
             scaling_config=ScalingConfig(num_workers=2),
-            run_config=RunConfig(storage_path=str(workdir / "ray_train"), name="bench",
-                                 failure_config=FailureConfig(max_failures=1))).fit()
+            run_config=RunConfig(
+                storage_path=str(workdir / "ray_train"),
+                name="bench",
+                failure_config=FailureConfig(max_failures=1),
+            ),
+        ).fit()
     finally:
         ray.shutdown()
     fault = float(marker.read_text())
@@ -124,8 +157,10 @@ def ray_train(args, workdir: Path) -> dict:
     # own step just after rank 1 exited, so "after the fault" is told by a new process
     first_pid = steps[0]["pid"]
     after = [s for s in steps if s["pid"] != first_pid]
-    return {"first_step_after_s": after[0]["time"] - fault,
-            "steps_redone": args.kill_at - after[0]["resumed_from"]}
+    return {
+        "first_step_after_s": after[0]["time"] - fault,
+        "steps_redone": args.kill_at - after[0]["resumed_from"],
+    }
 
 
 def main():
@@ -139,8 +174,7 @@ def main():
     import ray
 
     # 3 logical CPUs on this machine's cores: the spare's slot (it idles once warm)
-    ray.init(num_cpus=3, include_dashboard=False, _node_ip_address="127.0.0.1",
-             log_to_driver=False)
+    ray.init(num_cpus=3, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     try:
         try:
             runs = {spares: ours(args, workdir, spares) for spares in (0, 1)}
@@ -151,16 +185,22 @@ def main():
         shutil.rmtree(workdir, ignore_errors=True)
     print(f"fault: rank 1's process exits after step {args.kill_at} of {args.steps}, 2 workers")
     for spares, a in runs.items():
-        print(f"raytrain-ext, {spares} spare(s) (checkpoint every {args.ours_every} step(s), "
-              f"restored from {a['restored_from']}, slots {a['reformed']}): detect "
-              f"{a['detect_s']:.2f} s, decide {a['decide_s']:.2f} s, re-form {a['reform_s']:.2f} s, "
-              f"restore {a['restore_s']:.2f} s, first step after {a['first_step_after_s']:.2f} s, "
-              f"{a['steps_redone']} step(s) redone")
-    print(f"Ray Train TorchTrainer (checkpoint every {args.ray_every} steps): first step after "
-          f"{b['first_step_after_s']:.2f} s, {b['steps_redone']} step(s) redone")
+        print(
+            f"raytrain-ext, {spares} spare(s) (checkpoint every {args.ours_every} step(s), "
+            f"restored from {a['restored_from']}, slots {a['reformed']}): detect "
+            f"{a['detect_s']:.2f} s, decide {a['decide_s']:.2f} s, re-form {a['reform_s']:.2f} s, "
+            f"restore {a['restore_s']:.2f} s, first step after {a['first_step_after_s']:.2f} s, "
+            f"{a['steps_redone']} step(s) redone"
+        )
+    print(
+        f"Ray Train TorchTrainer (checkpoint every {args.ray_every} steps): first step after "
+        f"{b['first_step_after_s']:.2f} s, {b['steps_redone']} step(s) redone"
+    )
     for spares, a in runs.items():
-        print(f"time from fault to resumed training, {spares} spare(s): Ray Train / raytrain-ext "
-              f"= {b['first_step_after_s'] / a['first_step_after_s']:.1f}x")
+        print(
+            f"time from fault to resumed training, {spares} spare(s): Ray Train / raytrain-ext "
+            f"= {b['first_step_after_s'] / a['first_step_after_s']:.1f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -62,10 +62,14 @@ def s3_download_s(endpoint: str, bucket: str, prefix: str, workers: int) -> floa
     from boto3.s3.transfer import TransferConfig
 
     client = boto3.client("s3", endpoint_url=endpoint)
-    keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix=prefix)["Contents"]
-            if not o["Key"].endswith("manifest.json")]
-    config = TransferConfig(multipart_threshold=16 * MB, multipart_chunksize=16 * MB,
-                            max_concurrency=8)
+    keys = [
+        o["Key"]
+        for o in client.list_objects_v2(Bucket=bucket, Prefix=prefix)["Contents"]
+        if not o["Key"].endswith("manifest.json")
+    ]
+    config = TransferConfig(
+        multipart_threshold=16 * MB, multipart_chunksize=16 * MB, max_concurrency=8
+    )
 
     def download_all(_):
         for key in keys:

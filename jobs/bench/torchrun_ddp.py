@@ -36,8 +36,12 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(cfg.run.seed)
     model = DistributedDataParallel(build_model(cfg.model, cfg.run.seed))
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
-                            weight_decay=cfg.optim.weight_decay)
+    opt = torch.optim.AdamW(
+        model.parameters(),
+        lr=cfg.optim.lr,
+        betas=tuple(cfg.optim.betas),
+        weight_decay=cfg.optim.weight_decay,
+    )
     data = open_token_dataset(cfg.data.path, cfg.model.seq_len)
     rng = np.random.default_rng(cfg.data.seed)
     global_batch, micro = cfg.data.global_batch_size, cfg.data.micro_batch_size
@@ -47,8 +51,8 @@ def main() -> None:
     for _ in range(cfg.run.max_steps):
         start = time.perf_counter()
         batch = rng.choice(data.num_samples, size=global_batch, replace=False)
-        local = batch[rank * local_batch:(rank + 1) * local_batch]
-        chunks = [local[i:i + micro] for i in range(0, len(local), micro)]
+        local = batch[rank * local_batch : (rank + 1) * local_batch]
+        chunks = [local[i : i + micro] for i in range(0, len(local), micro)]
         total = torch.zeros(())
         for j, idx in enumerate(chunks):
             x, y = data.batch(idx)
@@ -63,9 +67,15 @@ def main() -> None:
         dist.all_reduce(total)  # the global loss, as any training script logs it
         times.append((time.perf_counter() - start, time.time()))
     if rank == 0:
-        Path(args.out).write_text(json.dumps({"step_times": [t for t, _ in times],
-                                              "first_step_at": times[0][1],
-                                              "final_loss": total.item() / tokens}))
+        Path(args.out).write_text(
+            json.dumps(
+                {
+                    "step_times": [t for t, _ in times],
+                    "first_step_at": times[0][1],
+                    "final_loss": total.item() / tokens,
+                }
+            )
+        )
     del model, opt  # DDP's Reducer must not be the last owner of the group (worker/dist_env.py)
     dist.destroy_process_group()
 

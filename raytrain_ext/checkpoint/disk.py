@@ -32,8 +32,10 @@ class DiskTier:
             probe.write_bytes(b"ok")
             probe.unlink()
         except OSError as e:
-            raise TierError(f"checkpoint.dir: cannot write to {self.root}: {e}. Point "
-                            "checkpoint.dir at a writable directory or set checkpoint.local=false.")
+            raise TierError(
+                f"checkpoint.dir: cannot write to {self.root}: {e}. Point "
+                "checkpoint.dir at a writable directory or set checkpoint.local=false."
+            )
 
     def upload(self, step: int, src_dir: Path, names: List[str]) -> None:
         dest = self.step_dir(step)

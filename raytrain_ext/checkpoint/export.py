@@ -47,13 +47,16 @@ def resolve(location: str, s3_endpoint_url: Optional[str] = None) -> Tuple[Tier,
         problem = endpoint_problem(s3_endpoint_url, "--s3-endpoint-url")
         if problem:
             raise ExportError(problem)
-        tier: Tier = S3Tier(parent if step is not None else location,
-                            endpoint_url=s3_endpoint_url, keys=EXPORT_KEYS)
+        tier: Tier = S3Tier(
+            parent if step is not None else location, endpoint_url=s3_endpoint_url, keys=EXPORT_KEYS
+        )
     else:
         path = Path(location)
         if not path.exists():
-            raise ExportError(f"RUN_OR_PATH: {location} does not exist. Give a run directory, "
-                              "its checkpoints directory, one step-<N> directory, or an s3:// URI.")
+            raise ExportError(
+                f"RUN_OR_PATH: {location} does not exist. Give a run directory, "
+                "its checkpoints directory, one step-<N> directory, or an s3:// URI."
+            )
         if step is None and (path / "checkpoints").is_dir():
             path = path / "checkpoints"  # a run directory
         tier = DiskTier(Path(parent) if step is not None else path)
@@ -63,16 +66,21 @@ def resolve(location: str, s3_endpoint_url: Optional[str] = None) -> Tuple[Tier,
         raise ExportError(str(e)) from None
     if found.step is None:
         if found.skipped:
-            raise ExportError(f"RUN_OR_PATH: no usable checkpoint in {location}: "
-                              f"{'; '.join(found.skipped)}. Export an older step by its "
-                              "step-<N> path.")
-        raise ExportError(f"RUN_OR_PATH: {location} holds no committed checkpoint (no "
-                          f"step-<N>/{MANIFEST}). Point it at a run or checkpoint directory.")
+            raise ExportError(
+                f"RUN_OR_PATH: no usable checkpoint in {location}: "
+                f"{'; '.join(found.skipped)}. Export an older step by its "
+                "step-<N> path."
+            )
+        raise ExportError(
+            f"RUN_OR_PATH: {location} holds no committed checkpoint (no "
+            f"step-<N>/{MANIFEST}). Point it at a run or checkpoint directory."
+        )
     return tier, found
 
 
-def load_model_state(tier: Tier, step: int, manifest: Manifest,
-                     cache_dir: Path) -> Tuple[Dict[str, torch.Tensor], Dict]:
+def load_model_state(
+    tier: Tier, step: int, manifest: Manifest, cache_dir: Path
+) -> Tuple[Dict[str, torch.Tensor], Dict]:
     """The ``model.*`` tensors, verified; from S3 only their byte ranges are fetched."""
     if isinstance(tier, S3Tier):
         fetch = PlannedS3Fetch(tier, step, manifest, cache_dir)
@@ -85,7 +93,8 @@ def load_model_state(tier: Tier, step: int, manifest: Manifest,
         directory = tier.materialize(step, sorted(manifest.files), cache_dir)
         views = map_files(directory, sorted(manifest.files))
         problem = size_problem(views, manifest, str(directory)) or whole_file_problem(
-            views[METADATA], manifest.files[METADATA], f"{directory}/{METADATA}")
+            views[METADATA], manifest.files[METADATA], f"{directory}/{METADATA}"
+        )
         reader = VerifiedReader(views, manifest, str(directory))
         state = _empty_model_state(reader.read_metadata()) if problem is None else {}
         fetched = {"fetched_bytes": sum(e.size for e in manifest.files.values()), "ranged": False}
@@ -94,19 +103,23 @@ def load_model_state(tier: Tier, step: int, manifest: Manifest,
     if isinstance(reader, VerifiedReader):  # it verifies the data files as it loads them
         _refuse_damaged(reader.problem)
     fetched["total_bytes"] = sum(e.size for e in manifest.files.values())
-    return {key[len("model."):]: tensor for key, tensor in state.items()}, fetched
+    return {key[len("model.") :]: tensor for key, tensor in state.items()}, fetched
 
 
 def _refuse_damaged(problem: Optional[str]) -> None:
     if problem:
-        raise ExportError(f"RUN_OR_PATH: refusing to export a damaged checkpoint: {problem}. "
-                          "Export an older step by its step-<N> path.")
+        raise ExportError(
+            f"RUN_OR_PATH: refusing to export a damaged checkpoint: {problem}. "
+            "Export an older step by its step-<N> path."
+        )
 
 
 def _empty_model_state(metadata) -> Dict[str, torch.Tensor]:
-    return {key: torch.empty(meta.size, dtype=meta.properties.dtype)
-            for key, meta in metadata.state_dict_metadata.items()
-            if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
+    return {
+        key: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in metadata.state_dict_metadata.items()
+        if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
+    }
 
 
 def export_safetensors(location: str, out: Path, s3_endpoint_url: Optional[str] = None) -> Dict:
@@ -125,11 +138,20 @@ def export_safetensors(location: str, out: Path, s3_endpoint_url: Optional[str] 
         raise ExportError(str(e)) from None
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(out),
-                  metadata={"step": str(found.step), "format": "pt"})
+        save_file(
+            {k: v.contiguous() for k, v in tensors.items()},
+            str(out),
+            metadata={"step": str(found.step), "format": "pt"},
+        )
     except OSError as e:
-        raise ExportError(f"--to: cannot write {out}: {e.strerror or e}. Point --to at a "
-                          "writable path.") from None
-    return {"step": found.step, "tensors": len(tensors), "out": str(out),
-            "parameters": sum(t.numel() for t in tensors.values()), "skipped": found.skipped,
-            **fetched}
+        raise ExportError(
+            f"--to: cannot write {out}: {e.strerror or e}. Point --to at a writable path."
+        ) from None
+    return {
+        "step": found.step,
+        "tensors": len(tensors),
+        "out": str(out),
+        "parameters": sum(t.numel() for t in tensors.values()),
+        "skipped": found.skipped,
+        **fetched,
+    }

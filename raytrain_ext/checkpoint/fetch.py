@@ -46,15 +46,25 @@ class Fetched:
     problem: Optional[str] = None
 
 
-def fetch_step(tier: Tier, step: int, manifest: Manifest, targets: Dict[str, Any],
-               phases: RestorePhases, cache: Path, is_coordinator: bool,
-               check_shapes: ShapeCheck, read_threads: int, whole: bool = False) -> Fetched:
+def fetch_step(
+    tier: Tier,
+    step: int,
+    manifest: Manifest,
+    targets: Dict[str, Any],
+    phases: RestorePhases,
+    cache: Path,
+    is_coordinator: bool,
+    check_shapes: ShapeCheck,
+    read_threads: int,
+    whole: bool = False,
+) -> Fetched:
     """Fetch what this rank's load of ``step`` needs from ``tier`` (see the module doc)."""
     if whole:
         return _fetch_whole(tier, step, manifest, targets, phases, cache, check_shapes)
     if isinstance(tier, S3Tier):
-        return _fetch_s3(tier, step, manifest, targets, phases, cache, is_coordinator,
-                         check_shapes, read_threads)
+        return _fetch_s3(
+            tier, step, manifest, targets, phases, cache, is_coordinator, check_shapes, read_threads
+        )
     if isinstance(tier, MemoryTier):
         where = f"memory://{tier.run}/{step_dir_name(step)}"
 
@@ -68,14 +78,21 @@ def fetch_step(tier: Tier, step: int, manifest: Manifest, targets: Dict[str, Any
         def read(names: List[str]) -> Dict[str, memoryview]:
             return map_files(directory, names)
 
-    return _fetch_planned(read, manifest, targets, where, phases, is_coordinator,
-                          check_shapes, read_threads)
+    return _fetch_planned(
+        read, manifest, targets, where, phases, is_coordinator, check_shapes, read_threads
+    )
 
 
-def _fetch_planned(read: Callable[[List[str]], Dict[str, memoryview]], manifest: Manifest,
-                   targets: Dict[str, Any], where: str, phases: RestorePhases,
-                   is_coordinator: bool, check_shapes: ShapeCheck,
-                   read_threads: int) -> Fetched:
+def _fetch_planned(
+    read: Callable[[List[str]], Dict[str, memoryview]],
+    manifest: Manifest,
+    targets: Dict[str, Any],
+    where: str,
+    phases: RestorePhases,
+    is_coordinator: bool,
+    check_shapes: ShapeCheck,
+    read_threads: int,
+) -> Fetched:
     missing = _unlisted(manifest, where)
     if missing:
         return Fetched(None, missing)
@@ -85,7 +102,8 @@ def _fetch_planned(read: Callable[[List[str]], Dict[str, memoryview]], manifest:
         return Fetched(None, f"{where}/{METADATA} is missing ({e})")
     with phases.time("verify"):
         problem = size_problem(views, manifest, where) or whole_file_problem(
-            views[METADATA], manifest.files[METADATA], f"{where}/{METADATA}")
+            views[METADATA], manifest.files[METADATA], f"{where}/{METADATA}"
+        )
     if problem:
         return Fetched(None, problem)
     metadata = pickle.loads(views[METADATA])
@@ -99,8 +117,9 @@ def _fetch_planned(read: Callable[[List[str]], Dict[str, memoryview]], manifest:
         views.update(read(names))
     except FileNotFoundError as e:
         return Fetched(None, f"{where}: {e}")
-    return Fetched(VerifiedReader(views, manifest, where, read_threads),
-                   size_problem(views, manifest, where))
+    return Fetched(
+        VerifiedReader(views, manifest, where, read_threads), size_problem(views, manifest, where)
+    )
 
 
 def _unlisted(manifest: Manifest, where: str) -> Optional[str]:
@@ -109,9 +128,17 @@ def _unlisted(manifest: Manifest, where: str) -> Optional[str]:
     return None
 
 
-def _fetch_s3(tier: S3Tier, step: int, manifest: Manifest, targets: Dict[str, Any],
-              phases: RestorePhases, cache: Path, is_coordinator: bool,
-              check_shapes: ShapeCheck, read_threads: int) -> Fetched:
+def _fetch_s3(
+    tier: S3Tier,
+    step: int,
+    manifest: Manifest,
+    targets: Dict[str, Any],
+    phases: RestorePhases,
+    cache: Path,
+    is_coordinator: bool,
+    check_shapes: ShapeCheck,
+    read_threads: int,
+) -> Fetched:
     fetch = PlannedS3Fetch(tier, step, manifest, cache, tier.max_concurrency)
     with phases.time("fetch"):  # each ranged chunk is verified as it arrives
         problem = fetch.fetch_metadata()
@@ -121,8 +148,15 @@ def _fetch_s3(tier: S3Tier, step: int, manifest: Manifest, targets: Dict[str, An
     return Fetched(fetch.reader(read_threads), problem)
 
 
-def _fetch_whole(tier: Tier, step: int, manifest: Manifest, targets: Dict[str, Any],
-                 phases: RestorePhases, cache: Path, check_shapes: ShapeCheck) -> Fetched:
+def _fetch_whole(
+    tier: Tier,
+    step: int,
+    manifest: Manifest,
+    targets: Dict[str, Any],
+    phases: RestorePhases,
+    cache: Path,
+    check_shapes: ShapeCheck,
+) -> Fetched:
     with phases.time("fetch"):
         directory = tier.materialize(step, sorted(manifest.files), cache)
     with phases.time("verify"):

@@ -59,6 +59,7 @@ from raytrain_ext.checkpoint.resolve import check_step, describe
 from raytrain_ext.checkpoint.tier import Tier, prune
 from raytrain_ext.checkpoint.tiers import build_tiers, tier_for_location
 from raytrain_ext.checkpoint.writer import ChecksummingWriter
+from raytrain_ext.version import __version__
 
 log = logging.getLogger(__name__)
 
@@ -99,8 +100,16 @@ class NoUsableCheckpoint(RuntimeError):
 
 
 class CheckpointManager:
-    def __init__(self, ckpt_cfg, run_name: str, rank: int, world_size: int, local_rank: int,
-                 config_digest: str, stall_s: float = 0.0):
+    def __init__(
+        self,
+        ckpt_cfg,
+        run_name: str,
+        rank: int,
+        world_size: int,
+        local_rank: int,
+        config_digest: str,
+        stall_s: float = 0.0,
+    ):
         self.cfg = ckpt_cfg
         self.stall_s = stall_s  # chaos: hold saves open between write and commit
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
@@ -113,9 +122,15 @@ class CheckpointManager:
         self._thread: Optional[threading.Thread] = None
         self._buffers: Any = None  # host copy of the last snapshot, reused by the next
         self._last_save_time = time.time()
-        self.stats: Dict[str, Any] = {"saves": 0, "skipped": 0, "stall_s": 0.0,
-                                      "committed": {t.name: None for t in self.tiers},
-                                      "failed": [], "timings": [], "stalls_s": []}
+        self.stats: Dict[str, Any] = {
+            "saves": 0,
+            "skipped": 0,
+            "stall_s": 0.0,
+            "committed": {t.name: None for t in self.tiers},
+            "failed": [],
+            "timings": [],
+            "stalls_s": [],
+        }
 
     # ---- deciding -------------------------------------------------------------------------
     def request_flag(self) -> float:
@@ -131,11 +146,21 @@ class CheckpointManager:
 
     def is_due(self, step: int, request: float, final: bool) -> bool:
         every = self.cfg.every_steps
-        return ((final and self.cfg.save_final) or request >= REQUEST_SAVE
-                or (every is not None and step % every == 0))
+        return (
+            (final and self.cfg.save_final)
+            or request >= REQUEST_SAVE
+            or (every is not None and step % every == 0)
+        )
 
-    def after_step(self, loop, step: int, request: float, any_busy: bool, final: bool,
-                   deadline: Optional[float] = None) -> float:
+    def after_step(
+        self,
+        loop,
+        step: int,
+        request: float,
+        any_busy: bool,
+        final: bool,
+        deadline: Optional[float] = None,
+    ) -> float:
         """Save if due (identically on every rank); returns the training stall in seconds.
 
         Final and emergency saves are synchronous: they are committed (to every
@@ -147,8 +172,11 @@ class CheckpointManager:
         if any_busy and self.cfg.on_busy == "skip" and not urgent:
             self.stats["skipped"] += 1
             if self.rank == 0:
-                log.warning("checkpoint at step %d skipped: the previous save is still "
-                            "persisting (checkpoint.on_busy=skip)", step)
+                log.warning(
+                    "checkpoint at step %d skipped: the previous save is still "
+                    "persisting (checkpoint.on_busy=skip)",
+                    step,
+                )
             return 0.0
         start = time.perf_counter()
         self.wait()  # the previous snapshot's buffers are free again
@@ -163,16 +191,23 @@ class CheckpointManager:
         self.stats["stalls_s"].append(round(stall, 6))
         self._last_save_time = time.time()
         if self.cfg.async_save and not urgent:
-            self._thread = threading.Thread(target=self._persist, args=(step, snap, None,
-                                                                        native_files),
-                                            name=f"ckpt-step-{step}", daemon=True)
+            self._thread = threading.Thread(
+                target=self._persist,
+                args=(step, snap, None, native_files),
+                name=f"ckpt-step-{step}",
+                daemon=True,
+            )
             self._thread.start()
         else:
             # an emergency is agreed, its deadline is not: only the ranks that got the notice
             # have one, and every rank must join the deadline checks' all-gathers
             emergency = request >= REQUEST_EMERGENCY
-            self._persist(step, snap, (math.inf if deadline is None else deadline)
-                          if emergency else None, native_files)
+            self._persist(
+                step,
+                snap,
+                (math.inf if deadline is None else deadline) if emergency else None,
+                native_files,
+            )
         return stall
 
     def _save_native(self, loop, step: int) -> native.NativeFiles:
@@ -189,12 +224,19 @@ class CheckpointManager:
         try:
             shutil.rmtree(saved_root, ignore_errors=True)
             strategy.native_save(loop.model, saved_root, step_dir_name(step))
-            return native.NativeFiles(native.collect(saved_root, step_dir),
-                                      {**strategy.native_info(), "tag": step_dir_name(step)})
+            return native.NativeFiles(
+                native.collect(saved_root, step_dir),
+                {**strategy.native_info(), "tag": step_dir_name(step)},
+            )
         except Exception as e:
             self.stats["failed"].append({"step": step, "tier": "native", "error": str(e)})
-            log.error("ALARM: native checkpoint of step %d failed on rank %d (its DCP files "
-                      "are still saved): %s", step, self.rank, e)
+            log.error(
+                "ALARM: native checkpoint of step %d failed on rank %d (its DCP files "
+                "are still saved): %s",
+                step,
+                self.rank,
+                e,
+            )
             return native.NativeFiles()
 
     def wait(self) -> None:
@@ -203,8 +245,13 @@ class CheckpointManager:
             self._thread = None
 
     # ---- saving ---------------------------------------------------------------------------
-    def _persist(self, step: int, snap: Dict[str, Any], deadline: Optional[float] = None,
-                 native_files: Optional[native.NativeFiles] = None) -> None:
+    def _persist(
+        self,
+        step: int,
+        snap: Dict[str, Any],
+        deadline: Optional[float] = None,
+        native_files: Optional[native.NativeFiles] = None,
+    ) -> None:
         try:
             native_files = native_files or native.NativeFiles()
             step_dir = self.staging / step_dir_name(step)
@@ -215,17 +262,31 @@ class CheckpointManager:
             timing["bytes"] = sum(entry.size for entry in files.values())
             # native files are loadable only if every rank saved its own
             native_info = native_files.info if all(saved for _, saved in parts) else {}
-            manifest = Manifest(step=step, world_size=self.world_size, tier="", files=files,
-                                config_digest=self.config_digest, versions=_versions(),
-                                native=native_info)
+            manifest = Manifest(
+                step=step,
+                world_size=self.world_size,
+                tier="",
+                files=files,
+                config_digest=self.config_digest,
+                versions=_versions(),
+                native=native_info,
+            )
             time.sleep(self.stall_s)
             for index, tier in enumerate(self.tiers):
                 if index and self._agree_past(deadline):
-                    self.stats["failed"].append({"step": step, "tier": tier.name,
-                                                 "error": "preemption grace period ran out"})
+                    self.stats["failed"].append(
+                        {
+                            "step": step,
+                            "tier": tier.name,
+                            "error": "preemption grace period ran out",
+                        }
+                    )
                     if self.rank == 0:
-                        log.error("ALARM: preemption grace period ran out before step %d "
-                                  "reached tier %s", step, tier.name)
+                        log.error(
+                            "ALARM: preemption grace period ran out before step %d reached tier %s",
+                            step,
+                            tier.name,
+                        )
                     continue
                 tier_start = time.perf_counter()
                 committed = self._persist_to(tier, manifest, step_dir, mine)
@@ -239,8 +300,9 @@ class CheckpointManager:
             self.stats["failed"].append({"step": step, "error": str(e)})
             log.error("ALARM: checkpoint of step %d failed on rank %d: %s", step, self.rank, e)
 
-    def _write(self, snap: Dict[str, Any], step_dir: Path, timing: Dict[str, Any],
-               native_names: List[str]) -> Tuple[List[str], Dict[str, Any]]:
+    def _write(
+        self, snap: Dict[str, Any], step_dir: Path, timing: Dict[str, Any], native_names: List[str]
+    ) -> Tuple[List[str], Dict[str, Any]]:
         """DCP-write this rank's shards; returns (its files, their manifest entries).
 
         The data files are checksummed as they are written (``ChecksummingWriter``);
@@ -254,8 +316,9 @@ class CheckpointManager:
         dcp.save(snap, storage_writer=writer, process_group=self.group)
         timing["write_s"] = time.perf_counter() - started
         mine, written = sorted(self._own_files(step_dir) + native_names), writer.entries
-        entries = {name: written.get(name) or checksum_file(step_dir / name, chunk)
-                   for name in mine}
+        entries = {
+            name: written.get(name) or checksum_file(step_dir / name, chunk) for name in mine
+        }
         timing["checksum_s"] = time.perf_counter() - started - timing["write_s"]
         return mine, entries
 
@@ -286,11 +349,16 @@ class CheckpointManager:
             error = f"rank {self.rank}: {e}"
         errors = [e for e in self._all_gather(error) if e]
         if errors:
-            self.stats["failed"].append({"step": manifest.step, "tier": tier.name,
-                                         "error": errors[0]})
+            self.stats["failed"].append(
+                {"step": manifest.step, "tier": tier.name, "error": errors[0]}
+            )
             if self.rank == 0:
-                log.error("ALARM: step %d not committed to tier %s: %s", manifest.step,
-                          tier.name, "; ".join(errors))
+                log.error(
+                    "ALARM: step %d not committed to tier %s: %s",
+                    manifest.step,
+                    tier.name,
+                    "; ".join(errors),
+                )
             return False
         if self._commits(tier):
             tier.commit(manifest.for_tier(tier.name))
@@ -328,9 +396,15 @@ class CheckpointManager:
             loaded["total_s"] = time.perf_counter() - started
             loaded["memory"] = memory.record(loaded.pop("state_bytes"))
             if self.rank == 0:
-                log.info("restored step %d from %s (%s), saved by %d workers, into %d workers "
-                         "in %.2f s", loaded["step"], loaded["tier"], loaded["path"],
-                         loaded["saved_world_size"], self.world_size, loaded["total_s"])
+                log.info(
+                    "restored step %d from %s (%s), saved by %d workers, into %d workers in %.2f s",
+                    loaded["step"],
+                    loaded["tier"],
+                    loaded["path"],
+                    loaded["saved_world_size"],
+                    self.world_size,
+                    loaded["total_s"],
+                )
         return loaded
 
     def _restore(self, loop, newest: bool) -> Optional[Dict[str, Any]]:
@@ -349,9 +423,11 @@ class CheckpointManager:
                 return loaded
         if problems_seen:
             raise NoUsableCheckpoint(
-                "no committed checkpoint verifies:\n  " + "\n  ".join(problems_seen) +
-                "\nRepair or delete them, point checkpoint.resume at a good one, or set "
-                "checkpoint.resume=never to start over.")
+                "no committed checkpoint verifies:\n  "
+                + "\n  ".join(problems_seen)
+                + "\nRepair or delete them, point checkpoint.resume at a good one, or set "
+                "checkpoint.resume=never to start over."
+            )
         return None
 
     def _plan(self, newest: bool = False) -> Tuple[Optional[str], List[Tuple[int, int]]]:
@@ -359,12 +435,16 @@ class CheckpointManager:
         if self.cfg.resume != "auto" and not newest:
             location, step = split_location(self.cfg.resume)
             return location, [(step, 0)]
-        found = [(step, index) for index, tier in enumerate(self.tiers)
-                 for step in tier.committed_steps()]
+        found = [
+            (step, index)
+            for index, tier in enumerate(self.tiers)
+            for step in tier.committed_steps()
+        ]
         return None, sorted(found, key=lambda c: (-c[0], c[1]))
 
-    def _try_load(self, loop, tier: Tier, step: int, problems_seen: List[str],
-                  phases: RestorePhases):
+    def _try_load(
+        self, loop, tier: Tier, step: int, problems_seen: List[str], phases: RestorePhases
+    ):
         started = time.perf_counter()
         with phases.time("plan"):
             check = check_step(tier, step)  # the same reading as ckpt export and report
@@ -375,9 +455,18 @@ class CheckpointManager:
                 targets = ckpt_state.load_targets(loop, manifest.world_size)
             use_native = self._native_loadable(loop, manifest)
             try:
-                fetched = fetch_step(tier, step, manifest, targets, phases, self.cache,
-                                     self.rank == 0, self._check_shapes,
-                                     self.cfg.read_threads, whole=use_native)
+                fetched = fetch_step(
+                    tier,
+                    step,
+                    manifest,
+                    targets,
+                    phases,
+                    self.cache,
+                    self.rank == 0,
+                    self._check_shapes,
+                    self.cfg.read_threads,
+                    whole=use_native,
+                )
                 problem = fetched.problem
             except CheckpointMismatch:
                 raise
@@ -394,8 +483,7 @@ class CheckpointManager:
         late = fetched.reader.problem if isinstance(fetched.reader, VerifiedReader) else None
         if self._unusable(_of_step(tier, step, late), problems_seen):
             return None
-        info = self._install(loop, manifest, fetched.reader, targets, tier.name, phases,
-                             use_native)
+        info = self._install(loop, manifest, fetched.reader, targets, tier.name, phases, use_native)
         info["state_bytes"] = 0 if use_native else ckpt_state.tensor_bytes(targets)
         info["fetch_verify_s"] = fetched_s
         info["seconds"] = time.perf_counter() - start
@@ -407,8 +495,10 @@ class CheckpointManager:
         if problems:
             problems_seen.append(problems[0])
             if self.rank == 0:
-                log.warning("checkpoint %s is unusable; falling back to the previous committed "
-                            "checkpoint", problems[0])
+                log.warning(
+                    "checkpoint %s is unusable; falling back to the previous committed checkpoint",
+                    problems[0],
+                )
         return bool(problems)
 
     def _native_loadable(self, loop, manifest: Manifest) -> bool:
@@ -418,20 +508,31 @@ class CheckpointManager:
         if not (manifest.native and getattr(strategy, "native_checkpoint", False)):
             return False
         wanted = strategy.native_info()
-        return (manifest.world_size == self.world_size
-                and all(manifest.native.get(key) == value for key, value in wanted.items()))
+        return manifest.world_size == self.world_size and all(
+            manifest.native.get(key) == value for key, value in wanted.items()
+        )
 
     @staticmethod
     def _check_shapes(metadata, targets: Dict[str, Any], where: str) -> None:
         mismatches = ckpt_state.shape_mismatches(metadata, targets)
         if mismatches:
             raise CheckpointMismatch(
-                f"checkpoint {where} was saved from a different model:\n  " +
-                "\n  ".join(mismatches[:20]) + "\nResume with the model config it was saved "
-                "with (model.*), or use a new run.name / checkpoint.dir.")
+                f"checkpoint {where} was saved from a different model:\n  "
+                + "\n  ".join(mismatches[:20])
+                + "\nResume with the model config it was saved "
+                "with (model.*), or use a new run.name / checkpoint.dir."
+            )
 
-    def _install(self, loop, manifest: Manifest, reader, targets: Dict[str, Any],
-                 tier_name: str, phases: RestorePhases, use_native: bool) -> Dict[str, Any]:
+    def _install(
+        self,
+        loop,
+        manifest: Manifest,
+        reader,
+        targets: Dict[str, Any],
+        tier_name: str,
+        phases: RestorePhases,
+        use_native: bool,
+    ) -> Dict[str, Any]:
         """Install what DCP loaded (and a native load's model and optimizer)."""
         if use_native:
             with phases.time("model"):
@@ -441,9 +542,14 @@ class CheckpointManager:
         with phases.time("train"):
             items = ckpt_state.apply_train(loop, targets)
         self._last_save_time = time.time()
-        info = {"step": items["step"], "tier": tier_name, "path": str(reader.path),
-                "saved_world_size": manifest.world_size,
-                "ranged": isinstance(reader, ChunkReader), "native": use_native}
+        info = {
+            "step": items["step"],
+            "tier": tier_name,
+            "path": str(reader.path),
+            "saved_world_size": manifest.world_size,
+            "ranged": isinstance(reader, ChunkReader),
+            "native": use_native,
+        }
         return info
 
     def _load_native(self, loop, manifest: Manifest, directory: Path) -> None:
@@ -488,12 +594,12 @@ def split_location(location: str) -> Tuple[str, int]:
     parent, _, leaf = location.rstrip("/").rpartition("/")
     step = parse_step_dir(leaf)
     if step is None:
-        raise ValueError(f"checkpoint.resume: {location!r} does not end in step-<N>; give "
-                         "auto, never, or the path/URI of one step-<N> directory")
+        raise ValueError(
+            f"checkpoint.resume: {location!r} does not end in step-<N>; give "
+            "auto, never, or the path/URI of one step-<N> directory"
+        )
     return parent, step
 
 
 def _versions() -> Dict[str, str]:
-    import raytrain_ext
-
-    return {"torch": torch.__version__, "raytrain_ext": raytrain_ext.__version__}
+    return {"torch": torch.__version__, "raytrain_ext": __version__}

@@ -69,8 +69,9 @@ class Manifest:
         return cls(**data)
 
     def for_tier(self, tier: str) -> "Manifest":
-        return Manifest(**{**asdict(self), "tier": tier,
-                           "files": dict(self.files), "created_at": time.time()})
+        return Manifest(
+            **{**asdict(self), "tier": tier, "files": dict(self.files), "created_at": time.time()}
+        )
 
 
 def checksum_bytes(data) -> str:
@@ -87,8 +88,10 @@ class FileHasher:
 
     def __init__(self, chunk_size: int = CHUNK):
         if chunk_size <= 0:
-            raise ValueError(f"checkpoint.checksum_chunk_kb must be positive, got "
-                             f"{chunk_size} bytes; set it to e.g. 8192")
+            raise ValueError(
+                f"checkpoint.checksum_chunk_kb must be positive, got "
+                f"{chunk_size} bytes; set it to e.g. 8192"
+            )
         self.chunk_size = chunk_size
         self.size = 0
         self._whole = xxhash.xxh3_128()
@@ -112,8 +115,12 @@ class FileHasher:
 
     def entry(self) -> FileEntry:
         chunks = self._chunks + ([self._chunk.hexdigest()] if self._chunk_fill else [])
-        return FileEntry(size=self.size, xxh3_128=self._whole.hexdigest(), chunk_xxh3=chunks,
-                         chunk_size=self.chunk_size)
+        return FileEntry(
+            size=self.size,
+            xxh3_128=self._whole.hexdigest(),
+            chunk_xxh3=chunks,
+            chunk_size=self.chunk_size,
+        )
 
 
 def checksum_file(path: Path, chunk_size: int = CHUNK) -> FileEntry:

@@ -147,18 +147,28 @@ def start_memory_tier(run: str) -> List[ray.actor.ActorHandle]:
         pass
     options = dict(namespace=NAMESPACE, lifetime="detached", get_if_exists=True, num_cpus=0)
     # The registry lives on the head node, whose loss ends the Ray cluster anyway.
-    actors = [ray.remote(CheckpointRegistry).options(
-        name=registry_name(run), **options,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(_head_node_id(), soft=False),
-    ).remote()]
+    actors = [
+        ray.remote(CheckpointRegistry)
+        .options(
+            name=registry_name(run),
+            **options,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(_head_node_id(), soft=False),
+        )
+        .remote()
+    ]
     holders = []
     for node in ray.nodes():
         if node["Alive"]:
-            holders.append(ray.remote(ShardHolder).options(
-                name=holder_name(run, node["NodeID"]), max_concurrency=HOLDER_CONCURRENCY,
-                **options,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False),
-            ).remote())
+            holders.append(
+                ray.remote(ShardHolder)
+                .options(
+                    name=holder_name(run, node["NodeID"]),
+                    max_concurrency=HOLDER_CONCURRENCY,
+                    **options,
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False),
+                )
+                .remote()
+            )
     ray.get(actors[0].__ray_ready__.remote())
     for holder in holders:  # a node that died moments ago gets no holder
         try:
@@ -214,8 +224,10 @@ class MemoryTier:
         try:
             ray.get(self.registry.committed_steps.remote(), timeout=30)
         except Exception as e:
-            raise TierError(f"checkpoint.memory: the checkpoint registry of run '{self.run}' "
-                            f"is not reachable ({e}); the driver starts it before the workers.")
+            raise TierError(
+                f"checkpoint.memory: the checkpoint registry of run '{self.run}' "
+                f"is not reachable ({e}); the driver starts it before the workers."
+            )
 
     def _holders(self) -> Tuple[Optional[str], Dict[str, ray.actor.ActorHandle]]:
         """(this node's holder name or None, up to two live holders, this node's first).
@@ -279,19 +291,27 @@ class MemoryTier:
         ``checkpoint.reader``); else pulled from the other holder."""
         where = ray.get(self.registry.where.remote(step))
         here = holder_name(self.run, ray.get_runtime_context().get_node_id())
-        return {name: memoryview(self._fetch(step, name, _local_first(where.get(name, []), here)))
-                for name in names}
+        return {
+            name: memoryview(self._fetch(step, name, _local_first(where.get(name, []), here)))
+            for name in names
+        }
 
     def _fetch(self, step: int, name: str, holders: List[str]) -> np.ndarray:
         for holder in holders:
             try:
-                wrapped = ray.get(ray.get_actor(holder, namespace=NAMESPACE)
-                                  .fetch.remote(step, name), timeout=60)
+                wrapped = ray.get(
+                    ray.get_actor(holder, namespace=NAMESPACE).fetch.remote(step, name), timeout=60
+                )
                 if wrapped:
                     return ray.get(wrapped[0], timeout=300)
             except Exception as e:  # that holder's node is gone: try the replica
-                log.warning("memory tier: %s of step %d not available from %s (%s)",
-                            name, step, holder, type(e).__name__)
+                log.warning(
+                    "memory tier: %s of step %d not available from %s (%s)",
+                    name,
+                    step,
+                    holder,
+                    type(e).__name__,
+                )
         raise FileNotFoundError(f"{name} of step {step} is held by no live node")
 
     def delete(self, step: int) -> None:

@@ -32,13 +32,15 @@ class NativeFiles:
 
 def flat_name(relative: str) -> str:
     if SEP in relative:
-        raise ValueError(f"native checkpoint file {relative!r} contains {SEP!r}, which the "
-                         "flat naming in checkpoint step directories reserves")
+        raise ValueError(
+            f"native checkpoint file {relative!r} contains {SEP!r}, which the "
+            "flat naming in checkpoint step directories reserves"
+        )
     return PREFIX + relative.replace("/", SEP)
 
 
 def tree_path(name: str) -> str:
-    return name[len(PREFIX):].replace(SEP, "/")
+    return name[len(PREFIX) :].replace(SEP, "/")
 
 
 def is_native(name: str) -> bool:

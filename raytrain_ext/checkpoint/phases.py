@@ -89,6 +89,8 @@ class MemoryWatch:
         if self.peak is None or self.after is None or not state_bytes:
             return {}
         transient = max(0, self.peak - self.after)
-        return {"state_mb": round(state_bytes / 2**20, 1),
-                "transient_peak_mb": round(transient / 2**20, 1),
-                "peak_over_state": round((state_bytes + transient) / state_bytes, 3)}
+        return {
+            "state_mb": round(state_bytes / 2**20, 1),
+            "transient_peak_mb": round(transient / 2**20, 1),
+            "peak_over_state": round((state_bytes + transient) / state_bytes, 3),
+        }

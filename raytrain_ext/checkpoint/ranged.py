@@ -33,8 +33,7 @@ RANGED_FRACTION = 0.5
 class PlannedS3Fetch:
     """Fetch and verify what one rank's load needs; then serve it to DCP."""
 
-    def __init__(self, tier: S3Tier, step: int, manifest: Manifest, cache: Path,
-                 threads: int = 8):
+    def __init__(self, tier: S3Tier, step: int, manifest: Manifest, cache: Path, threads: int = 8):
         self.tier, self.step, self.manifest = tier, step, manifest
         self.directory = cache / step_dir_name(step)
         self.threads = threads
@@ -58,8 +57,11 @@ class PlannedS3Fetch:
         needed = self._needed_chunks(targets, self.metadata, is_coordinator)
         chunk_bytes = sum(self._chunk_len(name, i) for name, i in needed)
         whole = sum(self.manifest.files[name].size for name in {n for n, _ in needed})
-        self.ranged = bool(needed) and chunk_bytes < RANGED_FRACTION * whole and all(
-            self.manifest.files[name].chunk_xxh3 for name, _ in needed)
+        self.ranged = (
+            bool(needed)
+            and chunk_bytes < RANGED_FRACTION * whole
+            and all(self.manifest.files[name].chunk_xxh3 for name, _ in needed)
+        )
         if self.ranged:
             return self._fetch_chunks(needed)
         names = sorted({name for name, _ in needed})
@@ -80,7 +82,7 @@ class PlannedS3Fetch:
         first, last = offset // size, (offset + length - 1) // size
         data = b"".join(self.chunks[(name, i)] for i in range(first, last + 1))
         start = offset - first * size
-        return data[start:start + length]
+        return data[start : start + length]
 
     def _needed_chunks(self, targets, metadata, is_coordinator: bool) -> Set[Tuple[str, int]]:
         planner = DefaultLoadPlanner()
@@ -105,8 +107,7 @@ class PlannedS3Fetch:
             start = index * entry.chunk_size
             data = self.tier.read_range(self.step, name, start, start + self._chunk_len(*key))
             if checksum_bytes(data) != entry.chunk_xxh3[index]:
-                return (f"{name} bytes {start}-{start + len(data)} fail their checksum "
-                        "(corrupted)")
+                return f"{name} bytes {start}-{start + len(data)} fail their checksum (corrupted)"
             self.chunks[key] = data
             return None
 
@@ -117,8 +118,12 @@ class PlannedS3Fetch:
 
 
 def _only(manifest: Manifest, names: Set[str]) -> Manifest:
-    return Manifest(step=manifest.step, world_size=manifest.world_size, tier=manifest.tier,
-                    files={n: e for n, e in manifest.files.items() if n in names})
+    return Manifest(
+        step=manifest.step,
+        world_size=manifest.world_size,
+        tier=manifest.tier,
+        files={n: e for n, e in manifest.files.items() if n in names},
+    )
 
 
 class _NoFile(FileSystem):

@@ -40,8 +40,12 @@ def plan_files(targets: Dict, metadata, is_coordinator: bool) -> List[str]:
     """The data files this rank's DCP load plan reads (DCP plans loads the same way)."""
     planner = DefaultLoadPlanner()
     planner.set_up_planner(targets, metadata, is_coordinator)
-    return sorted({metadata.storage_data[item.storage_index].relative_path
-                   for item in planner.create_local_plan().items})
+    return sorted(
+        {
+            metadata.storage_data[item.storage_index].relative_path
+            for item in planner.create_local_plan().items
+        }
+    )
 
 
 def map_files(directory: Path, names: Iterable[str]) -> Dict[str, memoryview]:
@@ -67,8 +71,10 @@ def size_problem(views: Dict[str, memoryview], manifest: Manifest, where: str) -
         if entry is None:
             return f"{where}/{name} is not listed in the manifest"
         if view.nbytes != entry.size:
-            return (f"{where}/{name} has {view.nbytes} bytes, the manifest says {entry.size} "
-                    "(truncated?)")
+            return (
+                f"{where}/{name} has {view.nbytes} bytes, the manifest says {entry.size} "
+                "(truncated?)"
+            )
     return None
 
 
@@ -87,8 +93,9 @@ class VerifiedReader(dcp.FileSystemReader):
     names the checkpoint in messages and records.
     """
 
-    def __init__(self, views: Dict[str, memoryview], manifest: Manifest, path: str,
-                 threads: int = 4):
+    def __init__(
+        self, views: Dict[str, memoryview], manifest: Manifest, path: str, threads: int = 4
+    ):
         super().__init__(path)
         self.where = path  # ``path`` is normalised as a local path ("memory:/run/...")
         self.views, self.manifest, self.threads = views, manifest, max(1, threads)
@@ -97,8 +104,9 @@ class VerifiedReader(dcp.FileSystemReader):
     def read_metadata(self, *args, **kwargs):
         """DCP's metadata, unpickled from its verified view (a small file, checked first)."""
         view = self.views[METADATA]
-        problem = whole_file_problem(view, self.manifest.files[METADATA],
-                                     f"{self.where}/{METADATA}")
+        problem = whole_file_problem(
+            view, self.manifest.files[METADATA], f"{self.where}/{METADATA}"
+        )
         if problem:
             raise ValueError(problem)
         metadata = pickle.loads(view)
@@ -110,8 +118,11 @@ class VerifiedReader(dcp.FileSystemReader):
         items = sorted(plan.items, key=self._position)
         with ThreadPoolExecutor(self.threads, thread_name_prefix="ckpt-read") as pool:
             checks = self._submit_checks(pool, {self._file(item) for item in items})
-            loads = [pool.submit(self._load_tensor, item, planner, checks) for item in items
-                     if item.type != LoadItemType.BYTE_IO]
+            loads = [
+                pool.submit(self._load_tensor, item, planner, checks)
+                for item in items
+                if item.type != LoadItemType.BYTE_IO
+            ]
             for item in items:  # small, and the planner stores them: on this thread
                 if item.type == LoadItemType.BYTE_IO and self._verified(item, checks):
                     planner.load_bytes(item, io.BytesIO(self._slice(item).tobytes()))
@@ -136,9 +147,15 @@ class VerifiedReader(dcp.FileSystemReader):
                 checks[name] = [pool.submit(whole_file_problem, view, entry, where)]
                 continue
             size, end = entry.chunk_size, view.nbytes
-            checks[name] = [pool.submit(_chunk_problem, view[i * size:(i + 1) * size], digest,
-                                        f"{where} bytes {i * size}-{min((i + 1) * size, end)}")
-                            for i, digest in enumerate(entry.chunk_xxh3)]
+            checks[name] = [
+                pool.submit(
+                    _chunk_problem,
+                    view[i * size : (i + 1) * size],
+                    digest,
+                    f"{where} bytes {i * size}-{min((i + 1) * size, end)}",
+                )
+                for i, digest in enumerate(entry.chunk_xxh3)
+            ]
         return checks
 
     def _verified(self, item: ReadItem, checks: Dict[str, List[Future]]) -> bool:
@@ -151,7 +168,7 @@ class VerifiedReader(dcp.FileSystemReader):
         size = self.manifest.files[name].chunk_size
         if size and len(futures) > 1:
             first = info.offset // size
-            futures = futures[first:(info.offset + max(info.length, 1) - 1) // size + 1]
+            futures = futures[first : (info.offset + max(info.length, 1) - 1) // size + 1]
         for future in futures:
             problem = future.result()
             if problem is not None:
@@ -160,8 +177,9 @@ class VerifiedReader(dcp.FileSystemReader):
         return True
 
     # ---- loading ----------------------------------------------------------------------
-    def _load_tensor(self, item: ReadItem, planner: LoadPlanner,
-                     checks: Dict[str, List[Future]]) -> None:
+    def _load_tensor(
+        self, item: ReadItem, planner: LoadPlanner, checks: Dict[str, List[Future]]
+    ) -> None:
         if not self._verified(item, checks):
             return
         info = self.storage_data[item.storage_index]
@@ -169,21 +187,26 @@ class VerifiedReader(dcp.FileSystemReader):
             blob = self._slice(item)
             if info.transform_descriptors:  # an extension's encoding: DCP's own path
                 stream = self.transforms.transform_load_stream(
-                    item, info.transform_descriptors, io.BytesIO(blob.tobytes()))
-                source = torch.load(io.BytesIO(stream.read()), map_location="cpu",
-                                    weights_only=True)
+                    item, info.transform_descriptors, io.BytesIO(blob.tobytes())
+                )
+                source = torch.load(
+                    io.BytesIO(stream.read()), map_location="cpu", weights_only=True
+                )
             else:
                 source = _saved_tensor(blob)
             source = narrow_tensor_by_index(source, item.storage_offsets, item.lengths)
             target = planner.resolve_tensor(item).detach()
             if target.size() != source.size():
-                raise ValueError(f"{item.storage_index.fqn}: saved {list(source.size())}, "
-                                 f"target {list(target.size())}")
+                raise ValueError(
+                    f"{item.storage_index.fqn}: saved {list(source.size())}, "
+                    f"target {list(target.size())}"
+                )
             target.copy_(source)
             planner.commit_tensor(item, target)
         except Exception as e:  # unreadable though its checksum passed: a format problem
-            self.problem = self.problem or (f"{self.where}/{info.relative_path}: cannot load "
-                                            f"{item.storage_index.fqn} ({e})")
+            self.problem = self.problem or (
+                f"{self.where}/{info.relative_path}: cannot load {item.storage_index.fqn} ({e})"
+            )
 
     def _file(self, item: ReadItem) -> str:
         return self.storage_data[item.storage_index].relative_path
@@ -194,7 +217,7 @@ class VerifiedReader(dcp.FileSystemReader):
 
     def _slice(self, item: ReadItem) -> memoryview:
         info = self.storage_data[item.storage_index]
-        return self.views[info.relative_path][info.offset:info.offset + info.length]
+        return self.views[info.relative_path][info.offset : info.offset + info.length]
 
 
 def _saved_tensor(blob: memoryview) -> torch.Tensor:

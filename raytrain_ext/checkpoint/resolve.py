@@ -40,14 +40,21 @@ class Resolution:
 def parse_manifest(step: int, text: Optional[str], where: str) -> StepCheck:
     """``text`` as a tier returned it (None: no manifest there) -> a :class:`StepCheck`."""
     if text is None:
-        return StepCheck(step, None, f"{where} has no {MANIFEST}: its save never committed "
-                                     "(or the step is being deleted)")
+        return StepCheck(
+            step,
+            None,
+            f"{where} has no {MANIFEST}: its save never committed (or the step is being deleted)",
+        )
     try:
         return StepCheck(step, Manifest.from_json(text), None)
     except (ValueError, KeyError, TypeError, AttributeError) as e:
-        return StepCheck(step, None, f"{where}/{MANIFEST} is there but is not a valid manifest "
-                                     f"({type(e).__name__}: {_first_line(e)}): the step was "
-                                     "committed, then its manifest was damaged")
+        return StepCheck(
+            step,
+            None,
+            f"{where}/{MANIFEST} is there but is not a valid manifest "
+            f"({type(e).__name__}: {_first_line(e)}): the step was "
+            "committed, then its manifest was damaged",
+        )
 
 
 def check_step(tier: Tier, step: int) -> StepCheck:

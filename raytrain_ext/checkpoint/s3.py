@@ -24,16 +24,24 @@ T = TypeVar("T")
 
 
 def split_uri(uri: str) -> tuple[str, str]:
-    bucket, _, prefix = uri[len("s3://"):].partition("/")
+    bucket, _, prefix = uri[len("s3://") :].partition("/")
     return bucket, prefix.strip("/")
 
 
 class S3Tier:
     name = "s3"
 
-    def __init__(self, uri: str, endpoint_url: Optional[str] = None, region: Optional[str] = None,
-                 part_size_mb: int = 16, max_concurrency: int = 8, max_attempts: int = 5,
-                 retry_backoff_s: float = 1.0, keys: S3Keys = CHECKPOINT_KEYS):
+    def __init__(
+        self,
+        uri: str,
+        endpoint_url: Optional[str] = None,
+        region: Optional[str] = None,
+        part_size_mb: int = 16,
+        max_concurrency: int = 8,
+        max_attempts: int = 5,
+        retry_backoff_s: float = 1.0,
+        keys: S3Keys = CHECKPOINT_KEYS,
+    ):
         """``keys``: the names under which the caller took these settings, for errors."""
         import boto3
         from boto3.s3.transfer import TransferConfig
@@ -49,15 +57,25 @@ class S3Tier:
         self.retries = 0  # failed attempts that were retried (an outage shows up here)
         try:
             self.client = boto3.client(
-                "s3", endpoint_url=endpoint_url, region_name=region,
-                config=Config(retries={"max_attempts": 3, "mode": "standard"},
-                              connect_timeout=5, read_timeout=60,
-                              max_pool_connections=max(10, max_concurrency * 2)))
+                "s3",
+                endpoint_url=endpoint_url,
+                region_name=region,
+                config=Config(
+                    retries={"max_attempts": 3, "mode": "standard"},
+                    connect_timeout=5,
+                    read_timeout=60,
+                    max_pool_connections=max(10, max_concurrency * 2),
+                ),
+            )
         except ValueError as e:  # "Invalid endpoint: ..."
             raise TierError(self.describe(e)) from None
         part = part_size_mb * 1024 * 1024
-        self.transfer = TransferConfig(multipart_threshold=part, multipart_chunksize=part,
-                                       max_concurrency=max_concurrency, use_threads=True)
+        self.transfer = TransferConfig(
+            multipart_threshold=part,
+            multipart_chunksize=part,
+            max_concurrency=max_concurrency,
+            use_threads=True,
+        )
 
     def key(self, step: int, name: str = "") -> str:
         parts = [self.prefix, step_dir_name(step), name]
@@ -81,14 +99,21 @@ class S3Tier:
 
     def upload(self, step: int, src_dir: Path, names: List[str]) -> None:
         for name in names:
-            self._retry(f"upload {name} of step {step}",
-                        lambda: self.client.upload_file(str(src_dir / name), self.bucket,
-                                                        self.key(step, name), Config=self.transfer))
+            self._retry(
+                f"upload {name} of step {step}",
+                lambda: self.client.upload_file(
+                    str(src_dir / name), self.bucket, self.key(step, name), Config=self.transfer
+                ),
+            )
 
     def commit(self, manifest: Manifest) -> None:
         body = manifest.to_json().encode()
-        self._retry(f"commit step {manifest.step}", lambda: self.client.put_object(
-            Bucket=self.bucket, Key=self.key(manifest.step, MANIFEST), Body=body))
+        self._retry(
+            f"commit step {manifest.step}",
+            lambda: self.client.put_object(
+                Bucket=self.bucket, Key=self.key(manifest.step, MANIFEST), Body=body
+            ),
+        )
 
     def committed_steps(self) -> List[int]:
         return sorted({s for s, name in self._listing() if name == MANIFEST})
@@ -100,8 +125,11 @@ class S3Tier:
         from botocore.exceptions import ClientError
 
         try:
-            body = self._retry(f"read the manifest of step {step}", lambda: self.client.get_object(
-                Bucket=self.bucket, Key=self.key(step, MANIFEST)), retry_missing=False)
+            body = self._retry(
+                f"read the manifest of step {step}",
+                lambda: self.client.get_object(Bucket=self.bucket, Key=self.key(step, MANIFEST)),
+                retry_missing=False,
+            )
         except ClientError:  # no such key: never committed
             return None
         return body["Body"].read().decode(errors="replace")
@@ -110,20 +138,29 @@ class S3Tier:
         target = cache_dir / step_dir_name(step)
         target.mkdir(parents=True, exist_ok=True)
         for name in names:
-            self._retry(f"download {name} of step {step}", lambda: self.client.download_file(
-                self.bucket, self.key(step, name), str(target / name), Config=self.transfer))
+            self._retry(
+                f"download {name} of step {step}",
+                lambda: self.client.download_file(
+                    self.bucket, self.key(step, name), str(target / name), Config=self.transfer
+                ),
+            )
         return target
 
     def read_range(self, step: int, name: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of one file: a single ranged GET, retried."""
-        return self._retry(f"read {name}[{start}:{end}] of step {step}", lambda: self.client.get_object(
-            Bucket=self.bucket, Key=self.key(step, name), Range=f"bytes={start}-{end - 1}",
-        )["Body"].read())
+        return self._retry(
+            f"read {name}[{start}:{end}] of step {step}",
+            lambda: self.client.get_object(
+                Bucket=self.bucket,
+                Key=self.key(step, name),
+                Range=f"bytes={start}-{end - 1}",
+            )["Body"].read(),
+        )
 
     def delete(self, step: int) -> None:
         keys = [{"Key": k} for k in self._keys(self.key(step) + "/")]
         for i in range(0, len(keys), 1000):
-            self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": keys[i:i + 1000]})
+            self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": keys[i : i + 1000]})
 
     def _keys(self, prefix: str) -> List[str]:
         from botocore.exceptions import BotoCoreError, ClientError
@@ -131,7 +168,8 @@ class S3Tier:
         keys: List[str] = []
         try:
             for page in self.client.get_paginator("list_objects_v2").paginate(
-                    Bucket=self.bucket, Prefix=prefix):
+                Bucket=self.bucket, Prefix=prefix
+            ):
                 keys.extend(obj["Key"] for obj in page.get("Contents", []))
         except (BotoCoreError, ClientError) as e:
             raise TierError(self.describe(e)) from None
@@ -140,7 +178,7 @@ class S3Tier:
     def _listing(self):
         base = f"{self.prefix}/" if self.prefix else ""
         for key in self._keys(base):
-            head, _, name = key[len(base):].partition("/")
+            head, _, name = key[len(base) :].partition("/")
             step = parse_step_dir(head)
             if step is not None:
                 yield step, name
@@ -148,8 +186,8 @@ class S3Tier:
     def _retry(self, what: str, action: Callable[[], T], retry_missing: bool = True) -> T:
         """``action`` with backoff; a missing key is raised at once unless ``retry_missing``
         (an object not there yet may appear; a manifest looked up is either there or not)."""
-        from botocore.exceptions import BotoCoreError, ClientError
         from boto3.exceptions import S3UploadFailedError
+        from botocore.exceptions import BotoCoreError, ClientError
 
         for attempt in range(1, self.max_attempts + 1):
             try:
@@ -158,12 +196,19 @@ class S3Tier:
                 if not retry_missing and _is_missing(e):
                     raise
                 if attempt == self.max_attempts:
-                    raise TierError(f"S3 {what} failed after {attempt} attempts: "
-                                    f"{self.describe(e)}") from e
+                    raise TierError(
+                        f"S3 {what} failed after {attempt} attempts: {self.describe(e)}"
+                    ) from e
                 delay = self.retry_backoff_s * 2 ** (attempt - 1)
                 self.retries += 1
-                log.warning("ALARM: S3 %s failed (attempt %d/%d: %s); retrying in %.1f s",
-                            what, attempt, self.max_attempts, e, delay)
+                log.warning(
+                    "ALARM: S3 %s failed (attempt %d/%d: %s); retrying in %.1f s",
+                    what,
+                    attempt,
+                    self.max_attempts,
+                    e,
+                    delay,
+                )
                 time.sleep(delay)
         raise AssertionError("unreachable")
 
@@ -171,5 +216,8 @@ class S3Tier:
 def _is_missing(error: BaseException) -> bool:
     from botocore.exceptions import ClientError
 
-    return isinstance(error, ClientError) and \
-        error.response.get("Error", {}).get("Code") in ("NoSuchKey", "404", "NotFound")
+    return isinstance(error, ClientError) and error.response.get("Error", {}).get("Code") in (
+        "NoSuchKey",
+        "404",
+        "NotFound",
+    )

@@ -26,11 +26,19 @@ import torch
 LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # a zip local file header, 30 bytes
 LOCAL_HEADER_SIGNATURE = 0x04034B50
 STORAGE_DTYPES = {  # the legacy storage class names torch.save pickles, by dtype
-    "FloatStorage": torch.float32, "DoubleStorage": torch.float64, "HalfStorage": torch.float16,
-    "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
-    "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8,
-    "BoolStorage": torch.bool, "ComplexFloatStorage": torch.complex64,
-    "ComplexDoubleStorage": torch.complex128}
+    "FloatStorage": torch.float32,
+    "DoubleStorage": torch.float64,
+    "HalfStorage": torch.float16,
+    "BFloat16Storage": torch.bfloat16,
+    "LongStorage": torch.int64,
+    "IntStorage": torch.int32,
+    "ShortStorage": torch.int16,
+    "CharStorage": torch.int8,
+    "ByteStorage": torch.uint8,
+    "BoolStorage": torch.bool,
+    "ComplexFloatStorage": torch.complex64,
+    "ComplexDoubleStorage": torch.complex128,
+}
 
 # torch.frombuffer warns on every read-only buffer (memory-tier objects are read-only);
 # the views made here are only read, so the warning says nothing to act on.
@@ -90,8 +98,8 @@ class _ViewFile(io.RawIOBase):
         return self.pos
 
     def readinto(self, buffer) -> int:
-        part = self.view[self.pos:self.pos + len(buffer)]
-        buffer[:len(part)] = part
+        part = self.view[self.pos : self.pos + len(buffer)]
+        buffer[: len(part)] = part
         self.pos += len(part)
         return len(part)
 
@@ -109,15 +117,22 @@ def tensor_view(blob: memoryview) -> torch.Tensor:
     if "byteorder" in names and _record(blob, names["byteorder"]) != b"little":
         raise ValueError("the tensor was saved big-endian")
     storage, offset, size, stride = _SpecUnpickler(
-        io.BytesIO(_record(blob, names["data.pkl"]))).load()
+        io.BytesIO(_record(blob, names["data.pkl"]))
+    ).load()
     record = names.get(f"data/{storage.key}")
     itemsize = torch.empty((), dtype=storage.dtype).element_size()
-    if record is None or record.compress_type != zipfile.ZIP_STORED or \
-            record.file_size != storage.numel * itemsize:
+    if (
+        record is None
+        or record.compress_type != zipfile.ZIP_STORED
+        or record.file_size != storage.numel * itemsize
+    ):
         raise ValueError("the tensor's storage record is missing or compressed")
     start = _data_start(blob, record.header_offset)
-    flat = torch.frombuffer(blob, dtype=storage.dtype, count=storage.numel, offset=start) \
-        if storage.numel else torch.empty(0, dtype=storage.dtype)
+    flat = (
+        torch.frombuffer(blob, dtype=storage.dtype, count=storage.numel, offset=start)
+        if storage.numel
+        else torch.empty(0, dtype=storage.dtype)
+    )
     return flat.as_strided(size, stride, offset)
 
 
@@ -128,7 +143,7 @@ def _record(blob: memoryview, info: zipfile.ZipInfo) -> bytes:
     if info.compress_type != zipfile.ZIP_STORED:
         raise ValueError(f"record {info.filename} is compressed")
     start = _data_start(blob, info.header_offset)
-    return blob[start:start + info.file_size].tobytes()
+    return blob[start : start + info.file_size].tobytes()
 
 
 def _data_start(blob: memoryview, header_offset: int) -> int:

@@ -24,13 +24,13 @@ from typing import Any, Dict, List
 
 import numpy as np
 import torch
-from torch.optim.optimizer import _get_scalar_dtype
 from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
 from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import _get_scalar_dtype
 
 from raytrain_ext.checkpoint.phases import RestorePhases
 
@@ -42,8 +42,11 @@ def rng_key(rank: int) -> str:
 
 
 def capture_rng() -> bytes:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(),
-             "torch": torch.get_rng_state().numpy().tobytes()}
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state().numpy().tobytes(),
+    }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = [s.numpy().tobytes() for s in torch.cuda.get_rng_state_all()]
     return pickle.dumps(state)
@@ -55,15 +58,22 @@ def restore_rng(blob: bytes) -> None:
     np.random.set_state(state["numpy"])
     torch.set_rng_state(torch.frombuffer(bytearray(state["torch"]), dtype=torch.uint8))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([torch.frombuffer(bytearray(s), dtype=torch.uint8)
-                                      for s in state["cuda"]])
+        torch.cuda.set_rng_state_all(
+            [torch.frombuffer(bytearray(s), dtype=torch.uint8) for s in state["cuda"]]
+        )
 
 
 def train_items(loop) -> Dict[str, Any]:
-    return {"step": loop.step, "world_size": loop.ctx.world_size,
-            "sampler": loop.sampler.state_dict(), "scheduler": loop.scheduler.state_dict(),
-            "ledger": loop.ledger.state_dict(), "config_digest": loop.config_digest,
-            "skip_steps": sorted(loop.skip_steps), "nonfinite_steps": loop.nonfinite_steps}
+    return {
+        "step": loop.step,
+        "world_size": loop.ctx.world_size,
+        "sampler": loop.sampler.state_dict(),
+        "scheduler": loop.scheduler.state_dict(),
+        "ledger": loop.ledger.state_dict(),
+        "config_digest": loop.config_digest,
+        "skip_steps": sorted(loop.skip_steps),
+        "nonfinite_steps": loop.nonfinite_steps,
+    }
 
 
 def model_and_optim(loop):
@@ -76,9 +86,12 @@ def model_and_optim(loop):
 def capture(loop) -> Dict[str, Any]:
     """The live state dict (tensors are references to the training tensors)."""
     model_sd, optim_sd = model_and_optim(loop)
-    return {"model": model_sd, "optim": optim_sd,
-            TRAIN_KEY: io.BytesIO(json.dumps(train_items(loop)).encode()),
-            rng_key(loop.ctx.rank): io.BytesIO(capture_rng())}
+    return {
+        "model": model_sd,
+        "optim": optim_sd,
+        TRAIN_KEY: io.BytesIO(json.dumps(train_items(loop)).encode()),
+        rng_key(loop.ctx.rank): io.BytesIO(capture_rng()),
+    }
 
 
 def snapshot(state: Any, reuse: Any = None) -> Any:
@@ -91,8 +104,11 @@ def snapshot(state: Any, reuse: Any = None) -> Any:
     if isinstance(state, DTensor):
         return _snapshot_dtensor(state, reuse)
     if isinstance(state, torch.Tensor):
-        host = reuse if _same_layout(reuse, state) else torch.empty(
-            state.shape, dtype=state.dtype, pin_memory=state.device.type == "cuda")
+        host = (
+            reuse
+            if _same_layout(reuse, state)
+            else torch.empty(state.shape, dtype=state.dtype, pin_memory=state.device.type == "cuda")
+        )
         return host.copy_(state.detach(), non_blocking=state.device.type == "cuda")
     if isinstance(state, dict):
         old = reuse if isinstance(reuse, dict) else {}
@@ -118,8 +134,12 @@ def _snapshot_dtensor(state: DTensor, reuse: Any) -> DTensor:
 
 
 def _same_layout(host: Any, tensor: torch.Tensor) -> bool:
-    return (isinstance(host, torch.Tensor) and host.shape == tensor.shape
-            and host.dtype == tensor.dtype and host.device.type == "cpu")
+    return (
+        isinstance(host, torch.Tensor)
+        and host.shape == tensor.shape
+        and host.dtype == tensor.dtype
+        and host.device.type == "cpu"
+    )
 
 
 def load_targets(loop, saved_world_size: int) -> Dict[str, Any]:
@@ -152,13 +172,17 @@ def preallocate_adam_state(optimizer) -> None:
             if not param.requires_grad:
                 continue
             state = optimizer.state[param]
-            state["step"] = (torch.zeros((), dtype=scalar, device=param.device) if on_device
-                             else torch.tensor(0.0, dtype=scalar))
+            state["step"] = (
+                torch.zeros((), dtype=scalar, device=param.device)
+                if on_device
+                else torch.tensor(0.0, dtype=scalar)
+            )
             state["exp_avg"] = torch.empty_like(param, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.empty_like(param, memory_format=torch.preserve_format)
             if group["amsgrad"]:
-                state["max_exp_avg_sq"] = torch.empty_like(param,
-                                                           memory_format=torch.preserve_format)
+                state["max_exp_avg_sq"] = torch.empty_like(
+                    param, memory_format=torch.preserve_format
+                )
 
 
 def tensor_bytes(state: Any) -> int:
@@ -221,6 +245,8 @@ def shape_mismatches(metadata, targets: Dict[str, Any]) -> List[str]:
     saved = {k for k in metadata.state_dict_metadata if k.startswith("model.")}
     # a pipeline stage holds part of the model; the other stages' keys are not extra
     known = getattr(targets["model"], "whole_model_keys", None) or targets["model"]
-    problems += [f"{k}: in the checkpoint but not in the model"
-                 for k in sorted(saved - {f"model.{n}" for n in known})]
+    problems += [
+        f"{k}: in the checkpoint but not in the model"
+        for k in sorted(saved - {f"model.{n}" for n in known})
+    ]
     return problems

@@ -12,9 +12,15 @@ from raytrain_ext.checkpoint.tier import Tier
 
 def s3_tier(ckpt_cfg, uri: str) -> S3Tier:
     s3 = ckpt_cfg.s3
-    return S3Tier(uri, endpoint_url=s3.endpoint_url, region=s3.region,
-                  part_size_mb=s3.part_size_mb, max_concurrency=s3.max_concurrency,
-                  max_attempts=s3.max_attempts, retry_backoff_s=s3.retry_backoff_s)
+    return S3Tier(
+        uri,
+        endpoint_url=s3.endpoint_url,
+        region=s3.region,
+        part_size_mb=s3.part_size_mb,
+        max_concurrency=s3.max_concurrency,
+        max_attempts=s3.max_attempts,
+        retry_backoff_s=s3.retry_backoff_s,
+    )
 
 
 def build_tiers(ckpt_cfg, run_name: str) -> List[Tier]:

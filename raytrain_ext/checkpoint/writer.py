@@ -91,8 +91,7 @@ class _HashingFileSystem(FileSystem):
         hasher = FileHasher(self.chunk_size)
         reused = self.pool is not None and take_recycled(self.pool, path)
         with serialization_config.patch("save.compute_crc32", False):
-            with path.open("r+b" if reused else "wb") as raw, \
-                    _HashingStream(raw, hasher) as stream:
+            with path.open("r+b" if reused else "wb") as raw, _HashingStream(raw, hasher) as stream:
                 yield stream
         if reused:  # cut the old file's tail, durably (DCP fsynced the data itself)
             os.truncate(path, hasher.size)

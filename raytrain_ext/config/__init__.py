@@ -1,7 +1,7 @@
 """Typed run configuration (OmegaConf structured dataclasses)."""
 
+from raytrain_ext.config.errors import ConfigError
 from raytrain_ext.config.loader import (
-    ConfigError,
     config_digest,
     config_from_dict,
     default_config_path,
@@ -12,6 +12,12 @@ from raytrain_ext.config.loader import (
 from raytrain_ext.config.schema import TrainConfig
 
 __all__ = [
-    "ConfigError", "TrainConfig", "config_digest", "config_from_dict", "default_config_path",
-    "load_config", "to_dict", "to_yaml",
+    "ConfigError",
+    "TrainConfig",
+    "config_digest",
+    "config_from_dict",
+    "default_config_path",
+    "load_config",
+    "to_dict",
+    "to_yaml",
 ]

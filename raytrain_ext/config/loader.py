@@ -22,11 +22,9 @@ from omegaconf.errors import (
     ValidationError,
 )
 
+from raytrain_ext.config.errors import ConfigError
 from raytrain_ext.config.schema import TrainConfig
-
-
-class ConfigError(ValueError):
-    """A configuration problem, with the full key and how to fix it."""
+from raytrain_ext.config.validate import validate
 
 
 def default_config_path() -> Path:
@@ -45,8 +43,6 @@ def load_config(
     ``path`` of ``None`` uses the packaged default YAML when ``use_default``;
     ``overrides`` are ``key=value`` strings (OmegaConf dotlist syntax).
     """
-    from raytrain_ext.config.validate import validate
-
     cfg = OmegaConf.structured(TrainConfig)
     yaml_path = Path(path) if path is not None else (default_config_path() if use_default else None)
     if yaml_path is not None:
@@ -55,8 +51,10 @@ def load_config(
     try:
         OmegaConf.resolve(cfg)
     except InterpolationResolutionError as e:
-        raise ConfigError(f"{_full_key(e)}: cannot resolve interpolation ({_first_line(e)}). "
-                          "Fix the ${...} reference or set the value directly.") from None
+        raise ConfigError(
+            f"{_full_key(e)}: cannot resolve interpolation ({_first_line(e)}). "
+            "Fix the ${...} reference or set the value directly."
+        ) from None
     validate(cfg)
     OmegaConf.set_readonly(cfg, True)
     return cfg
@@ -85,14 +83,18 @@ def config_digest(cfg: DictConfig) -> str:
 
 def _read_yaml(path: Path) -> DictConfig:
     if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist. Pass an existing YAML file "
-                          "(for example configs/tiny_cpu.yaml) or omit it to use the default.")
+        raise ConfigError(
+            f"config file {path} does not exist. Pass an existing YAML file "
+            "(for example configs/tiny_cpu.yaml) or omit it to use the default."
+        )
     try:
         loaded = OmegaConf.load(path)
     except Exception as e:  # yaml.YAMLError and friends
         raise ConfigError(f"config file {path} is not valid YAML: {_first_line(e)}") from None
     if not isinstance(loaded, DictConfig):
-        raise ConfigError(f"config file {path} must hold a mapping of sections (run:, model:, ...).")
+        raise ConfigError(
+            f"config file {path} must hold a mapping of sections (run:, model:, ...)."
+        )
     return loaded
 
 
@@ -100,8 +102,10 @@ def _parse_overrides(overrides: Iterable[str]) -> DictConfig:
     items = list(overrides)
     for item in items:
         if "=" not in item or item.startswith("="):
-            raise ConfigError(f"override {item!r} is not of the form key=value "
-                              "(for example data.global_batch_size=32).")
+            raise ConfigError(
+                f"override {item!r} is not of the form key=value "
+                "(for example data.global_batch_size=32)."
+            )
     try:
         return OmegaConf.from_dotlist(items)
     except OmegaConfBaseException as e:
@@ -114,8 +118,10 @@ def _merge(base: DictConfig, update: DictConfig, source: str) -> DictConfig:
     except ConfigKeyError as e:
         raise ConfigError(_unknown_key_message(e, source)) from None
     except ValidationError as e:
-        raise ConfigError(f"{_full_key(e)}: {_first_line(e)} (from {source}). "
-                          f"Give {_full_key(e)} a value of the documented type.") from None
+        raise ConfigError(
+            f"{_full_key(e)}: {_first_line(e)} (from {source}). "
+            f"Give {_full_key(e)} a value of the documented type."
+        ) from None
     except OmegaConfBaseException as e:
         raise ConfigError(f"{_full_key(e)}: {_first_line(e)} (from {source}).") from None
 

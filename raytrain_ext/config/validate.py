@@ -13,7 +13,7 @@ from typing import Callable, List
 
 from omegaconf import DictConfig
 
-from raytrain_ext.config.loader import ConfigError
+from raytrain_ext.config.errors import ConfigError
 from raytrain_ext.inputs.s3_errors import endpoint_problem
 from raytrain_ext.parallel.dims import (
     ParallelDims,
@@ -42,24 +42,66 @@ CHOICES = {
 }
 
 POSITIVE_INTS = (
-    "run.max_steps", "run.log_every", "model.n_layers", "model.d_model", "model.n_heads",
-    "model.vocab_size", "model.seq_len", "model.mlp_ratio", "data.global_batch_size",
-    "data.micro_batch_size", "optim.decay_steps", "scaling.num_workers", "checkpoint.keep_last",
-    "checkpoint.keep_in_memory", "checkpoint.write_threads", "checkpoint.read_threads",
+    "run.max_steps",
+    "run.log_every",
+    "model.n_layers",
+    "model.d_model",
+    "model.n_heads",
+    "model.vocab_size",
+    "model.seq_len",
+    "model.mlp_ratio",
+    "data.global_batch_size",
+    "data.micro_batch_size",
+    "optim.decay_steps",
+    "scaling.num_workers",
+    "checkpoint.keep_last",
+    "checkpoint.keep_in_memory",
+    "checkpoint.write_threads",
+    "checkpoint.read_threads",
     "checkpoint.checksum_chunk_kb",
-    "chaos.attempts", "guards.straggler_window",
-    "checkpoint.s3.part_size_mb", "checkpoint.s3.max_concurrency", "checkpoint.s3.max_attempts",
+    "chaos.attempts",
+    "guards.straggler_window",
+    "checkpoint.s3.part_size_mb",
+    "checkpoint.s3.max_concurrency",
+    "checkpoint.s3.max_attempts",
 )
 
-POSITIVE_FLOATS = ("optim.lr", "optim.eps", "scaling.placement_timeout_s",
-                   "parallel.timeout_s", "elastic.poll_interval_s", "elastic.grow_check_s", "checkpoint.timeout_s",
-                   "elastic.hang_factor", "elastic.hang_floor_s",
-                   "checkpoint.preemption_grace_s", "guards.straggler_factor")
+POSITIVE_FLOATS = (
+    "optim.lr",
+    "optim.eps",
+    "scaling.placement_timeout_s",
+    "parallel.timeout_s",
+    "elastic.poll_interval_s",
+    "elastic.grow_check_s",
+    "checkpoint.timeout_s",
+    "elastic.hang_factor",
+    "elastic.hang_floor_s",
+    "checkpoint.preemption_grace_s",
+    "guards.straggler_factor",
+)
 
-NON_NEGATIVE = ("elastic.reuse_wait_s", "elastic.spare_workers", "elastic.wait_for_capacity_s", "elastic.grow_stable_s", "elastic.resize_cooldown_s",
-                "elastic.preemption_wait_s", "chaos.stall_save_s", "chaos.kill_at_step", "chaos.hang_at_step", "run.seed", "data.seed", "optim.min_lr", "optim.weight_decay", "optim.warmup_steps", "optim.grad_clip",
-                "model.moe.num_experts", "model.moe.aux_loss_weight", "chaos.nan_at_step",
-                "chaos.slow_s", "guards.max_nan_steps")
+NON_NEGATIVE = (
+    "elastic.reuse_wait_s",
+    "elastic.spare_workers",
+    "elastic.wait_for_capacity_s",
+    "elastic.grow_stable_s",
+    "elastic.resize_cooldown_s",
+    "elastic.preemption_wait_s",
+    "chaos.stall_save_s",
+    "chaos.kill_at_step",
+    "chaos.hang_at_step",
+    "run.seed",
+    "data.seed",
+    "optim.min_lr",
+    "optim.weight_decay",
+    "optim.warmup_steps",
+    "optim.grad_clip",
+    "model.moe.num_experts",
+    "model.moe.aux_loss_weight",
+    "chaos.nan_at_step",
+    "chaos.slow_s",
+    "guards.max_nan_steps",
+)
 
 
 def validate(cfg: DictConfig) -> None:
@@ -95,39 +137,49 @@ def _check_choices(cfg: DictConfig) -> None:
     for key, allowed in CHOICES.items():
         value = _get(cfg, key)
         if value not in allowed:
-            raise ConfigError(f"{key}: {value!r} is not one of {', '.join(allowed)}. "
-                              f"Set {key} to one of them.")
+            raise ConfigError(
+                f"{key}: {value!r} is not one of {', '.join(allowed)}. Set {key} to one of them."
+            )
 
 
 def _check_ranges(cfg: DictConfig) -> None:
     for key in POSITIVE_INTS + POSITIVE_FLOATS:
         value = _get(cfg, key)
         if not value > 0 or (isinstance(value, float) and math.isinf(value)):
-            raise ConfigError(f"{key}: must be a positive finite number, got {value}. "
-                              f"Set {key} to a value > 0.")
+            raise ConfigError(
+                f"{key}: must be a positive finite number, got {value}. Set {key} to a value > 0."
+            )
     for key in NON_NEGATIVE:
         if _get(cfg, key) < 0:
             raise ConfigError(f"{key}: must be >= 0, got {_get(cfg, key)}.")
     if not 0.0 <= cfg.model.dropout < 1.0:
         raise ConfigError(f"model.dropout: must be in [0, 1), got {cfg.model.dropout}.")
     if not cfg.run.name or "/" in cfg.run.name or cfg.run.name in (".", ".."):
-        raise ConfigError(f"run.name: {cfg.run.name!r} must be a non-empty name without '/'; "
-                          "it names the directory runs/<run.name>.")
+        raise ConfigError(
+            f"run.name: {cfg.run.name!r} must be a non-empty name without '/'; "
+            "it names the directory runs/<run.name>."
+        )
 
 
 def _check_model(cfg: DictConfig) -> None:
     m = cfg.model
     if m.d_model % m.n_heads:
-        raise ConfigError(f"model.d_model: {m.d_model} is not divisible by model.n_heads={m.n_heads} "
-                          f"({m.d_model} / {m.n_heads} = {m.d_model / m.n_heads:g}). "
-                          "Choose d_model as a multiple of n_heads.")
+        raise ConfigError(
+            f"model.d_model: {m.d_model} is not divisible by model.n_heads={m.n_heads} "
+            f"({m.d_model} / {m.n_heads} = {m.d_model / m.n_heads:g}). "
+            "Choose d_model as a multiple of n_heads."
+        )
     if cfg.data.path == "builtin:corpus" and m.vocab_size < 256:
-        raise ConfigError(f"model.vocab_size: {m.vocab_size} is too small for the byte-level "
-                          "builtin corpus (token ids 0..255). Set model.vocab_size >= 256.")
+        raise ConfigError(
+            f"model.vocab_size: {m.vocab_size} is too small for the byte-level "
+            "builtin corpus (token ids 0..255). Set model.vocab_size >= 256."
+        )
     moe = m.moe
     if moe.num_experts and not 1 <= moe.top_k <= moe.num_experts:
-        raise ConfigError(f"model.moe.top_k: {moe.top_k} must be between 1 and "
-                          f"model.moe.num_experts={moe.num_experts}.")
+        raise ConfigError(
+            f"model.moe.top_k: {moe.top_k} must be between 1 and "
+            f"model.moe.num_experts={moe.num_experts}."
+        )
     if moe.num_experts and moe.capacity_factor <= 0:
         raise ConfigError(f"model.moe.capacity_factor: must be > 0, got {moe.capacity_factor}.")
 
@@ -141,25 +193,32 @@ def _check_batch(cfg: DictConfig) -> None:
     model_parallel = cfg.parallel.tp * cfg.parallel.pp
     dp_size = s.num_workers // model_parallel
     per_step = d.micro_batch_size * dp_size
-    ranks = (f"scaling.num_workers = {d.micro_batch_size} x {s.num_workers}" if model_parallel == 1
-             else f"the data-parallel size (scaling.num_workers / (parallel.tp x parallel.pp) = "
-                  f"{s.num_workers} / {model_parallel}) = {d.micro_batch_size} x {dp_size}")
+    ranks = (
+        f"scaling.num_workers = {d.micro_batch_size} x {s.num_workers}"
+        if model_parallel == 1
+        else f"the data-parallel size (scaling.num_workers / (parallel.tp x parallel.pp) = "
+        f"{s.num_workers} / {model_parallel}) = {d.micro_batch_size} x {dp_size}"
+    )
     if d.global_batch_size % per_step:
         raise ConfigError(
             f"data.global_batch_size: {d.global_batch_size} is not a multiple of "
             f"data.micro_batch_size x {ranks} "
             f"= {per_step}, so gradient accumulation would not be a whole number of micro-batches. "
-            f"Use a global_batch_size such as {per_step * max(1, round(d.global_batch_size / per_step))}.")
+            f"Use a global_batch_size such as {per_step * max(1, round(d.global_batch_size / per_step))}."
+        )
     if d.global_batch_size < s.max_workers // model_parallel:
-        raise ConfigError(f"data.global_batch_size: {d.global_batch_size} is smaller than "
-                          f"scaling.max_workers={s.max_workers}; every worker needs at least one "
-                          "sample per step. Raise global_batch_size or lower max_workers.")
+        raise ConfigError(
+            f"data.global_batch_size: {d.global_batch_size} is smaller than "
+            f"scaling.max_workers={s.max_workers}; every worker needs at least one "
+            "sample per step. Raise global_batch_size or lower max_workers."
+        )
     for world in allowed_world_sizes(s, cfg.parallel):  # FSDP: equal micro-batch counts
         try:
             dims = ParallelDims.build(cfg.parallel, cfg.model, world)
             check_batch_split(cfg.parallel.strategy, d.global_batch_size, d.micro_batch_size, dims)
-            check_pipeline_microbatches(cfg.parallel.pp_schedule, d.global_batch_size,
-                                        d.micro_batch_size, dims)
+            check_pipeline_microbatches(
+                cfg.parallel.pp_schedule, d.global_batch_size, d.micro_batch_size, dims
+            )
         except ParallelLayoutError as e:
             raise ConfigError(str(e)) from None
 
@@ -180,9 +239,11 @@ def _check_parallel(cfg: DictConfig) -> None:
         check_strategy_support(p)
         check_model_fits_tp(p.tp, cfg.model)
         if p.cpu_offload and not s.use_gpu:
-            raise ConfigError("parallel.cpu_offload: offloads GPU parameters to host memory; "
-                              "without GPUs they are there already. Set parallel.cpu_offload="
-                              "false, or scaling.use_gpu=true.")
+            raise ConfigError(
+                "parallel.cpu_offload: offloads GPU parameters to host memory; "
+                "without GPUs they are there already. Set parallel.cpu_offload="
+                "false, or scaling.use_gpu=true."
+            )
         ParallelDims.build(p, cfg.model, s.num_workers)  # the arithmetic for the usual size first
         unit = resize_unit(p)
         for key in ("min_workers", "num_workers", "max_workers"):
@@ -191,7 +252,8 @@ def _check_parallel(cfg: DictConfig) -> None:
                     f"scaling.{key}: {s[key]} is not a multiple of dp_replicate x tp x pp x ep = "
                     f"{p.dp_replicate} x {p.tp} x {p.pp} x {p.ep} = {unit}; the world grows and "
                     f"shrinks in whole model-parallel groups. Use a multiple of {unit} such as "
-                    f"{max(unit, s[key] // unit * unit)}.")
+                    f"{max(unit, s[key] // unit * unit)}."
+                )
         for world in allowed_world_sizes(s, p):
             ParallelDims.build(p, cfg.model, world)
     except ParallelLayoutError as e:
@@ -205,13 +267,18 @@ def _check_zero(cfg: DictConfig) -> None:
             raise ConfigError(
                 "parallel.zero.native_checkpoint: DeepSpeed's own checkpoint files come from a "
                 f"DeepSpeed engine, but parallel.strategy={cfg.parallel.strategy}. Set "
-                "parallel.strategy=zero, or parallel.zero.native_checkpoint=false.")
+                "parallel.strategy=zero, or parallel.zero.native_checkpoint=false."
+            )
         return
     from raytrain_ext.parallel.zero import check_zero_config
 
     try:
-        check_zero_config(cfg.parallel, cfg.data.global_batch_size, cfg.data.micro_batch_size,
-                          allowed_world_sizes(cfg.scaling, cfg.parallel))
+        check_zero_config(
+            cfg.parallel,
+            cfg.data.global_batch_size,
+            cfg.data.micro_batch_size,
+            allowed_world_sizes(cfg.scaling, cfg.parallel),
+        )
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
@@ -219,11 +286,13 @@ def _check_zero(cfg: DictConfig) -> None:
 def _check_optim(cfg: DictConfig) -> None:
     o = cfg.optim
     if o.min_lr > o.lr:
-        raise ConfigError(f"optim.min_lr: {o.min_lr} is larger than optim.lr={o.lr}. "
-                          "Set min_lr <= lr.")
+        raise ConfigError(
+            f"optim.min_lr: {o.min_lr} is larger than optim.lr={o.lr}. Set min_lr <= lr."
+        )
     if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
-        raise ConfigError(f"optim.betas: {list(o.betas)} must be two numbers in [0, 1), "
-                          "for example [0.9, 0.95].")
+        raise ConfigError(
+            f"optim.betas: {list(o.betas)} must be two numbers in [0, 1), for example [0.9, 0.95]."
+        )
 
 
 def schedule_warnings(cfg: DictConfig) -> List[str]:
@@ -232,13 +301,17 @@ def schedule_warnings(cfg: DictConfig) -> List[str]:
     o, steps = cfg.optim, cfg.run.max_steps
     peak = o.lr * min(1.0, steps / o.warmup_steps) if o.warmup_steps else o.lr
     if peak < o.min_lr:
-        return [f"optim.warmup_steps: {o.warmup_steps} warmup steps in a run of run.max_steps="
-                f"{steps} keep the learning rate at or below {peak:.3g}, under optim.min_lr="
-                f"{o.min_lr}, for the whole run. Lower optim.warmup_steps (e.g. to "
-                f"{max(1, steps // 10)}) or raise run.max_steps."]
+        return [
+            f"optim.warmup_steps: {o.warmup_steps} warmup steps in a run of run.max_steps="
+            f"{steps} keep the learning rate at or below {peak:.3g}, under optim.min_lr="
+            f"{o.min_lr}, for the whole run. Lower optim.warmup_steps (e.g. to "
+            f"{max(1, steps // 10)}) or raise run.max_steps."
+        ]
     if o.warmup_steps > steps:
-        return [f"optim.warmup_steps: {o.warmup_steps} is more than run.max_steps={steps}: the "
-                f"run ends before the learning rate reaches optim.lr={o.lr}."]
+        return [
+            f"optim.warmup_steps: {o.warmup_steps} is more than run.max_steps={steps}: the "
+            f"run ends before the learning rate reaches optim.lr={o.lr}."
+        ]
     return []
 
 
@@ -248,30 +321,44 @@ def _check_scaling(cfg: DictConfig) -> None:
         raise ConfigError(
             f"scaling.num_workers: need 1 <= min_workers <= num_workers <= max_workers, got "
             f"{s.min_workers} <= {s.num_workers} <= {s.max_workers}. Adjust scaling.min_workers, "
-            "scaling.num_workers or scaling.max_workers.")
+            "scaling.num_workers or scaling.max_workers."
+        )
     for name, amount in s.resources_per_worker.items():
         if amount < 0:
             raise ConfigError(f"scaling.resources_per_worker.{name}: must be >= 0, got {amount}.")
     if s.resources_per_worker.get("GPU", 0) > 0 and not s.use_gpu:
-        raise ConfigError("scaling.resources_per_worker.GPU: GPUs are requested but "
-                          "scaling.use_gpu is false. Set scaling.use_gpu=true or drop the GPU entry.")
+        raise ConfigError(
+            "scaling.resources_per_worker.GPU: GPUs are requested but "
+            "scaling.use_gpu is false. Set scaling.use_gpu=true or drop the GPU entry."
+        )
     if p.backend == "nccl" and not s.use_gpu:
-        raise ConfigError("parallel.backend: 'nccl' needs GPUs. Set scaling.use_gpu=true, "
-                          "or parallel.backend=gloo (or auto) on CPU.")
+        raise ConfigError(
+            "parallel.backend: 'nccl' needs GPUs. Set scaling.use_gpu=true, "
+            "or parallel.backend=gloo (or auto) on CPU."
+        )
     if cfg.run.device == "cuda" and not s.use_gpu:
-        raise ConfigError("run.device: 'cuda' needs scaling.use_gpu=true so that Ray assigns "
-                          "each worker a GPU.")
+        raise ConfigError(
+            "run.device: 'cuda' needs scaling.use_gpu=true so that Ray assigns each worker a GPU."
+        )
 
 
 def _check_elastic(cfg: DictConfig) -> None:
-    for key in ("elastic.max_failures", "elastic.max_preemptions", "chaos.kill_rank", "chaos.hang_rank", "chaos.nan_rank",
-                "chaos.slow_rank"):
+    for key in (
+        "elastic.max_failures",
+        "elastic.max_preemptions",
+        "chaos.kill_rank",
+        "chaos.hang_rank",
+        "chaos.nan_rank",
+        "chaos.slow_rank",
+    ):
         if _get(cfg, key) < -1:
             raise ConfigError(f"{key}: must be -1 (none/unlimited) or >= 0, got {_get(cfg, key)}.")
     for key in ("chaos.kill_rank", "chaos.hang_rank", "chaos.nan_rank", "chaos.slow_rank"):
         if _get(cfg, key) >= cfg.scaling.max_workers:
-            raise ConfigError(f"{key}: {_get(cfg, key)} is not a rank below "
-                              f"scaling.max_workers={cfg.scaling.max_workers}.")
+            raise ConfigError(
+                f"{key}: {_get(cfg, key)} is not a rank below "
+                f"scaling.max_workers={cfg.scaling.max_workers}."
+            )
 
 
 def _check_checkpoint(cfg: DictConfig) -> None:
@@ -281,15 +368,21 @@ def _check_checkpoint(cfg: DictConfig) -> None:
         if value is not None and value <= 0:
             raise ConfigError(f"checkpoint.{key}: must be > 0 or null (disabled), got {value}.")
     if c.s3.uri is not None and not (c.s3.uri.startswith("s3://") and len(c.s3.uri) > 5):
-        raise ConfigError(f"checkpoint.s3.uri: {c.s3.uri!r} is not an s3://bucket/prefix URI. "
-                          "Set it like s3://my-bucket/checkpoints, or null to disable the S3 tier.")
+        raise ConfigError(
+            f"checkpoint.s3.uri: {c.s3.uri!r} is not an s3://bucket/prefix URI. "
+            "Set it like s3://my-bucket/checkpoints, or null to disable the S3 tier."
+        )
     if c.resume not in ("auto", "never") and not re.search(r"step-\d+/?$", c.resume):
-        raise ConfigError(f"checkpoint.resume: {c.resume!r} must be auto, never, or the path/URI "
-                          "of one step-<N> checkpoint directory.")
+        raise ConfigError(
+            f"checkpoint.resume: {c.resume!r} must be auto, never, or the path/URI "
+            "of one step-<N> checkpoint directory."
+        )
     if c.enabled and not (c.local or c.s3.uri):
-        raise ConfigError("checkpoint.local: checkpoints are enabled but no persistent tier is; "
-                          "set checkpoint.local=true or checkpoint.s3.uri, or "
-                          "checkpoint.enabled=false.")
+        raise ConfigError(
+            "checkpoint.local: checkpoints are enabled but no persistent tier is; "
+            "set checkpoint.local=true or checkpoint.s3.uri, or "
+            "checkpoint.enabled=false."
+        )
 
 
 def _check_s3_settings(cfg: DictConfig) -> None:
@@ -302,16 +395,29 @@ def _check_s3_settings(cfg: DictConfig) -> None:
 def _check_profile(cfg: DictConfig) -> None:
     steps = list(cfg.profile.steps)
     if steps and not (len(steps) == 2 and 1 <= steps[0] <= steps[1]):
-        raise ConfigError(f"profile.steps: {steps} must be [] (off) or [first, last] with "
-                          "1 <= first <= last, for example profile.steps=[10,12].")
+        raise ConfigError(
+            f"profile.steps: {steps} must be [] (off) or [first, last] with "
+            "1 <= first <= last, for example profile.steps=[10,12]."
+        )
     for rank in cfg.profile.ranks:
         if not 0 <= rank < cfg.scaling.max_workers:
-            raise ConfigError(f"profile.ranks: {rank} is not a rank below "
-                              f"scaling.max_workers={cfg.scaling.max_workers}.")
+            raise ConfigError(
+                f"profile.ranks: {rank} is not a rank below "
+                f"scaling.max_workers={cfg.scaling.max_workers}."
+            )
 
 
 _CHECKS: List[Callable[[DictConfig], None]] = [
-    _check_choices, _check_ranges, _check_model, _check_zero, _check_parallel,
-    _check_batch, _check_optim, _check_scaling,
-    _check_checkpoint, _check_s3_settings, _check_elastic, _check_profile,
+    _check_choices,
+    _check_ranges,
+    _check_model,
+    _check_zero,
+    _check_parallel,
+    _check_batch,
+    _check_optim,
+    _check_scaling,
+    _check_checkpoint,
+    _check_s3_settings,
+    _check_elastic,
+    _check_profile,
 ]

@@ -20,16 +20,74 @@ import pyarrow as pa
 CORPUS_SEED = 20261130
 CORPUS_BYTES = 2 * 1024 * 1024
 
-_SUBJECTS = ["the worker", "a node", "the controller", "every rank", "the scheduler", "our model",
-             "the optimizer", "a checkpoint", "the cluster", "the sampler", "one replica",
-             "the old gardener", "a small boat", "the river", "the village", "a quiet student"]
-_VERBS = ["saves", "restores", "trains", "waits for", "sends", "receives", "counts", "watches",
-          "repairs", "finds", "carries", "remembers", "measures", "follows", "builds", "reads"]
-_OBJECTS = ["the gradients", "a shard", "the next batch", "every sample", "the loss", "its state",
-            "the weights", "a message", "the morning light", "a long letter", "the harvest",
-            "seven stones", "the map", "a lantern", "the last step", "the global order"]
-_ADVERBS = ["quickly", "again", "exactly once", "in silence", "before dawn", "without fear",
-            "at every step", "with care", "in the evening", "twice", "on time", "slowly"]
+_SUBJECTS = [
+    "the worker",
+    "a node",
+    "the controller",
+    "every rank",
+    "the scheduler",
+    "our model",
+    "the optimizer",
+    "a checkpoint",
+    "the cluster",
+    "the sampler",
+    "one replica",
+    "the old gardener",
+    "a small boat",
+    "the river",
+    "the village",
+    "a quiet student",
+]
+_VERBS = [
+    "saves",
+    "restores",
+    "trains",
+    "waits for",
+    "sends",
+    "receives",
+    "counts",
+    "watches",
+    "repairs",
+    "finds",
+    "carries",
+    "remembers",
+    "measures",
+    "follows",
+    "builds",
+    "reads",
+]
+_OBJECTS = [
+    "the gradients",
+    "a shard",
+    "the next batch",
+    "every sample",
+    "the loss",
+    "its state",
+    "the weights",
+    "a message",
+    "the morning light",
+    "a long letter",
+    "the harvest",
+    "seven stones",
+    "the map",
+    "a lantern",
+    "the last step",
+    "the global order",
+]
+_ADVERBS = [
+    "quickly",
+    "again",
+    "exactly once",
+    "in silence",
+    "before dawn",
+    "without fear",
+    "at every step",
+    "with care",
+    "in the evening",
+    "twice",
+    "on time",
+    "slowly",
+]
 _CONNECTIVES = ["and then", "because", "while", "so that", "although", "until", "after"]
 
 

@@ -25,8 +25,9 @@ class GlobalSampler:
 
     def __init__(self, num_samples: int, global_batch_size: int, seed: int, shuffle: bool = True):
         if num_samples < 1:
-            raise ValueError("the dataset has no complete sample; use a longer corpus or a "
-                             "shorter model.seq_len")
+            raise ValueError(
+                "the dataset has no complete sample; use a longer corpus or a shorter model.seq_len"
+            )
         self.num_samples = num_samples
         self.global_batch_size = global_batch_size
         self.seed = seed
@@ -44,7 +45,7 @@ class GlobalSampler:
         while needed:
             order = self.epoch_order(self.epoch)
             take = min(needed, self.num_samples - self.cursor)
-            parts.append(order[self.cursor:self.cursor + take])
+            parts.append(order[self.cursor : self.cursor + take])
             self.cursor += take
             needed -= take
             if self.cursor == self.num_samples:
@@ -52,9 +53,14 @@ class GlobalSampler:
         return np.concatenate(parts)
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"num_samples": self.num_samples, "global_batch_size": self.global_batch_size,
-                "seed": self.seed, "shuffle": self.shuffle, "epoch": self.epoch,
-                "cursor": self.cursor}
+        return {
+            "num_samples": self.num_samples,
+            "global_batch_size": self.global_batch_size,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "epoch": self.epoch,
+            "cursor": self.cursor,
+        }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Resume the global order; the world size may differ from the saver's."""
@@ -62,7 +68,8 @@ class GlobalSampler:
             raise ValueError(
                 f"sampler state is for {state['num_samples']} samples with seed {state['seed']}, "
                 f"but this run has {self.num_samples} samples with seed {self.seed}; resume with "
-                "the same data.path, model.seq_len and data.seed")
+                "the same data.path, model.seq_len and data.seed"
+            )
         self.shuffle = state["shuffle"]
         self.epoch = state["epoch"]
         self.cursor = state["cursor"]
@@ -72,7 +79,7 @@ def rank_slice(global_batch: np.ndarray, rank: int, world_size: int) -> np.ndarr
     """This rank's contiguous share; shares of ranks 0..world_size-1 partition the batch."""
     base, extra = divmod(len(global_batch), world_size)
     start = rank * base + min(rank, extra)
-    return global_batch[start:start + base + (1 if rank < extra else 0)]
+    return global_batch[start : start + base + (1 if rank < extra else 0)]
 
 
 @lru_cache(maxsize=4)

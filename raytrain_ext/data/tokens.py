@@ -33,8 +33,10 @@ class TokenDataset:
         self.source = source
         self.num_samples = (len(tokens) - 1) // seq_len
         if self.num_samples < 1:
-            raise ValueError(f"{source} holds {len(tokens)} tokens, fewer than one sample of "
-                             f"model.seq_len+1={seq_len + 1}; use more data or a shorter seq_len")
+            raise ValueError(
+                f"{source} holds {len(tokens)} tokens, fewer than one sample of "
+                f"model.seq_len+1={seq_len + 1}; use more data or a shorter seq_len"
+            )
 
     def batch(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and targets (int64, shape [len(indices), seq_len])."""
@@ -48,18 +50,25 @@ class TokenDataset:
         return int(self.tokens[:prefix].max())
 
 
-def open_token_dataset(path: str, seq_len: int, *, s3_endpoint_url: Optional[str] = None,
-                       s3_region: Optional[str] = None) -> TokenDataset:
+def open_token_dataset(
+    path: str,
+    seq_len: int,
+    *,
+    s3_endpoint_url: Optional[str] = None,
+    s3_region: Optional[str] = None,
+) -> TokenDataset:
     """Open ``builtin:corpus``, a local file or directory, or an ``s3://`` URI."""
     if path == "builtin:corpus":
         return TokenDataset(_read_local(builtin_corpus_path()), seq_len, source=path)
     if path.startswith("s3://"):
         fs = s3_filesystem(s3_endpoint_url, s3_region)
-        return TokenDataset(_read_remote(fs, path[len("s3://"):]), seq_len, source=path)
+        return TokenDataset(_read_remote(fs, path[len("s3://") :]), seq_len, source=path)
     local = Path(path)
     if not local.exists():
-        raise FileNotFoundError(f"data.path: {path} does not exist; point it at an Arrow IPC or "
-                                "Parquet file (or a directory of them) with a 'tokens' column")
+        raise FileNotFoundError(
+            f"data.path: {path} does not exist; point it at an Arrow IPC or "
+            "Parquet file (or a directory of them) with a 'tokens' column"
+        )
     files = local_token_files(local)
     if not files:
         raise FileNotFoundError(f"data.path: {path} holds no {'/'.join(SUFFIXES)} files")
@@ -85,8 +94,9 @@ def local_token_files(path: Path) -> List[Path]:
 def s3_filesystem(endpoint_url: Optional[str], region: Optional[str], **options) -> pafs.FileSystem:
     """pyarrow's S3 filesystem for ``data.s3_endpoint_url`` (http or https) and region."""
     scheme = "http" if (endpoint_url or "").startswith("http://") else "https"
-    return pafs.S3FileSystem(endpoint_override=endpoint_url, region=region, scheme=scheme,
-                             **options)
+    return pafs.S3FileSystem(
+        endpoint_override=endpoint_url, region=region, scheme=scheme, **options
+    )
 
 
 def remote_token_files(fs: pafs.FileSystem, path: str) -> List[str]:
@@ -102,8 +112,9 @@ def remote_token_files(fs: pafs.FileSystem, path: str) -> List[str]:
 def _read_remote(fs: pafs.FileSystem, path: str) -> np.ndarray:
     names = remote_token_files(fs, path)
     if not names:
-        raise FileNotFoundError(f"data.path: s3://{path} does not exist or holds no "
-                                f"{'/'.join(SUFFIXES)} files")
+        raise FileNotFoundError(
+            f"data.path: s3://{path} does not exist or holds no {'/'.join(SUFFIXES)} files"
+        )
     arrays: List[np.ndarray] = []
     for name in names:
         with fs.open_input_file(name) as f:
@@ -118,8 +129,9 @@ def _read_remote(fs: pafs.FileSystem, path: str) -> np.ndarray:
 def _read_parquet(parquet: pq.ParquetFile, source: str) -> pa.Table:
     """Read only the token column, after checking that it exists."""
     if TOKEN_COLUMN not in parquet.schema_arrow.names:
-        raise ValueError(f"{source} has no '{TOKEN_COLUMN}' column "
-                         f"(columns: {parquet.schema_arrow.names})")
+        raise ValueError(
+            f"{source} has no '{TOKEN_COLUMN}' column (columns: {parquet.schema_arrow.names})"
+        )
     return parquet.read(columns=[TOKEN_COLUMN])
 
 

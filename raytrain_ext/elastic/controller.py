@@ -31,6 +31,7 @@ import ray
 
 from raytrain_ext.config import to_dict
 from raytrain_ext.elastic.diagnostics import dump_worker_stacks, newly_flagged_stragglers
+from raytrain_ext.elastic.failure_text import one_line
 from raytrain_ext.elastic.policy import (
     Budget,
     Decision,
@@ -41,7 +42,6 @@ from raytrain_ext.elastic.policy import (
     recovery_decision,
     workers_that_fit,
 )
-from raytrain_ext.elastic.failure_text import one_line
 from raytrain_ext.elastic.survivors import first_error, keepable_ranks
 from raytrain_ext.elastic.watchdog import HangWatchdog
 from raytrain_ext.metrics import MetricsSink
@@ -101,8 +101,9 @@ class Controller:
         self.sink = sink
         self.clock = clock
         self.state = RunState.SCHEDULING
-        self.group = WorkerGroup(dict(cfg.scaling.resources_per_worker),
-                                 cfg.scaling.placement_strategy)
+        self.group = WorkerGroup(
+            dict(cfg.scaling.resources_per_worker), cfg.scaling.placement_strategy
+        )
         self.result = ControllerResult(state=self.state)
         self._fit_refs: List[ray.ObjectRef] = []
         self._last_drain_check = 0.0
@@ -120,8 +121,9 @@ class Controller:
         e = cfg.elastic
         self.preemptions = 0
         self.preemption_budget = Budget(e.max_preemptions, "elastic.max_preemptions")
-        self.grow_policy = GrowPolicy(cfg.scaling.max_workers, e.resize_cooldown_s, e.grow_stable_s,
-                                      unit)
+        self.grow_policy = GrowPolicy(
+            cfg.scaling.max_workers, e.resize_cooldown_s, e.grow_stable_s, unit
+        )
         self._last_reform_at = clock()
         self._last_grow_check = 0.0
         self._resize_target: Optional[int] = None
@@ -133,8 +135,12 @@ class Controller:
         self._stop_reason: Optional[str] = None  # set from another thread by ``stop``
 
     def run(self) -> ControllerResult:
-        handlers = {RunState.SCHEDULING: self._schedule, RunState.RUNNING: self._running,
-                    RunState.RECOVERING: self._recover, RunState.RESIZING: self._resize}
+        handlers = {
+            RunState.SCHEDULING: self._schedule,
+            RunState.RUNNING: self._running,
+            RunState.RECOVERING: self._recover,
+            RunState.RESIZING: self._resize,
+        }
         try:
             while self.state not in TERMINAL:
                 target, reason = handlers[self.state]()
@@ -154,8 +160,9 @@ class Controller:
     def _transition(self, target: RunState, reason: str) -> None:
         if target is self.state:
             return
-        self.result.transitions.append(Transition(self.state.value, target.value, reason,
-                                                  self.clock()))
+        self.result.transitions.append(
+            Transition(self.state.value, target.value, reason, self.clock())
+        )
         log.info("controller: %s -> %s (%s)", self.state.value, target.value, reason)
         self.state = target
 
@@ -166,13 +173,21 @@ class Controller:
         keep, self._keep_ranks = self._keep_ranks, None
         try:
             if keep is not None:
-                filled = self.group.reform(keep, backend=p.backend, timeout_s=p.timeout_s,
-                                           placement_timeout_s=s.placement_timeout_s)
+                filled = self.group.reform(
+                    keep,
+                    backend=p.backend,
+                    timeout_s=p.timeout_s,
+                    placement_timeout_s=s.placement_timeout_s,
+                )
                 self.result.recoveries[-1]["reformed"] = filled
             else:
-                self.group.start(self.world_size, backend=p.backend, timeout_s=p.timeout_s,
-                                 placement_timeout_s=s.placement_timeout_s,
-                                 spares=self.cfg.elastic.spare_workers)
+                self.group.start(
+                    self.world_size,
+                    backend=p.backend,
+                    timeout_s=p.timeout_s,
+                    placement_timeout_s=s.placement_timeout_s,
+                    spares=self.cfg.elastic.spare_workers,
+                )
         except Exception as e:  # placement timeout, rendezvous failure
             self._fit_refs = []  # nothing ran: no survivor to keep
             self.result.error = e
@@ -183,13 +198,24 @@ class Controller:
         self.result.backend = self.group.backend
         self._last_reform_at = self.clock()
         self._stragglers_named = set()  # ranks are renumbered by every re-form
-        self.result.world_size_history.append({"step": self._last_step(),
-                                               "world_size": self.group.world_size})
-        self.result.workers = [{"rank": r, "node_id": i["node_id"], "node_ip": i["node_ip"],
-                                "pid": i["pid"], "gpu_ids": i["gpu_ids"]}
-                               for r, i in enumerate(self.group.infos)]
+        self.result.world_size_history.append(
+            {"step": self._last_step(), "world_size": self.group.world_size}
+        )
+        self.result.workers = [
+            {
+                "rank": r,
+                "node_id": i["node_id"],
+                "node_ip": i["node_ip"],
+                "pid": i["pid"],
+                "gpu_ids": i["gpu_ids"],
+            }
+            for r, i in enumerate(self.group.infos)
+        ]
         self._fit_refs = self.group.call_async("fit", to_dict(self.cfg), self.attempt)
-        return RunState.RUNNING, f"{self.group.world_size} workers formed a {self.group.backend} group"
+        return (
+            RunState.RUNNING,
+            f"{self.group.world_size} workers formed a {self.group.backend} group",
+        )
 
     def _initial_size(self) -> int:
         """Start with as many workers as fit now, within min..max (``num_workers`` when fewer
@@ -199,8 +225,13 @@ class Controller:
         size = self.scaling_policy.size_for(capacity)
         if size < self.scaling_policy.min_workers:
             return self.cfg.scaling.num_workers
-        log.info("controller: %d workers fit; starting with %d (min %d, max %d)", capacity, size,
-                 self.scaling_policy.min_workers, self.scaling_policy.max_workers)
+        log.info(
+            "controller: %d workers fit; starting with %d (min %d, max %d)",
+            capacity,
+            size,
+            self.scaling_policy.min_workers,
+            self.scaling_policy.max_workers,
+        )
         return size
 
     def _running(self) -> Tuple[RunState, str]:
@@ -216,8 +247,10 @@ class Controller:
                 rank, error = failed
                 info = self.group.infos[rank]
                 self.result.error = error
-                reason = (f"worker rank {rank} (node {info['node_ip']}, pid {info['pid']}) raised "
-                          f"{_error_name(error)}")
+                reason = (
+                    f"worker rank {rank} (node {info['node_ip']}, pid {info['pid']}) raised "
+                    f"{_error_name(error)}"
+                )
                 if _error_name(error) in NOT_RETRIED:
                     return RunState.FAILED, reason
                 return self._after_failure(reason)
@@ -236,8 +269,10 @@ class Controller:
         self._drain_events()
         preempted = self.result.worker_results[0].get("preempted_at")
         if preempted is not None and self._resize_target is not None:
-            return RunState.RESIZING, (f"checkpoint at step {preempted} committed; growing to "
-                                       f"{self._resize_target} workers")
+            return RunState.RESIZING, (
+                f"checkpoint at step {preempted} committed; growing to "
+                f"{self._resize_target} workers"
+            )
         if preempted is not None:
             return self._after_preemption(preempted)
         return RunState.FINISHED, f"{self.cfg.run.max_steps} steps completed"
@@ -259,11 +294,15 @@ class Controller:
         if verdict is None:
             return None
         self._hung_ranks = list(verdict.ranks)
-        names = ", ".join(f"rank {r} (node {self.group.infos[r]['node_ip']}, pid "
-                          f"{self.group.infos[r]['pid']})" for r in verdict.ranks)
-        reason = (f"hang: {names} made no progress for {verdict.stalled_s:.1f} s (deadline "
-                  f"{verdict.deadline_s:.1f} s = max(elastic.hang_factor x median step, "
-                  f"elastic.hang_floor_s))")
+        names = ", ".join(
+            f"rank {r} (node {self.group.infos[r]['node_ip']}, pid {self.group.infos[r]['pid']})"
+            for r in verdict.ranks
+        )
+        reason = (
+            f"hang: {names} made no progress for {verdict.stalled_s:.1f} s (deadline "
+            f"{verdict.deadline_s:.1f} s = max(elastic.hang_factor x median step, "
+            f"elastic.hang_floor_s))"
+        )
         log.error("controller: %s", reason)
         return reason
 
@@ -271,9 +310,12 @@ class Controller:
         """Below max_workers, watch for capacity; when the grow policy agrees, ask for a
         checkpoint boundary (every rank saves, then stops) and re-form bigger from it."""
         now = self.clock()
-        if self._resize_target is not None or not self.cfg.checkpoint.enabled \
-                or now - self._last_grow_check < self.cfg.elastic.grow_check_s \
-                or self.group.world_size >= self.scaling_policy.max_workers:
+        if (
+            self._resize_target is not None
+            or not self.cfg.checkpoint.enabled
+            or now - self._last_grow_check < self.cfg.elastic.grow_check_s
+            or self.group.world_size >= self.scaling_policy.max_workers
+        ):
             return  # growing re-forms from a checkpoint: without checkpoints, never
         self._last_grow_check = now
         free = free_resources_per_node()
@@ -283,9 +325,14 @@ class Controller:
         if target is None:
             return
         self._resize_target = target
-        log.info("controller: capacity for %d more worker(s) for %.0f s; growing %d -> %d at a "
-                 "checkpoint boundary", extra, self.cfg.elastic.grow_stable_s,
-                 self.group.world_size, target)
+        log.info(
+            "controller: capacity for %d more worker(s) for %.0f s; growing %d -> %d at a "
+            "checkpoint boundary",
+            extra,
+            self.cfg.elastic.grow_stable_s,
+            self.group.world_size,
+            target,
+        )
         self.group.actors[0].preempt.remote(self.cfg.checkpoint.preemption_grace_s)
 
     def _resize(self) -> Tuple[RunState, str]:
@@ -301,28 +348,47 @@ class Controller:
             return RunState.FAILED, decision.reason
         self.world_size = decision.world_size
         self.attempt += 1
-        self.result.resizes.append({"step": self._last_step(), "from": before, "to": self.world_size,
-                                    "wanted": target, "decided_s": self.clock() - started})
+        self.result.resizes.append(
+            {
+                "step": self._last_step(),
+                "from": before,
+                "to": self.world_size,
+                "wanted": target,
+                "decided_s": self.clock() - started,
+            }
+        )
         return RunState.SCHEDULING, decision.reason
 
     def _after_preemption(self, step: int) -> Tuple[RunState, str]:
         """A preemption is not a failure: shrink away from the preempted node(s), or stop."""
-        nodes = self._drained_nodes | {self.group.infos[r]["node_id"] for r, res in
-                                       enumerate(self.result.worker_results) if res.get("sigterm")}
+        nodes = self._drained_nodes | {
+            self.group.infos[r]["node_id"]
+            for r, res in enumerate(self.result.worker_results)
+            if res.get("sigterm")
+        }
         self.preemptions += 1
         ips = sorted({i["node_ip"] for i in self.group.infos if i["node_id"] in nodes})
-        reason = (f"preemption notice (SIGTERM or node drain) for node(s) {', '.join(ips) or '?'}; "
-                  f"emergency checkpoint at step {step}")
+        reason = (
+            f"preemption notice (SIGTERM or node drain) for node(s) {', '.join(ips) or '?'}; "
+            f"emergency checkpoint at step {step}"
+        )
         if not self.preemption_budget.allows(self.preemptions):
-            return RunState.PREEMPTED, (f"{reason}; "
-                                        f"{self.preemption_budget.spent(self.preemptions, 'preemption')}")
+            return RunState.PREEMPTED, (
+                f"{reason}; {self.preemption_budget.spent(self.preemptions, 'preemption')}"
+            )
         self.group.avoid_nodes |= nodes
         # every rank returned its result, so every node is alive: the capacity check counts
         # them without a ping (on a loaded node a ping outlasted the check, and the run stopped)
         self._answered_nodes = {info["node_id"] for info in self.group.infos}
-        self.result.recoveries.append({"kind": "preemption", "failure": self.failures,
-                                       "reason": reason, "detected_at": self.clock(),
-                                       "last_step": step})
+        self.result.recoveries.append(
+            {
+                "kind": "preemption",
+                "failure": self.failures,
+                "reason": reason,
+                "detected_at": self.clock(),
+                "last_step": step,
+            }
+        )
         return RunState.RECOVERING, reason
 
     def _evict(self, rank: int) -> Tuple[RunState, str]:
@@ -330,8 +396,10 @@ class Controller:
         info = self.group.infos[rank]
         self.group.avoid_nodes.add(info["node_id"])
         self._eviction = None
-        return self._after_failure(f"evicting straggler rank {rank} (node {info['node_ip']}): "
-                                   "guards.evict_stragglers", counted=False)
+        return self._after_failure(
+            f"evicting straggler rank {rank} (node {info['node_ip']}): guards.evict_stragglers",
+            counted=False,
+        )
 
     def _after_failure(self, reason: str, counted: bool = True) -> Tuple[RunState, str]:
         """Count the failure; recover if the failure policy allows it, else fail."""
@@ -340,10 +408,15 @@ class Controller:
             return RunState.FAILED, reason
         detected_at = self.clock()
         self._drain_events()
-        self.result.recoveries.append({"kind": "failure" if counted else "eviction",
-                                       "failure": self.failures, "reason": reason,
-                                       "detected_at": detected_at,
-                                       "last_step": self._survivors_last_step()})
+        self.result.recoveries.append(
+            {
+                "kind": "failure" if counted else "eviction",
+                "failure": self.failures,
+                "reason": reason,
+                "detected_at": detected_at,
+                "last_step": self._survivors_last_step(),
+            }
+        )
         return RunState.RECOVERING, reason
 
     def _survivors_last_step(self) -> int:
@@ -373,21 +446,32 @@ class Controller:
         keep = self._survivors_to_keep(recovery)
         if keep is not None:
             self._keep_ranks = keep
-            recovery.update(decided_s=self.clock() - recovery["detected_at"],
-                            decision="replace", world_size=self.world_size)
+            recovery.update(
+                decided_s=self.clock() - recovery["detected_at"],
+                decision="replace",
+                world_size=self.world_size,
+            )
             self.attempt += 1
-            return RunState.SCHEDULING, (f"re-forming {self.world_size} workers in place: "
-                                         f"{len(keep)} surviving process(es) kept")
+            return RunState.SCHEDULING, (
+                f"re-forming {self.world_size} workers in place: "
+                f"{len(keep)} surviving process(es) kept"
+            )
         self.group.shutdown()
         preempted = recovery["kind"] == "preemption"
         e = self.cfg.elastic
-        decision = self._decide_with_patience(e.preemption_wait_s if preempted
-                                              else e.wait_for_capacity_s)
-        recovery.update(decided_s=self.clock() - recovery["detected_at"],
-                        decision=decision.action, world_size=decision.world_size)
+        decision = self._decide_with_patience(
+            e.preemption_wait_s if preempted else e.wait_for_capacity_s
+        )
+        recovery.update(
+            decided_s=self.clock() - recovery["detected_at"],
+            decision=decision.action,
+            world_size=decision.world_size,
+        )
         if decision.action == "fail" and preempted:
-            return RunState.PREEMPTED, (f"{decision.reason} after the preemption; the emergency "
-                                        "checkpoint is committed: rerun to resume")
+            return RunState.PREEMPTED, (
+                f"{decision.reason} after the preemption; the emergency "
+                "checkpoint is committed: rerun to resume"
+            )
         if decision.action == "fail":
             return RunState.FAILED, decision.reason
         self.world_size = decision.world_size
@@ -398,8 +482,12 @@ class Controller:
         """The ranks whose processes join the next group if it can be re-formed in place at
         its size (see ``survivors.keepable_ranks``); None to restart every process."""
         e = self.cfg.elastic
-        if not e.reuse_survivors or recovery["kind"] != "failure" \
-                or self.group.backend != "gloo" or not self._fit_refs:
+        if (
+            not e.reuse_survivors
+            or recovery["kind"] != "failure"
+            or self.group.backend != "gloo"
+            or not self._fit_refs
+        ):
             return None  # NCCL: a communicator whose peer vanished needs an abort, not reuse
         return keepable_ranks(self.group, self._fit_refs, self._hung_ranks, e.reuse_wait_s)
 
@@ -412,13 +500,21 @@ class Controller:
         deadline = self.clock() + wait_s
         while True:
             capacity = self._settled_capacity()
-            decision = recovery_decision(self.failures, capacity, self.failure_budget,
-                                         self.scaling_policy)
-            if decision.action == "restart" or capacity >= self.scaling_policy.min_workers \
-                    or self.clock() >= deadline or self._stop_reason is not None:
+            decision = recovery_decision(
+                self.failures, capacity, self.failure_budget, self.scaling_policy
+            )
+            if (
+                decision.action == "restart"
+                or capacity >= self.scaling_policy.min_workers
+                or self.clock() >= deadline
+                or self._stop_reason is not None
+            ):
                 return decision
-            log.warning("controller: %s; waiting up to %.0f s more for capacity",
-                        decision.reason, deadline - self.clock())
+            log.warning(
+                "controller: %s; waiting up to %.0f s more for capacity",
+                decision.reason,
+                deadline - self.clock(),
+            )
             time.sleep(min(2.0, max(0.0, deadline - self.clock())))
 
     def _settled_capacity(self, settle_s: float = 4.0) -> int:
@@ -432,8 +528,9 @@ class Controller:
         capacity = 0
         while True:
             alive = probe.answered(timeout_s=0.1)
-            capacity = max(capacity,
-                           self._workers_that_fit(free_resources_per_node(), alive) - spares)
+            capacity = max(
+                capacity, self._workers_that_fit(free_resources_per_node(), alive) - spares
+            )
             if capacity >= self.scaling_policy.max_workers or self.clock() > deadline:
                 return capacity
             time.sleep(0.1)
@@ -464,8 +561,13 @@ class Controller:
         deadline_s = min(draining[self.group.infos[r]["node_id"]] for r in ranks) / 1000.0
         grace = max(1.0, min(self.cfg.checkpoint.preemption_grace_s, deadline_s - time.time()))
         self._drained_nodes.update(self.group.infos[r]["node_id"] for r in ranks)
-        log.warning("controller: node(s) of ranks %s are draining (deadline in %.0f s); "
-                    "emergency checkpoint within %.0f s", ranks, deadline_s - time.time(), grace)
+        log.warning(
+            "controller: node(s) of ranks %s are draining (deadline in %.0f s); "
+            "emergency checkpoint within %.0f s",
+            ranks,
+            deadline_s - time.time(),
+            grace,
+        )
         for rank in ranks:
             self.group.actors[rank].preempt.remote(grace)
         self._drain_forwarded = True
@@ -507,8 +609,9 @@ class Controller:
     def _report_stragglers(self, record: Dict[str, Any]) -> None:
         """Name newly flagged stragglers once; mark the first for eviction if configured."""
         g = self.cfg.guards
-        entries = newly_flagged_stragglers(record, self.group.infos, self._stragglers_named,
-                                           g.straggler_window)
+        entries = newly_flagged_stragglers(
+            record, self.group.infos, self._stragglers_named, g.straggler_window
+        )
         self.result.stragglers.extend(entries)
         if entries and g.evict_stragglers and self._eviction is None:
             self._eviction = entries[0]["rank"]
@@ -516,8 +619,12 @@ class Controller:
     def _dump_stacks(self) -> None:
         """Python stacks of every worker into ``<run_dir>/hang-stacks/`` (guards.hang_stacks)."""
         if self.cfg.guards.hang_stacks:
-            dump_worker_stacks(self.group.actors, self.group.infos, Path(self.cfg.run.output_dir)
-                               / self.cfg.run.name / "hang-stacks", self.attempt)
+            dump_worker_stacks(
+                self.group.actors,
+                self.group.infos,
+                Path(self.cfg.run.output_dir) / self.cfg.run.name / "hang-stacks",
+                self.attempt,
+            )
 
     def _account_recovery(self, record: Dict[str, Any]) -> None:
         """The first step after a re-form closes the books on the recovery."""
@@ -526,13 +633,21 @@ class Controller:
         restored_step = restored.get("step", 0)
         recovery.update(
             restore_s=restored.get("total_s", 0.0),
-            restored_from=restored.get("tier"), restored_step=restored_step,
+            restored_from=restored.get("tier"),
+            restored_step=restored_step,
             restore_phases=restored.get("phases"),
             steps_redone=max(0, recovery["last_step"] - restored_step),
-            first_step_after_s=record["time"] - recovery["detected_at"])
-        log.info("controller: recovered from failure %d in %.2f s (restored step %d from %s, "
-                 "%d steps redone)", recovery["failure"], recovery["first_step_after_s"],
-                 restored_step, recovery["restored_from"], recovery["steps_redone"])
+            first_step_after_s=record["time"] - recovery["detected_at"],
+        )
+        log.info(
+            "controller: recovered from failure %d in %.2f s (restored step %d from %s, "
+            "%d steps redone)",
+            recovery["failure"],
+            recovery["first_step_after_s"],
+            restored_step,
+            recovery["restored_from"],
+            recovery["steps_redone"],
+        )
         self.group.replenish_spares(self.cfg.elastic.spare_workers)  # off the recovery's path
 
 

@@ -16,8 +16,9 @@ import ray
 log = logging.getLogger(__name__)
 
 
-def newly_flagged_stragglers(record: Dict[str, Any], infos: List[Dict[str, Any]],
-                             already_named: set, window: int) -> List[Dict[str, Any]]:
+def newly_flagged_stragglers(
+    record: Dict[str, Any], infos: List[Dict[str, Any]], already_named: set, window: int
+) -> List[Dict[str, Any]]:
     """One entry per rank flagged in ``record`` for the first time, named with node and GPU."""
     times = record.get("rank_compute_s", [])
     entries = []
@@ -27,19 +28,32 @@ def newly_flagged_stragglers(record: Dict[str, Any], infos: List[Dict[str, Any]]
         already_named.add(rank)
         info = infos[rank]
         others = sorted(t for r, t in enumerate(times) if r != rank)
-        entry = {"step": record["step"], "rank": rank, "node_ip": info["node_ip"],
-                 "node_id": info["node_id"], "gpu_ids": info["gpu_ids"],
-                 "compute_s": times[rank], "peers_median_s": others[len(others) // 2]}
-        log.warning("controller: straggler rank %d (node %s, GPU %s): compute %.1f ms per step "
-                    "vs %.1f ms median of the other ranks for %d steps", rank, info["node_ip"],
-                    ",".join(info["gpu_ids"]) or "none", entry["compute_s"] * 1e3,
-                    entry["peers_median_s"] * 1e3, window)
+        entry = {
+            "step": record["step"],
+            "rank": rank,
+            "node_ip": info["node_ip"],
+            "node_id": info["node_id"],
+            "gpu_ids": info["gpu_ids"],
+            "compute_s": times[rank],
+            "peers_median_s": others[len(others) // 2],
+        }
+        log.warning(
+            "controller: straggler rank %d (node %s, GPU %s): compute %.1f ms per step "
+            "vs %.1f ms median of the other ranks for %d steps",
+            rank,
+            info["node_ip"],
+            ",".join(info["gpu_ids"]) or "none",
+            entry["compute_s"] * 1e3,
+            entry["peers_median_s"] * 1e3,
+            window,
+        )
         entries.append(entry)
     return entries
 
 
-def dump_worker_stacks(actors: List[Any], infos: List[Dict[str, Any]], out: Path,
-                       attempt: int, timeout_s: float = 10.0) -> Optional[Path]:
+def dump_worker_stacks(
+    actors: List[Any], infos: List[Dict[str, Any]], out: Path, attempt: int, timeout_s: float = 10.0
+) -> Optional[Path]:
     """Every live worker's Python stacks into ``out/attempt<k>-rank<r>.txt``.
 
     A dead or unresponsive worker gets a file saying why, so the set of files

@@ -36,8 +36,9 @@ def one_line(error: BaseException, with_type: bool = True) -> str:
     """``Type: first line ... last line`` of the root cause's message, without colour
     (``with_type=False``: the message alone, for a caller that names the type already)."""
     cause = root_cause(error)
-    lines: List[str] = [line.strip() for line in strip_ansi(_own_message(cause)).splitlines()
-                        if line.strip()]
+    lines: List[str] = [
+        line.strip() for line in strip_ansi(_own_message(cause)).splitlines() if line.strip()
+    ]
     if not lines:
         text = ""
     elif len(lines) <= 2:
@@ -46,7 +47,7 @@ def one_line(error: BaseException, with_type: bool = True) -> str:
         text = f"{lines[0]} {lines[1]} ... {lines[-1]}"
     if with_type or not text:
         text = f"{type(cause).__name__}: {text}" if text else type(cause).__name__
-    return text if len(text) <= MAX_LINE else text[:MAX_LINE - 3] + "..."
+    return text if len(text) <= MAX_LINE else text[: MAX_LINE - 3] + "..."
 
 
 def full_text(error: BaseException) -> str:

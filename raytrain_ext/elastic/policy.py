@@ -20,8 +20,9 @@ class Decision:
     world_size: Optional[int] = None
 
 
-def workers_that_fit(free_per_node: Iterable[Mapping[str, float]],
-                     per_worker: Mapping[str, float]) -> int:
+def workers_that_fit(
+    free_per_node: Iterable[Mapping[str, float]], per_worker: Mapping[str, float]
+) -> int:
     """How many worker bundles the free resources of each node can hold."""
     needed = {k: v for k, v in per_worker.items() if v > 0}
     total = 0
@@ -69,17 +70,24 @@ class ScalingPolicy:
     def decide(self, capacity: int) -> Decision:
         size = self.size_for(capacity)
         if size < self.min_workers:
-            return Decision("fail", f"only {capacity} workers fit, fewer than "
-                                    f"scaling.min_workers={self.min_workers}"
-                                    + (f" in multiples of {self.unit}" if self.unit > 1 else ""))
-        return Decision("restart", f"{capacity} workers fit; using {size} "
-                                   f"(min {self.min_workers}, max {self.max_workers}"
-                                   + (f", multiples of {self.unit})" if self.unit > 1 else ")"),
-                        size)
+            return Decision(
+                "fail",
+                f"only {capacity} workers fit, fewer than "
+                f"scaling.min_workers={self.min_workers}"
+                + (f" in multiples of {self.unit}" if self.unit > 1 else ""),
+            )
+        return Decision(
+            "restart",
+            f"{capacity} workers fit; using {size} "
+            f"(min {self.min_workers}, max {self.max_workers}"
+            + (f", multiples of {self.unit})" if self.unit > 1 else ")"),
+            size,
+        )
 
 
-def recovery_decision(failures: int, capacity: int, failure_budget: Budget,
-                      scaling_policy: ScalingPolicy) -> Decision:
+def recovery_decision(
+    failures: int, capacity: int, failure_budget: Budget, scaling_policy: ScalingPolicy
+) -> Decision:
     """What to do after the ``failures``-th failure, with ``capacity`` workers placeable."""
     if not failure_budget.allows(failures):
         return Decision("fail", failure_budget.spent(failures, "failure"))
@@ -90,8 +98,10 @@ def free_resources_per_node() -> Dict[str, Dict[str, float]]:
     """Free resources of every node Ray lists, keyed by node id."""
     import ray
 
-    return {node: dict(res) for node, res in
-            ray._private.state.state.available_resources_per_node().items()}
+    return {
+        node: dict(res)
+        for node, res in ray._private.state.state.available_resources_per_node().items()
+    }
 
 
 class NodeProbe:
@@ -120,15 +130,19 @@ class NodeProbe:
         ping = ray.remote(num_cpus=0)(_pong)
         for node in set(nodes) - self._probed:
             self._probed.add(node)
-            self._pending[ping.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
-                node, soft=False)).remote()] = node
+            self._pending[
+                ping.options(
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
+                ).remote()
+            ] = node
 
     def answered(self, timeout_s: float) -> Set[str]:
         import ray
 
         if self._pending:
-            ready, _ = ray.wait(list(self._pending), num_returns=len(self._pending),
-                                timeout=timeout_s)
+            ready, _ = ray.wait(
+                list(self._pending), num_returns=len(self._pending), timeout=timeout_s
+            )
             for ref in ready:
                 node = self._pending.pop(ref)
                 try:
@@ -160,8 +174,9 @@ class GrowPolicy:
     unit: int = 1  # grow by whole model-parallel groups
     seen_since: Optional[float] = None
 
-    def observe(self, now: float, world_size: int, extra_fit: int,
-                last_reform_at: float) -> Optional[int]:
+    def observe(
+        self, now: float, world_size: int, extra_fit: int, last_reform_at: float
+    ) -> Optional[int]:
         target = min(self.max_workers, world_size + extra_fit) // self.unit * self.unit
         if target <= world_size:
             self.seen_since = None

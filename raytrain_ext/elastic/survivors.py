@@ -13,8 +13,12 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 
 import ray
 
-PEER_LOSS_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
-                     "DistNetworkError")
+PEER_LOSS_MARKERS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "DistNetworkError",
+)
 
 
 def is_peer_loss(error: BaseException) -> bool:
@@ -46,9 +50,12 @@ def healthy_after(ref: ray.ObjectRef) -> bool:
     return True
 
 
-def first_error(fit_refs: List[ray.ObjectRef], done: List[ray.ObjectRef],
-                clock: Callable[[], float],
-                echo_wait_s: float = 1.0) -> Optional[Tuple[int, BaseException]]:
+def first_error(
+    fit_refs: List[ray.ObjectRef],
+    done: List[ray.ObjectRef],
+    clock: Callable[[], float],
+    echo_wait_s: float = 1.0,
+) -> Optional[Tuple[int, BaseException]]:
     """(rank, error) of the failure's origin among the finished ``fit`` calls, if any raised.
     While every error is an echo, wait up to ``echo_wait_s`` for the origin's own report."""
     errors: Dict[int, BaseException] = {}
@@ -73,8 +80,9 @@ def first_error(fit_refs: List[ray.ObjectRef], done: List[ray.ObjectRef],
     return rank, errors[rank]
 
 
-def keepable_ranks(group, fit_refs: List[ray.ObjectRef], hung_ranks: List[int],
-                   wait_s: float) -> Optional[List[int]]:
+def keepable_ranks(
+    group, fit_refs: List[ray.ObjectRef], hung_ranks: List[int], wait_s: float
+) -> Optional[List[int]]:
     """The ranks of ``group`` to keep for a re-form in place; None when it cannot be done.
 
     Hung ranks are killed first, so that their peers' collectives fail at once.  A
@@ -86,8 +94,11 @@ def keepable_ranks(group, fit_refs: List[ray.ObjectRef], hung_ranks: List[int],
     """
     group.kill(hung_ranks)
     done, _ = ray.wait(fit_refs, num_returns=len(fit_refs), timeout=wait_s)
-    keep = [rank for rank, ref in enumerate(fit_refs)
-            if ref in done and rank not in hung_ranks and healthy_after(ref)]
+    keep = [
+        rank
+        for rank, ref in enumerate(fit_refs)
+        if ref in done and rank not in hung_ranks and healthy_after(ref)
+    ]
     lost = [rank for rank in range(len(fit_refs)) if rank not in keep]
     if not keep or not lost:
         return None

@@ -28,8 +28,10 @@ from raytrain_ext.data.tokens import (
 from raytrain_ext.inputs.errors import InputError
 from raytrain_ext.inputs.s3_errors import DATA_KEYS, describe_s3_error, missing_message
 
-FIX_FORMAT = (f"data.path takes pre-tokenized ids: Arrow IPC or Parquet files with an integer "
-              f"'{TOKEN_COLUMN}' column (see raytrain_ext.data.corpus.write_token_file)")
+FIX_FORMAT = (
+    f"data.path takes pre-tokenized ids: Arrow IPC or Parquet files with an integer "
+    f"'{TOKEN_COLUMN}' column (see raytrain_ext.data.corpus.write_token_file)"
+)
 
 
 @dataclass
@@ -53,23 +55,30 @@ def check_token_data(cfg) -> None:
     lows = [s.low for s in stats if s.low is not None]
     highs = [s.high for s in stats if s.high is not None]
     if lows and min(lows) < 0:
-        raise InputError(f"data.path: {d.path} holds token id {min(lows)}; ids must be >= 0. "
-                         "Re-tokenize the data.")
+        raise InputError(
+            f"data.path: {d.path} holds token id {min(lows)}; ids must be >= 0. "
+            "Re-tokenize the data."
+        )
     if highs and max(highs) >= m.vocab_size:
-        raise InputError(f"data.path: {d.path} holds token id {max(highs)}, but "
-                         f"model.vocab_size={m.vocab_size} (ids 0..{m.vocab_size - 1}). Set "
-                         f"model.vocab_size >= {max(highs) + 1}, or use data of this vocabulary.")
+        raise InputError(
+            f"data.path: {d.path} holds token id {max(highs)}, but "
+            f"model.vocab_size={m.vocab_size} (ids 0..{m.vocab_size - 1}). Set "
+            f"model.vocab_size >= {max(highs) + 1}, or use data of this vocabulary."
+        )
     samples = max(0, (tokens - 1) // m.seq_len)
     if samples < 1:
-        raise InputError(f"data.path: {d.path} holds {tokens} tokens, fewer than one sample of "
-                         f"model.seq_len+1={m.seq_len + 1}. Use more data or a smaller "
-                         "model.seq_len.")
+        raise InputError(
+            f"data.path: {d.path} holds {tokens} tokens, fewer than one sample of "
+            f"model.seq_len+1={m.seq_len + 1}. Use more data or a smaller "
+            "model.seq_len."
+        )
     if samples < d.global_batch_size and not d.allow_repeat:
         raise InputError(
             f"data.global_batch_size: {d.global_batch_size} is more than the {samples} samples "
             f"in data.path {d.path} ({tokens} tokens / model.seq_len={m.seq_len}), so every "
             "step would repeat samples within its batch. Use more data, lower "
-            "data.global_batch_size, or set data.allow_repeat=true if that is intended.")
+            "data.global_batch_size, or set data.allow_repeat=true if that is intended."
+        )
 
 
 def _list_files(d) -> Tuple[List[str], Callable[[str], pa.NativeFile]]:
@@ -77,19 +86,22 @@ def _list_files(d) -> Tuple[List[str], Callable[[str], pa.NativeFile]]:
         return _list_s3(d)
     root = Path(d.path)
     if not root.exists():
-        raise InputError(f"data.path: {root} does not exist. Point data.path at Arrow IPC or "
-                         f"Parquet token data (an integer '{TOKEN_COLUMN}' column), or use "
-                         "builtin:corpus.")
+        raise InputError(
+            f"data.path: {root} does not exist. Point data.path at Arrow IPC or "
+            f"Parquet token data (an integer '{TOKEN_COLUMN}' column), or use "
+            "builtin:corpus."
+        )
     files = [str(p) for p in local_token_files(root)]
     if not files:
-        raise InputError(f"data.path: directory {root} holds no {'/'.join(SUFFIXES)} files. "
-                         f"{FIX_FORMAT}.")
+        raise InputError(
+            f"data.path: directory {root} holds no {'/'.join(SUFFIXES)} files. {FIX_FORMAT}."
+        )
     return files, lambda name: pa.memory_map(name, "r")
 
 
 def _list_s3(d) -> Tuple[List[str], Callable[[str], pa.NativeFile]]:
     endpoint = d.s3_endpoint_url
-    bare = d.path[len("s3://"):].rstrip("/")
+    bare = d.path[len("s3://") :].rstrip("/")
     try:
         fs = s3_filesystem(endpoint, d.s3_region, connect_timeout=5, request_timeout=20)
         files = remote_token_files(fs, bare)
@@ -120,16 +132,21 @@ def _file_stats(name: str, opener: Callable[[str], pa.NativeFile], shown: str) -
             try:
                 table = pa.ipc.open_file(f).read_all()
             except pa.ArrowInvalid as e:
-                raise InputError(f"data.path: {shown} is a damaged Arrow IPC file ({e}). "
-                                 "Rewrite it.") from None
+                raise InputError(
+                    f"data.path: {shown} is a damaged Arrow IPC file ({e}). Rewrite it."
+                ) from None
             return _column_stats(table, shown)
     if magic[:4] == b"\xff\xff\xff\xff":
-        raise InputError(f"data.path: {shown} is an Arrow IPC stream (the format "
-                         "datasets.save_to_disk writes), which cannot be memory-mapped by "
-                         "sample. Rewrite it as an Arrow IPC file (pyarrow.ipc.new_file) or "
-                         "as Parquet.")
-    raise InputError(f"data.path: {shown} is neither an Arrow IPC file nor a Parquet file "
-                     f"(it starts with {bytes(magic)!r}). {FIX_FORMAT}.")
+        raise InputError(
+            f"data.path: {shown} is an Arrow IPC stream (the format "
+            "datasets.save_to_disk writes), which cannot be memory-mapped by "
+            "sample. Rewrite it as an Arrow IPC file (pyarrow.ipc.new_file) or "
+            "as Parquet."
+        )
+    raise InputError(
+        f"data.path: {shown} is neither an Arrow IPC file nor a Parquet file "
+        f"(it starts with {bytes(magic)!r}). {FIX_FORMAT}."
+    )
 
 
 def _parquet_stats(parquet: pq.ParquetFile, shown: str) -> TokenStats:
@@ -158,8 +175,10 @@ def _column_stats(table: pa.Table, shown: str) -> TokenStats:
 
 def _check_type(dtype: pa.DataType, shown: str) -> None:
     if not pa.types.is_integer(dtype):
-        raise InputError(f"data.path: column '{TOKEN_COLUMN}' of {shown} holds {dtype}, not "
-                         f"integer token ids. {FIX_FORMAT}.")
+        raise InputError(
+            f"data.path: column '{TOKEN_COLUMN}' of {shown} holds {dtype}, not "
+            f"integer token ids. {FIX_FORMAT}."
+        )
 
 
 def _missing_column(shown: str, names: List[str]) -> str:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from raytrain_ext.config.loader import ConfigError
+from raytrain_ext.config.errors import ConfigError
 
 
 class InputError(ConfigError):

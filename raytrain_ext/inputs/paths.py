@@ -22,8 +22,10 @@ def writable_dir_problem(path: str | Path, key: str) -> Optional[str]:
     while not existing.exists() and existing.parent != existing:
         existing = existing.parent
     if not existing.is_dir():
-        return (f"{key}: cannot use {target}: {existing} is a file, not a directory. Point "
-                f"{key} somewhere else, or move that file away.")
+        return (
+            f"{key}: cannot use {target}: {existing} is a file, not a directory. Point "
+            f"{key} somewhere else, or move that file away."
+        )
     probe = target if existing == target else _first_missing(target, existing)
     try:
         if existing == target:
@@ -47,8 +49,10 @@ def writable_file_problem(path: str | Path, key: str) -> Optional[str]:
     """Why a file cannot be written at ``path`` (its directory created if need be), or None."""
     target = Path(path)
     if target.is_dir():
-        return (f"{key}: {target} is a directory; give the path of the file to write, for "
-                f"example {target / 'model.safetensors'}.")
+        return (
+            f"{key}: {target} is a directory; give the path of the file to write, for "
+            f"example {target / 'model.safetensors'}."
+        )
     return writable_dir_problem(target.parent, key)
 
 

@@ -12,6 +12,7 @@ import logging
 import os
 import socket
 from pathlib import Path
+
 from raytrain_ext.checkpoint.resolve import newest_usable
 from raytrain_ext.checkpoint.tier import TierError
 from raytrain_ext.config.validate import schedule_warnings
@@ -58,9 +59,11 @@ def _check_ray_address(cfg) -> None:
         key, address = "RAY_ADDRESS", os.environ.get("RAY_ADDRESS")
     if not address or ray_address_reachable(address):
         return
-    raise InputError(f"{key}: nothing answers at {address} (no Ray head there, or a firewall). "
-                     "Give the head's address (host:6379 on the cluster, ray://host:10001 from "
-                     f"outside it), or unset {key} to start a private local Ray.")
+    raise InputError(
+        f"{key}: nothing answers at {address} (no Ray head there, or a firewall). "
+        "Give the head's address (host:6379 on the cluster, ray://host:10001 from "
+        f"outside it), or unset {key} to start a private local Ray."
+    )
 
 
 def ray_address_reachable(address: str, timeout_s: float = 3.0) -> bool:
@@ -99,12 +102,16 @@ def _check_resume(cfg) -> None:
 
     location, step = split_location(resume)
     if not location.startswith("s3://") and not Path(resume).is_dir():
-        raise InputError(f"checkpoint.resume: {resume} does not exist. Point it at one "
-                         "step-<N> directory of a checkpoint, or use auto or never.")
+        raise InputError(
+            f"checkpoint.resume: {resume} does not exist. Point it at one "
+            "step-<N> directory of a checkpoint, or use auto or never."
+        )
     try:
         found = newest_usable(tier_for_location(cfg.checkpoint, location), step)
     except TierError as e:
         raise InputError(str(e)) from None
     if found.step is None:
-        raise InputError(f"checkpoint.resume: {found.skipped[0]}. Point checkpoint.resume at "
-                         "another step, or use auto to take the newest usable one.")
+        raise InputError(
+            f"checkpoint.resume: {found.skipped[0]}. Point checkpoint.resume at "
+            "another step, or use auto to take the newest usable one."
+        )

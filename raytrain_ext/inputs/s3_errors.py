@@ -11,12 +11,27 @@ from dataclasses import dataclass
 from typing import Optional
 from urllib.parse import urlparse
 
-CREDENTIALS_FIX = ("set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE, or give "
-                   "the node an instance role) for an identity allowed to use the bucket")
-CREDENTIAL_CODES = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "InvalidToken",
-                    "ExpiredToken", "403", "Forbidden", "AllAccessDisabled"}
-REGION_CODES = {"AuthorizationHeaderMalformed", "PermanentRedirect", "301",
-                "IllegalLocationConstraintException", "InvalidRegion"}
+CREDENTIALS_FIX = (
+    "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE, or give "
+    "the node an instance role) for an identity allowed to use the bucket"
+)
+CREDENTIAL_CODES = {
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "AccessDenied",
+    "InvalidToken",
+    "ExpiredToken",
+    "403",
+    "Forbidden",
+    "AllAccessDisabled",
+}
+REGION_CODES = {
+    "AuthorizationHeaderMalformed",
+    "PermanentRedirect",
+    "301",
+    "IllegalLocationConstraintException",
+    "InvalidRegion",
+}
 BUCKET_CODES = {"NoSuchBucket", "InvalidBucketName"}
 MISSING_CODES = {"NoSuchKey", "404", "NotFound"}
 
@@ -41,28 +56,35 @@ def endpoint_problem(url: Optional[str], key: str) -> Optional[str]:
         return None
     parsed = urlparse(url)
     if parsed.scheme not in ("http", "https") or not parsed.netloc:
-        return (f"{key}: {url!r} is not an endpoint URL. Give the scheme and host, for example "
-                "http://127.0.0.1:9000 or https://s3.us-east-1.amazonaws.com, or leave it unset "
-                "for AWS S3.")
+        return (
+            f"{key}: {url!r} is not an endpoint URL. Give the scheme and host, for example "
+            "http://127.0.0.1:9000 or https://s3.us-east-1.amazonaws.com, or leave it unset "
+            "for AWS S3."
+        )
     return None
 
 
-def describe_s3_error(error: BaseException, keys: S3Keys, uri: str,
-                      endpoint: Optional[str]) -> str:
+def describe_s3_error(error: BaseException, keys: S3Keys, uri: str, endpoint: Optional[str]) -> str:
     """One line naming the key to fix for an S3 ``error`` met while using ``uri``."""
     where = endpoint or "AWS S3"
-    bucket = uri[len("s3://"):].partition("/")[0] if uri.startswith("s3://") else uri
+    bucket = uri[len("s3://") :].partition("/")[0] if uri.startswith("s3://") else uri
     kind = _classify(error)
     if kind == "credentials":
-        return (f"S3 credentials: no usable credentials for s3://{bucket} ({keys.uri}) at "
-                f"{where}: {_short(error)}. Fix the credentials: {CREDENTIALS_FIX}.")
+        return (
+            f"S3 credentials: no usable credentials for s3://{bucket} ({keys.uri}) at "
+            f"{where}: {_short(error)}. Fix the credentials: {CREDENTIALS_FIX}."
+        )
     if kind == "endpoint":
-        return (f"{keys.endpoint}: cannot reach {where} ({_short(error)}). Check that the "
-                f"endpoint URL is right and the server is up, or set {keys.endpoint} to the "
-                "S3 service this node can reach.")
+        return (
+            f"{keys.endpoint}: cannot reach {where} ({_short(error)}). Check that the "
+            f"endpoint URL is right and the server is up, or set {keys.endpoint} to the "
+            "S3 service this node can reach."
+        )
     if kind == "region":
-        return (f"{keys.region}: s3://{bucket} is not in the region this request was signed "
-                f"for ({_short(error)}). Set {keys.region} to the bucket's region.")
+        return (
+            f"{keys.region}: s3://{bucket} is not in the region this request was signed "
+            f"for ({_short(error)}). Set {keys.region} to the bucket's region."
+        )
     if kind == "bucket":
         return missing_message(keys, uri, endpoint, bucket_missing=True)
     if kind == "missing":
@@ -73,21 +95,25 @@ def describe_s3_error(error: BaseException, keys: S3Keys, uri: str,
 def missing_message(keys: S3Keys, uri: str, endpoint: Optional[str], bucket_missing: bool) -> str:
     """The bucket, or the object or prefix within it, is not there."""
     where = endpoint or "AWS S3"
-    bucket = uri[len("s3://"):].partition("/")[0]
+    bucket = uri[len("s3://") :].partition("/")[0]
     if bucket_missing:
-        return (f"{keys.uri}: bucket '{bucket}' does not exist at {where}. Create it, or fix "
-                f"the bucket name in {keys.uri}.")
+        return (
+            f"{keys.uri}: bucket '{bucket}' does not exist at {where}. Create it, or fix "
+            f"the bucket name in {keys.uri}."
+        )
     return f"{keys.uri}: {uri} does not exist at {where}. Check the path in {keys.uri}."
 
 
 def _classify(error: BaseException) -> str:
     from botocore.exceptions import (
         ClientError,
-        ConnectionError as BotoConnectionError,
         CredentialRetrievalError,
         NoCredentialsError,
         NoRegionError,
         PartialCredentialsError,
+    )
+    from botocore.exceptions import (
+        ConnectionError as BotoConnectionError,
     )
 
     if isinstance(error, (NoCredentialsError, PartialCredentialsError, CredentialRetrievalError)):
@@ -95,7 +121,8 @@ def _classify(error: BaseException) -> str:
     if isinstance(error, NoRegionError):
         return "region"
     if isinstance(error, BotoConnectionError) or (
-            isinstance(error, ValueError) and "Invalid endpoint" in str(error)):
+        isinstance(error, ValueError) and "Invalid endpoint" in str(error)
+    ):
         return "endpoint"
     if isinstance(error, ClientError):
         return _classify_code(str(error.response.get("Error", {}).get("Code", "")))
@@ -106,8 +133,12 @@ def _classify(error: BaseException) -> str:
 
 
 def _classify_code(code: str) -> str:
-    for kind, codes in (("credentials", CREDENTIAL_CODES), ("region", REGION_CODES),
-                        ("bucket", BUCKET_CODES), ("missing", MISSING_CODES)):
+    for kind, codes in (
+        ("credentials", CREDENTIAL_CODES),
+        ("region", REGION_CODES),
+        ("bucket", BUCKET_CODES),
+        ("missing", MISSING_CODES),
+    ):
         if code in codes:
             return kind
     return "other"
@@ -118,11 +149,18 @@ def _classify_text(text: str) -> str:
     lowered = text.lower()
     if any(code.lower() in lowered for code in ("NoSuchBucket", "bucket does not exist")):
         return "bucket"
-    if any(code.lower() in lowered for code in CREDENTIAL_CODES - {"403"}) \
-            or "credentials" in lowered or "http response code: 403" in lowered:
+    if (
+        any(code.lower() in lowered for code in CREDENTIAL_CODES - {"403"})
+        or "credentials" in lowered
+        or "http response code: 403" in lowered
+    ):
         return "credentials"
-    if "couldn't connect" in lowered or "could not connect" in lowered \
-            or "connection refused" in lowered or "curl error" in lowered:
+    if (
+        "couldn't connect" in lowered
+        or "could not connect" in lowered
+        or "connection refused" in lowered
+        or "curl error" in lowered
+    ):
         return "endpoint"
     if "301" in lowered or "region" in lowered:
         return "region"

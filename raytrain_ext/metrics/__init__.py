@@ -10,5 +10,12 @@ from raytrain_ext.metrics.sinks import (
     summarize_records,
 )
 
-__all__ = ["FanOut", "MetricsSink", "RayMetricsSink", "StdoutSink", "TensorBoardSink",
-           "format_progress", "summarize_records"]
+__all__ = [
+    "FanOut",
+    "MetricsSink",
+    "RayMetricsSink",
+    "StdoutSink",
+    "TensorBoardSink",
+    "format_progress",
+    "summarize_records",
+]

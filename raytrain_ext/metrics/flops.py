@@ -49,8 +49,10 @@ PEAK_BF16_DENSE_FLOPS: Sequence[Tuple[str, float]] = (
 
 def model_flops_per_token(model_cfg) -> float:
     """Training FLOPs per token: ``6 * N + 12 * L * d_model * seq_len`` (see the module doc)."""
-    return 6.0 * matmul_params(model_cfg) + 12.0 * model_cfg.n_layers * model_cfg.d_model \
-        * model_cfg.seq_len
+    return (
+        6.0 * matmul_params(model_cfg)
+        + 12.0 * model_cfg.n_layers * model_cfg.d_model * model_cfg.seq_len
+    )
 
 
 def matmul_params(model_cfg) -> int:
@@ -77,8 +79,12 @@ def peak_flops_for(device_name: Optional[str]) -> Optional[float]:
     return None
 
 
-def mfu(tokens_per_s: Optional[float], flops_per_token: float, peak_flops: Optional[float],
-        num_devices: int = 1) -> Optional[float]:
+def mfu(
+    tokens_per_s: Optional[float],
+    flops_per_token: float,
+    peak_flops: Optional[float],
+    num_devices: int = 1,
+) -> Optional[float]:
     """Model FLOPs utilisation in [0, 1]: ``tokens_per_s * flops_per_token / (peak * devices)``.
 
     ``tokens_per_s`` is the throughput of all ``num_devices`` together (the
@@ -88,8 +94,10 @@ def mfu(tokens_per_s: Optional[float], flops_per_token: float, peak_flops: Optio
     if peak_flops is None or tokens_per_s is None:
         return None
     if peak_flops <= 0:
-        raise ValueError(f"peak_flops must be > 0 FLOP/s (got {peak_flops}); pass None "
-                         "when the device's peak is unknown")
+        raise ValueError(
+            f"peak_flops must be > 0 FLOP/s (got {peak_flops}); pass None "
+            "when the device's peak is unknown"
+        )
     if num_devices < 1:
         raise ValueError(f"num_devices must be >= 1 (got {num_devices})")
     return tokens_per_s * flops_per_token / (peak_flops * num_devices)

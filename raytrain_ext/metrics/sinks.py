@@ -12,8 +12,20 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Protocol, TextIO
 
-SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "step_time_s", "compute_s", "wait_s",
-           "ckpt_stall_s", "peak_memory_gb", "world_size", "recoveries")
+SCALARS = (
+    "loss",
+    "lr",
+    "grad_norm",
+    "tokens_per_s",
+    "mfu",
+    "step_time_s",
+    "compute_s",
+    "wait_s",
+    "ckpt_stall_s",
+    "peak_memory_gb",
+    "world_size",
+    "recoveries",
+)
 
 
 class MetricsSink(Protocol):
@@ -23,10 +35,12 @@ class MetricsSink(Protocol):
 
 
 def format_progress(record: Mapping[str, Any], max_steps: int) -> str:
-    return (f"step {record['step']:>6}/{max_steps}  loss {record['loss']:.4f}  "
-            f"lr {record['lr']:.2e}  grad_norm {record['grad_norm']:.3f}  "
-            f"tokens/s {record['tokens_per_s']:>9.0f}  step_time {record['step_time_s'] * 1e3:.1f} ms  "
-            f"world {record['world_size']}")
+    return (
+        f"step {record['step']:>6}/{max_steps}  loss {record['loss']:.4f}  "
+        f"lr {record['lr']:.2e}  grad_norm {record['grad_norm']:.3f}  "
+        f"tokens/s {record['tokens_per_s']:>9.0f}  step_time {record['step_time_s'] * 1e3:.1f} ms  "
+        f"world {record['world_size']}"
+    )
 
 
 class StdoutSink:
@@ -66,8 +80,10 @@ class RayMetricsSink:
         from ray.util.metrics import Gauge
 
         self.tags = {"run": run_name}
-        self.gauges = {key: Gauge(f"raytrain_ext_{key}", description=f"training {key}",
-                                  tag_keys=("run",)) for key in SCALARS + ("step",)}
+        self.gauges = {
+            key: Gauge(f"raytrain_ext_{key}", description=f"training {key}", tag_keys=("run",))
+            for key in SCALARS + ("step",)
+        }
 
     def write(self, step: int, record: Mapping[str, Any]) -> None:
         self.gauges["step"].set(step, tags=self.tags)
@@ -104,6 +120,9 @@ def summarize_records(records: List[Dict[str, Any]], skip_first: int = 1) -> Dic
     tokens = sum(r["tokens_per_s"] * r["step_time_s"] for r in steady)
     mfus = sorted(r["mfu"] for r in steady if r.get("mfu") is not None)
     peaks = [r["peak_memory_gb"] for r in records if r.get("peak_memory_gb") is not None]
-    return {"median_step_time_s": times[len(times) // 2], "tokens_per_s": tokens / total_time,
-            "mfu": mfus[len(mfus) // 2] if mfus else None,
-            "peak_memory_gb": max(peaks) if peaks else None}
+    return {
+        "median_step_time_s": times[len(times) // 2],
+        "tokens_per_s": tokens / total_time,
+        "mfu": mfus[len(mfus) // 2] if mfus else None,
+        "peak_memory_gb": max(peaks) if peaks else None,
+    }

@@ -34,10 +34,13 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bsz, seq, _ = x.shape
         # -1 heads, so that a tensor-parallel shard with fewer local heads works unchanged.
-        q, k, v = (w(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
-                   for w in (self.wq, self.wk, self.wv))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        q, k, v = (
+            w(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
+            for w in (self.wq, self.wk, self.wv)
+        )
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
         return self.wo(y.transpose(1, 2).reshape(bsz, seq, -1))
 
 
@@ -61,8 +64,9 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg.d_model, cfg.n_heads, cfg.dropout)
         self.ln2 = nn.LayerNorm(cfg.d_model)
         if cfg.moe.num_experts:
-            self.ffn: nn.Module = MoEFeedForward(cfg.d_model, hidden, cfg.moe.num_experts,
-                                                 cfg.moe.top_k, cfg.moe.capacity_factor)
+            self.ffn: nn.Module = MoEFeedForward(
+                cfg.d_model, hidden, cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.capacity_factor
+            )
         else:
             self.ffn = FeedForward(cfg.d_model, hidden)
         self.drop = nn.Dropout(cfg.dropout)

@@ -40,8 +40,9 @@ class Expert(nn.Module):
 
 
 class MoEFeedForward(nn.Module):
-    def __init__(self, d_model: int, hidden: int, num_experts: int, top_k: int,
-                 capacity_factor: float):
+    def __init__(
+        self, d_model: int, hidden: int, num_experts: int, top_k: int, capacity_factor: float
+    ):
         super().__init__()
         self.num_experts = num_experts
         self.top_k = top_k

@@ -26,7 +26,16 @@ from typing import Dict, List, Sequence, Tuple
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 ELEMENT_BYTES = 4  # float32
-_UNITS = {"": 1, "B": 1, "K": 1024, "KB": 1024, "M": 1024**2, "MB": 1024**2, "G": 1024**3, "GB": 1024**3}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "K": 1024,
+    "KB": 1024,
+    "M": 1024**2,
+    "MB": 1024**2,
+    "G": 1024**3,
+    "GB": 1024**3,
+}
 
 
 def bus_factor(op: str, n: int) -> float:
@@ -83,7 +92,9 @@ def elements(op: str, size_bytes: int, n: int) -> Tuple[int, int]:
     return count, count * ELEMENT_BYTES
 
 
-def run_sweep(ops: Sequence[str], sizes: Sequence[int], iters: int, warmup: int, device) -> List[Dict]:
+def run_sweep(
+    ops: Sequence[str], sizes: Sequence[int], iters: int, warmup: int, device
+) -> List[Dict]:
     """Time every (op, size) on the initialized default process group; call on every rank.
 
     Every rank walks the same list in the same order (a collective per step),
@@ -104,10 +115,18 @@ def run_sweep(ops: Sequence[str], sizes: Sequence[int], iters: int, warmup: int,
             slowest = torch.tensor([mean_s], dtype=torch.float64, device=device)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             t = float(slowest.item())
-            rows.append({"op": op, "size_bytes": moved, "count": count, "ranks": n,
-                         "time_us": t * 1e6, "algbw_gbps": algbw_gbps(moved, t),
-                         "busbw_gbps": busbw_gbps(op, moved, t, n),
-                         "correct": _check(op, count, n, rank, device)})
+            rows.append(
+                {
+                    "op": op,
+                    "size_bytes": moved,
+                    "count": count,
+                    "ranks": n,
+                    "time_us": t * 1e6,
+                    "algbw_gbps": algbw_gbps(moved, t),
+                    "busbw_gbps": busbw_gbps(op, moved, t, n),
+                    "correct": _check(op, count, n, rank, device),
+                }
+            )
     return rows
 
 

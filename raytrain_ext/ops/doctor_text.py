@@ -34,8 +34,10 @@ def environment_lines(report: Dict) -> List[str]:
         v = n["versions"]
         models = sorted({g["name"] for g in n["gpus"]})
         gpus = f"{len(n['gpus'])} x {', '.join(models)}" if n["gpus"] else "none"
-        out.append(f"node {_node_name(n)}: python {v['python']}, torch {v['torch']}, CUDA {v['cuda']}, "
-                   f"NCCL {v['nccl']}, ray {v['ray']}, driver {n.get('driver') or '-'}, GPUs {gpus}")
+        out.append(
+            f"node {_node_name(n)}: python {v['python']}, torch {v['torch']}, CUDA {v['cuda']}, "
+            f"NCCL {v['nccl']}, ray {v['ray']}, driver {n.get('driver') or '-'}, GPUs {gpus}"
+        )
         if n.get("gpu_error"):
             out.append(f"  {n['gpu_error']}")
     out += _tagged(report["mismatches"]) or ["  versions, driver and GPU models match across nodes"]
@@ -47,9 +49,13 @@ def nccl_settings_lines(report: Dict) -> List[str]:
     for n in report["nodes"]:
         if "nccl" not in n:
             continue
-        shown = [f"{k}={v['value']}" + ("" if v["source"] == "environment" else f" (from {v['source']})")
-                 for k, v in n["nccl"].items()]
-        out.append(f"node {n['node_ip']}: {', '.join(shown) if shown else 'no NCCL_* variables set'}")
+        shown = [
+            f"{k}={v['value']}" + ("" if v["source"] == "environment" else f" (from {v['source']})")
+            for k, v in n["nccl"].items()
+        ]
+        out.append(
+            f"node {n['node_ip']}: {', '.join(shown) if shown else 'no NCCL_* variables set'}"
+        )
         out += _tagged([f for f in n["findings"] if f["check"].startswith(("NCCL_", "infiniband"))])
     return out
 
@@ -60,12 +66,16 @@ def transport_lines(report: Dict) -> List[str]:
     if t["status"] != "ran":
         return out + [f"skipped: {t['reason']}"]
     log = t["log"]
-    out.append(f"NCCL {log['version'] or '?'}, {log['nranks']} ranks on {log['nnodes']} nodes, "
-               f"network {', '.join(log['networks']) or '?'}, devices "
-               f"{'; '.join(f'{k}: ' + ', '.join(v) for k, v in log['net_devices'].items()) or '-'}")
+    out.append(
+        f"NCCL {log['version'] or '?'}, {log['nranks']} ranks on {log['nnodes']} nodes, "
+        f"network {', '.join(log['networks']) or '?'}, devices "
+        f"{'; '.join(f'{k}: ' + ', '.join(v) for k, v in log['net_devices'].items()) or '-'}"
+    )
     for p in log["peers"]:
-        out.append(f"  rank {p['src']} ({p['src_host']}) -> rank {p['dst']} ({p['dst_host']}): "
-                   f"{', '.join(p['transports'])} on {p['channels']} channel(s)")
+        out.append(
+            f"  rank {p['src']} ({p['src_host']}) -> rank {p['dst']} ({p['dst_host']}): "
+            f"{', '.join(p['transports'])} on {p['channels']} channel(s)"
+        )
     for channel, ranks in sorted(log["rings"].items(), key=lambda kv: int(kv[0])):
         out.append(f"  ring channel {int(channel):02d}: {' -> '.join(map(str, ranks))}")
     out += [f"  [{v['severity']}] {v['message']}" for v in t["verdict"]]
@@ -77,12 +87,16 @@ def bandwidth_lines(report: Dict) -> List[str]:
     b = report["bandwidth"]
     if b["status"] != "ran":
         return ["== Collective bandwidth", f"{b['status']}: {b.get('reason')}"]
-    out = [f"== Collective bandwidth ({b['backend']}, {b['world_size']} ranks on {b['node_count']} "
-           f"node(s); busbw as nccl-tests defines it)",
-           f"{'op':<15}{'size':>11}{'count':>12}{'time(us)':>12}{'algbw(GB/s)':>13}{'busbw(GB/s)':>13}  check"]
+    out = [
+        f"== Collective bandwidth ({b['backend']}, {b['world_size']} ranks on {b['node_count']} "
+        f"node(s); busbw as nccl-tests defines it)",
+        f"{'op':<15}{'size':>11}{'count':>12}{'time(us)':>12}{'algbw(GB/s)':>13}{'busbw(GB/s)':>13}  check",
+    ]
     for r in b["rows"]:
-        out.append(f"{r['op']:<15}{human_bytes(r['size_bytes']):>11}{r['count']:>12}{r['time_us']:>12.1f}"
-                   f"{r['algbw_gbps']:>13.3f}{r['busbw_gbps']:>13.3f}  {'ok' if r['correct'] else 'WRONG'}")
+        out.append(
+            f"{r['op']:<15}{human_bytes(r['size_bytes']):>11}{r['count']:>12}{r['time_us']:>12.1f}"
+            f"{r['algbw_gbps']:>13.3f}{r['busbw_gbps']:>13.3f}  {'ok' if r['correct'] else 'WRONG'}"
+        )
     return out
 
 
@@ -95,10 +109,12 @@ def gpu_lines(report: Dict) -> List[str]:
             out.append(f"node {n['node_ip']}: no GPU: {n.get('gpu_error') or 'NVML sees none'}")
             continue
         for g, h in zip(n["gpus"], n["gpu_health"]):
-            out.append(f"node {n['node_ip']} GPU {g['index']} {g['name']}: {h['status']}, "
-                       f"{g.get('temperature_c')} C, {g.get('power_w')} W of {g.get('power_limit_w')} W, "
-                       f"SM {g.get('sm_clock_mhz')}/{g.get('sm_clock_max_mhz')} MHz, "
-                       f"uncorrected ECC {g.get('ecc_volatile_uncorrected')}")
+            out.append(
+                f"node {n['node_ip']} GPU {g['index']} {g['name']}: {h['status']}, "
+                f"{g.get('temperature_c')} C, {g.get('power_w')} W of {g.get('power_limit_w')} W, "
+                f"SM {g.get('sm_clock_mhz')}/{g.get('sm_clock_max_mhz')} MHz, "
+                f"uncorrected ECC {g.get('ecc_volatile_uncorrected')}"
+            )
             out += _tagged(h["problems"], "    ")
         if not n.get("xid_log", {}).get("readable"):
             out.append(f"  XID log not readable: {n.get('xid_log', {}).get('error')}")
@@ -110,15 +126,23 @@ def network_lines(report: Dict) -> List[str]:
     for n in report["nodes"]:
         if "interfaces" not in n:
             continue
-        ifaces = ", ".join(f"{i['name']} ({i['state']}"
-                           + (f", {i['speed_mbps']} Mb/s" if i["speed_mbps"] else "")
-                           + (f", {' '.join(i['addresses'])}" if i["addresses"] else "") + ")"
-                           for i in n["interfaces"])
+        ifaces = ", ".join(
+            f"{i['name']} ({i['state']}"
+            + (f", {i['speed_mbps']} Mb/s" if i["speed_mbps"] else "")
+            + (f", {' '.join(i['addresses'])}" if i["addresses"] else "")
+            + ")"
+            for i in n["interfaces"]
+        )
         out.append(f"node {n['node_ip']}: {ifaces}")
         ib = n["infiniband"]
-        ports = [f"{d} port {p}: {v['state']} {v['rate'] or ''} {v['link_layer'] or ''}".rstrip()
-                 for d, info in ib.items() for p, v in info["ports"].items()]
-        out.append(f"  RDMA: {'; '.join(ports) if ports else 'no devices in /sys/class/infiniband'}")
+        ports = [
+            f"{d} port {p}: {v['state']} {v['rate'] or ''} {v['link_layer'] or ''}".rstrip()
+            for d, info in ib.items()
+            for p, v in info["ports"].items()
+        ]
+        out.append(
+            f"  RDMA: {'; '.join(ports) if ports else 'no devices in /sys/class/infiniband'}"
+        )
         problems = [f for f in n["findings"] if f["check"] in ("net_dev", "infiniband")]
         out += _tagged(problems) or ["  /proc/net/dev: no errors or unusual drops"]
     return out
@@ -126,12 +150,26 @@ def network_lines(report: Dict) -> List[str]:
 
 def render_text(report: Dict) -> str:
     c, s = report["cluster"], report["summary"]
-    lines = [f"raytrain-ext doctor: {c['nodes_alive']} node(s) alive, {c['gpus']} GPU(s), ray {c['ray']}"]
-    for section in (environment_lines, nccl_settings_lines, transport_lines, bandwidth_lines,
-                    gpu_lines, network_lines):
+    lines = [
+        f"raytrain-ext doctor: {c['nodes_alive']} node(s) alive, {c['gpus']} GPU(s), ray {c['ray']}"
+    ]
+    for section in (
+        environment_lines,
+        nccl_settings_lines,
+        transport_lines,
+        bandwidth_lines,
+        gpu_lines,
+        network_lines,
+    ):
         lines += ["", *section(report)]
-    probe_errors = [f for n in report["nodes"] for f in n["findings"] if f["check"] in ("probe", "gpu_count")]
-    lines += ["", f"== Summary: {s['errors']} error(s), {s['warnings']} warning(s)", *_tagged(probe_errors)]
+    probe_errors = [
+        f for n in report["nodes"] for f in n["findings"] if f["check"] in ("probe", "gpu_count")
+    ]
+    lines += [
+        "",
+        f"== Summary: {s['errors']} error(s), {s['warnings']} warning(s)",
+        *_tagged(probe_errors),
+    ]
     if s["unhealthy_gpus"]:
         lines.append(f"  unhealthy GPUs: {', '.join(s['unhealthy_gpus'])}")
     if s["wrong_results"]:

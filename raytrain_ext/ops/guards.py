@@ -50,8 +50,14 @@ class NonFiniteDecision:
     reason: str = ""
 
 
-def nonfinite_decision(policy: str, loss: float, grad_norm: float, nonfinite_so_far: int,
-                       max_nonfinite: int, can_rollback: bool) -> NonFiniteDecision:
+def nonfinite_decision(
+    policy: str,
+    loss: float,
+    grad_norm: float,
+    nonfinite_so_far: int,
+    max_nonfinite: int,
+    can_rollback: bool,
+) -> NonFiniteDecision:
     """What to do with a step whose loss or gradient norm is NaN/Inf.
 
     The gradient norm is computed from all-reduced gradients, so a NaN on any
@@ -67,11 +73,15 @@ def nonfinite_decision(policy: str, loss: float, grad_norm: float, nonfinite_so_
     if policy == "fail":
         return NonFiniteDecision("fail", f"{what} (guards.nan_policy=fail)")
     if nonfinite_so_far + 1 > max_nonfinite:
-        return NonFiniteDecision("fail", f"{what}: {nonfinite_so_far + 1} non-finite steps exceed "
-                                         f"guards.max_nan_steps={max_nonfinite}")
+        return NonFiniteDecision(
+            "fail",
+            f"{what}: {nonfinite_so_far + 1} non-finite steps exceed "
+            f"guards.max_nan_steps={max_nonfinite}",
+        )
     if policy == "rollback" and can_rollback:
-        return NonFiniteDecision("rollback", f"{what}: restoring the last checkpoint and "
-                                             "skipping this batch")
+        return NonFiniteDecision(
+            "rollback", f"{what}: restoring the last checkpoint and skipping this batch"
+        )
     fallback = " (no committed checkpoint to roll back to)" if policy == "rollback" else ""
     return NonFiniteDecision("skip", f"{what}: update skipped, batch consumed{fallback}")
 

@@ -22,15 +22,20 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Set, Tuple
 
-PREFIX = re.compile(r"^(?P<host>[^\s:]+):(?P<pid>\d+):(?P<tid>\d+) \[(?P<dev>\d+)\] "
-                    r"(?:\S+:\d+ )?NCCL (?P<level>INFO|WARN|TRACE|ABORT) (?P<msg>.*)$")
+PREFIX = re.compile(
+    r"^(?P<host>[^\s:]+):(?P<pid>\d+):(?P<tid>\d+) \[(?P<dev>\d+)\] "
+    r"(?:\S+:\d+ )?NCCL (?P<level>INFO|WARN|TRACE|ABORT) (?P<msg>.*)$"
+)
 CONNECTION = re.compile(
     r"^(?:Channel|Ring) (?P<channel>\d+)(?:/\d+)? : (?P<src>\d+)(?:\[[0-9a-fA-Fx]+\])? -> "
-    r"(?P<dst>\d+)(?:\[[0-9a-fA-Fx]+\])?(?: \[(?P<direction>send|receive)\])? via (?P<via>\S.*?)\s*$")
+    r"(?P<dst>\d+)(?:\[[0-9a-fA-Fx]+\])?(?: \[(?P<direction>send|receive)\])? via (?P<via>\S.*?)\s*$"
+)
 RING_ORDER = re.compile(r"^Channel (?P<channel>\d+)/(?P<total>\d+) :(?P<ranks>(?:\s+\d+)+)\s*$")
 RING_NEIGHBOURS = re.compile(r"^Ring (?P<channel>\d+) : (?P<path>-?\d+(?: -> -?\d+)+)\s*$")
-COMM = re.compile(r"comm 0x[0-9a-fA-F]+ rank (?P<rank>\d+) n[Rr]anks (?P<nranks>\d+)"
-                  r"(?: nNodes (?P<nnodes>\d+))?")
+COMM = re.compile(
+    r"comm 0x[0-9a-fA-F]+ rank (?P<rank>\d+) n[Rr]anks (?P<nranks>\d+)"
+    r"(?: nNodes (?P<nnodes>\d+))?"
+)
 NET_USING = re.compile(r"^NET/(?P<net>IB|Socket) : Using (?P<devices>.+)$")
 DEVICE = re.compile(r"\[(?P<index>\d+)\](?P<name>[^\s;]+)")
 USING_NETWORK = re.compile(r"^Using network (?P<net>.+?)\s*$")
@@ -184,9 +189,17 @@ def peer_transports(log: NcclLog) -> List[dict]:
     rows: Dict[Tuple[int, int], dict] = {}
     for c in log.connections:
         t = classify_transport(c.via)
-        row = rows.setdefault((c.src, c.dst), {
-            "src": c.src, "dst": c.dst, "src_host": log.rank_hosts.get(c.src),
-            "dst_host": log.rank_hosts.get(c.dst), "transports": [], "channels": set()})
+        row = rows.setdefault(
+            (c.src, c.dst),
+            {
+                "src": c.src,
+                "dst": c.dst,
+                "src_host": log.rank_hosts.get(c.src),
+                "dst_host": log.rank_hosts.get(c.dst),
+                "transports": [],
+                "channels": set(),
+            },
+        )
         if t.label not in row["transports"]:
             row["transports"].append(t.label)
         row["channels"].add(c.channel)
@@ -200,32 +213,70 @@ def peer_transports(log: NcclLog) -> List[dict]:
 def transport_verdict(log: NcclLog) -> List[Tuple[str, str]]:
     """(severity, sentence) pairs an operator can act on, most important first."""
     if not log.connections:
-        return [("warning", "the NCCL log has no 'Channel ... via ...' lines: set "
-                            "NCCL_DEBUG=INFO and NCCL_DEBUG_SUBSYS=INIT,NET before NCCL initializes")]
+        return [
+            (
+                "warning",
+                "the NCCL log has no 'Channel ... via ...' lines: set "
+                "NCCL_DEBUG=INFO and NCCL_DEBUG_SUBSYS=INIT,NET before NCCL initializes",
+            )
+        ]
     families = {classify_transport(c.via) for c in log.connections}
     names = {t.family for t in families}
     out: List[Tuple[str, str]] = []
     if "NET/Socket" in names:
-        pairs = sorted({(c.src, c.dst) for c in log.connections
-                        if classify_transport(c.via).family == "NET/Socket"})
+        pairs = sorted(
+            {
+                (c.src, c.dst)
+                for c in log.connections
+                if classify_transport(c.via).family == "NET/Socket"
+            }
+        )
         shown = ", ".join(f"{s}->{d}" for s, d in pairs[:8]) + (" ..." if len(pairs) > 8 else "")
-        why = ("IB/RoCE devices were found but not used (check NCCL_IB_DISABLE, NCCL_NET, NCCL_IB_HCA)"
-               if log.net_devices.get("IB") else "no usable IB/RoCE device")
-        out.append(("warning", f"NCCL fell back to TCP sockets (NET/Socket) between nodes for "
-                               f"{len(pairs)} rank pairs ({shown}); {why}"))
+        why = (
+            "IB/RoCE devices were found but not used (check NCCL_IB_DISABLE, NCCL_NET, NCCL_IB_HCA)"
+            if log.net_devices.get("IB")
+            else "no usable IB/RoCE device"
+        )
+        out.append(
+            (
+                "warning",
+                f"NCCL fell back to TCP sockets (NET/Socket) between nodes for "
+                f"{len(pairs)} rank pairs ({shown}); {why}",
+            )
+        )
     ib = [t for t in families if t.family == "NET/IB"]
     if ib:
         if all(t.gdr for t in ib):
-            out.append(("ok", "inter-node traffic uses InfiniBand/RoCE with GPUDirect RDMA (NET/IB .../GDRDMA)"))
+            out.append(
+                (
+                    "ok",
+                    "inter-node traffic uses InfiniBand/RoCE with GPUDirect RDMA (NET/IB .../GDRDMA)",
+                )
+            )
         else:
-            out.append(("warning", "inter-node traffic uses InfiniBand/RoCE without GPUDirect RDMA on some "
-                                   "channels: data is staged through host memory (check nvidia-peermem / "
-                                   "NCCL_NET_GDR_LEVEL)"))
+            out.append(
+                (
+                    "warning",
+                    "inter-node traffic uses InfiniBand/RoCE without GPUDirect RDMA on some "
+                    "channels: data is staged through host memory (check nvidia-peermem / "
+                    "NCCL_NET_GDR_LEVEL)",
+                )
+            )
     if "SHM" in names:
-        out.append(("info", "some intra-node peers communicate through host shared memory (SHM): "
-                            "GPU peer-to-peer is unavailable or disabled between them"))
+        out.append(
+            (
+                "info",
+                "some intra-node peers communicate through host shared memory (SHM): "
+                "GPU peer-to-peer is unavailable or disabled between them",
+            )
+        )
     if "P2P" in names:
         out.append(("ok", "intra-node traffic uses GPU peer-to-peer (P2P over NVLink or PCIe)"))
     if not log.connected_all_rings:
-        out.append(("warning", "the log never says 'Connected all rings': initialization may not have finished"))
+        out.append(
+            (
+                "warning",
+                "the log never says 'Connected all rings': initialization may not have finished",
+            )
+        )
     return out

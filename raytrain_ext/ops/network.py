@@ -17,10 +17,18 @@ from raytrain_ext.ops.findings import finding
 RX_COLUMNS = ("bytes", "packets", "errs", "drop", "fifo", "frame", "compressed", "multicast")
 TX_COLUMNS = ("bytes", "packets", "errs", "drop", "fifo", "colls", "carrier", "compressed")
 DROP_RATIO_WARN = 1e-3  # dropped / packets above this is more than background noise
-IB_ERROR_COUNTERS = ("symbol_error", "link_error_recovery", "link_downed", "port_rcv_errors",
-                     "port_rcv_remote_physical_errors", "port_xmit_discards",
-                     "local_link_integrity_errors", "excessive_buffer_overrun_errors",
-                     "port_xmit_constraint_errors", "port_rcv_constraint_errors")
+IB_ERROR_COUNTERS = (
+    "symbol_error",
+    "link_error_recovery",
+    "link_downed",
+    "port_rcv_errors",
+    "port_rcv_remote_physical_errors",
+    "port_xmit_discards",
+    "local_link_integrity_errors",
+    "excessive_buffer_overrun_errors",
+    "port_xmit_constraint_errors",
+    "port_rcv_constraint_errors",
+)
 
 
 def parse_proc_net_dev(text: str) -> Dict[str, Dict[str, int]]:
@@ -38,7 +46,7 @@ def parse_proc_net_dev(text: str) -> Dict[str, Dict[str, int]]:
         if len(values) < len(RX_COLUMNS) + len(TX_COLUMNS):
             continue
         row = {f"rx_{c}": v for c, v in zip(RX_COLUMNS, values)}
-        row.update({f"tx_{c}": v for c, v in zip(TX_COLUMNS, values[len(RX_COLUMNS):])})
+        row.update({f"tx_{c}": v for c, v in zip(TX_COLUMNS, values[len(RX_COLUMNS) :])})
         out[name.strip()] = row
     return out
 
@@ -47,16 +55,25 @@ def net_dev_problems(counters: Dict[str, Dict[str, int]]) -> List[dict]:
     """Errors on any interface; drops above :data:`DROP_RATIO_WARN` of packets."""
     out = []
     for name, c in counters.items():
-        errors = {k: c[k] for k in ("rx_errs", "tx_errs", "rx_frame", "tx_carrier", "rx_fifo", "tx_fifo")
-                  if c.get(k)}
+        errors = {
+            k: c[k]
+            for k in ("rx_errs", "tx_errs", "rx_frame", "tx_carrier", "rx_fifo", "tx_fifo")
+            if c.get(k)
+        }
         if errors:
             shown = ", ".join(f"{k}={v}" for k, v in errors.items())
             out.append(finding("warning", "net_dev", f"{name}: error counters since boot: {shown}"))
         for side in ("rx", "tx"):
             packets, drops = c.get(f"{side}_packets", 0), c.get(f"{side}_drop", 0)
             if drops and packets and drops / packets > DROP_RATIO_WARN:
-                out.append(finding("warning", "net_dev", f"{name}: {side} dropped {drops} of {packets} "
-                                                         f"packets ({100 * drops / packets:.2f}%)"))
+                out.append(
+                    finding(
+                        "warning",
+                        "net_dev",
+                        f"{name}: {side} dropped {drops} of {packets} "
+                        f"packets ({100 * drops / packets:.2f}%)",
+                    )
+                )
     return out
 
 
@@ -74,10 +91,17 @@ def read_interfaces(sys_net: str = "/sys/class/net") -> List[dict]:
     root = Path(sys_net)
     for entry in sorted(root.iterdir()) if root.is_dir() else []:
         speed = _read(entry / "speed")
-        out.append({"name": entry.name, "state": _read(entry / "operstate"),
-                    "speed_mbps": int(speed) if speed and speed.lstrip("-").isdigit() and int(speed) > 0 else None,
-                    "mtu": int(_read(entry / "mtu") or 0) or None,
-                    "addresses": addresses.get(entry.name, [])})
+        out.append(
+            {
+                "name": entry.name,
+                "state": _read(entry / "operstate"),
+                "speed_mbps": int(speed)
+                if speed and speed.lstrip("-").isdigit() and int(speed) > 0
+                else None,
+                "mtu": int(_read(entry / "mtu") or 0) or None,
+                "addresses": addresses.get(entry.name, []),
+            }
+        )
     return out
 
 
@@ -88,8 +112,10 @@ def _addresses() -> Dict[str, List[str]]:
         return {}
     import socket
 
-    return {name: [a.address for a in addrs if a.family in (socket.AF_INET, socket.AF_INET6)]
-            for name, addrs in psutil.net_if_addrs().items()}
+    return {
+        name: [a.address for a in addrs if a.family in (socket.AF_INET, socket.AF_INET6)]
+        for name, addrs in psutil.net_if_addrs().items()
+    }
 
 
 def read_infiniband(root: str = "/sys/class/infiniband") -> Dict[str, dict]:
@@ -113,14 +139,18 @@ def read_infiniband(root: str = "/sys/class/infiniband") -> Dict[str, dict]:
             ports[port.name] = {
                 "state": (_read(port / "state") or "").split(":")[-1].strip() or None,
                 "phys_state": (_read(port / "phys_state") or "").split(":")[-1].strip() or None,
-                "rate": _read(port / "rate"), "link_layer": _read(port / "link_layer"),
-                "counters": counters}
+                "rate": _read(port / "rate"),
+                "link_layer": _read(port / "link_layer"),
+                "counters": counters,
+            }
         out[dev.name] = {"ports": ports}
     return out
 
 
 def ib_port_states(ib: Dict[str, dict]) -> Dict[str, List[str]]:
-    return {dev: [p["state"] or "UNKNOWN" for p in info["ports"].values()] for dev, info in ib.items()}
+    return {
+        dev: [p["state"] or "UNKNOWN" for p in info["ports"].values()] for dev, info in ib.items()
+    }
 
 
 def infiniband_problems(ib: Dict[str, dict]) -> List[dict]:
@@ -128,12 +158,20 @@ def infiniband_problems(ib: Dict[str, dict]) -> List[dict]:
     for dev, info in ib.items():
         for port, p in info["ports"].items():
             if p["state"] != "ACTIVE":
-                out.append(finding("warning", "infiniband", f"{dev} port {port} is {p['state'] or 'unknown'} "
-                                                            f"(physical: {p['phys_state'] or 'unknown'})"))
+                out.append(
+                    finding(
+                        "warning",
+                        "infiniband",
+                        f"{dev} port {port} is {p['state'] or 'unknown'} "
+                        f"(physical: {p['phys_state'] or 'unknown'})",
+                    )
+                )
             bad = {k: v for k, v in p["counters"].items() if v}
             if bad:
                 shown = ", ".join(f"{k}={v}" for k, v in sorted(bad.items()))
-                out.append(finding("warning", "infiniband", f"{dev} port {port} error counters: {shown}"))
+                out.append(
+                    finding("warning", "infiniband", f"{dev} port {port} error counters: {shown}")
+                )
     return out
 
 

@@ -27,8 +27,12 @@ def software_versions() -> Dict[str, str]:
     import ray
     import torch
 
-    versions = {"python": platform.python_version(), "torch": torch.__version__,
-                "ray": ray.__version__, "cuda": torch.version.cuda or "none (CPU build)"}
+    versions = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "ray": ray.__version__,
+        "cuda": torch.version.cuda or "none (CPU build)",
+    }
     try:
         nccl = torch.cuda.nccl.version()
         versions["nccl"] = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
@@ -51,9 +55,13 @@ def _conf_files(environ: Dict[str, str]) -> List[tuple]:
 
 def same_pci_device(xid_pci: str, bus_id: str) -> bool:
     """``PCI:0000:3b:00`` (kernel log) vs ``00000000:3B:00.0`` (NVML): compare bus:device."""
+
     def bus_dev(text: str) -> str:
         parts = re.findall(r"[0-9a-fA-F]+", text.replace("PCI", ""))
-        return ":".join(p.lower().lstrip("0") or "0" for p in parts[1:3]) if len(parts) >= 3 else text
+        return (
+            ":".join(p.lower().lstrip("0") or "0" for p in parts[1:3]) if len(parts) >= 3 else text
+        )
+
     return bool(bus_id) and bus_dev(xid_pci) == bus_dev(bus_id)
 
 
@@ -63,18 +71,30 @@ def probe_node() -> Dict:
 
     environ = dict(os.environ)
     gpus = gpu_health.read_gpus()
-    xids = gpu_health.read_xids() if gpus["gpus"] else {"readable": False, "xids": [], "error": "no GPU"}
+    xids = (
+        gpu_health.read_xids()
+        if gpus["gpus"]
+        else {"readable": False, "xids": [], "error": "no GPU"}
+    )
     for g in gpus["gpus"]:
-        g["xids"] = [x for x in xids["xids"] if same_pci_device(x["pci"], g.get("pci_bus_id") or "")]
+        g["xids"] = [
+            x for x in xids["xids"] if same_pci_device(x["pci"], g.get("pci_bus_id") or "")
+        ]
     ib = network.read_infiniband()
     return {
-        "hostname": socket.gethostname(), "node_ip": ray.util.get_node_ip_address(),
-        "node_id": ray.get_runtime_context().get_node_id(), "kernel": platform.release(),
-        "versions": software_versions(), "driver": gpus["driver"],
+        "hostname": socket.gethostname(),
+        "node_ip": ray.util.get_node_ip_address(),
+        "node_id": ray.get_runtime_context().get_node_id(),
+        "kernel": platform.release(),
+        "versions": software_versions(),
+        "driver": gpus["driver"],
         "gpu_error": f"{gpus['error']} on node {ray.util.get_node_ip_address()} ({gpus['detail']})"
-        if gpus["error"] else None,
-        "gpus": gpus["gpus"], "xid_log": {k: v for k, v in xids.items() if k != "xids"},
+        if gpus["error"]
+        else None,
+        "gpus": gpus["gpus"],
+        "xid_log": {k: v for k, v in xids.items() if k != "xids"},
         "nccl": nccl_settings(environ, _conf_files(environ)),
-        "interfaces": network.read_interfaces(), "infiniband": ib,
+        "interfaces": network.read_interfaces(),
+        "infiniband": ib,
         "net_dev": network.read_proc_net_dev(),
     }

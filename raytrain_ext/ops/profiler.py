@@ -44,8 +44,13 @@ STEP_LABEL = "ProfilerStep#{}"
 class StepProfiler:
     """Profiles steps ``first..last`` (inclusive) on the listed ranks; a no-op elsewhere."""
 
-    def __init__(self, profile_cfg, rank: int, device: Optional[torch.device] = None,
-                 tool: Optional[str] = None):
+    def __init__(
+        self,
+        profile_cfg,
+        rank: int,
+        device: Optional[torch.device] = None,
+        tool: Optional[str] = None,
+    ):
         steps = list(profile_cfg.steps)
         self.rank = rank
         self.enabled = bool(steps) and rank in list(profile_cfg.ranks)
@@ -58,8 +63,10 @@ class StepProfiler:
         if self.tool not in TOOLS:
             raise ValueError(f"{TOOL_ENV}={self.tool!r}: choose one of {', '.join(TOOLS)}")
         if self.enabled and self.tool == "nsys" and self.device.type != "cuda":
-            raise ValueError(f"{TOOL_ENV}=nsys profiles CUDA devices, but rank {rank} trains on "
-                             f"{self.device}; unset {TOOL_ENV} for a torch.profiler trace")
+            raise ValueError(
+                f"{TOOL_ENV}=nsys profiles CUDA devices, but rank {rank} trains on "
+                f"{self.device}; unset {TOOL_ENV} for a torch.profiler trace"
+            )
         self.trace_path: Optional[Path] = None  # the written trace (torch mode)
         self._profiler: Optional[torch.profiler.profile] = None
         self._step_range: Optional[contextlib.AbstractContextManager] = None
@@ -100,9 +107,9 @@ class StepProfiler:
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-        self._profiler = torch.profiler.profile(activities=activities,
-                                                record_shapes=self.record_shapes,
-                                                with_stack=self.with_stack)
+        self._profiler = torch.profiler.profile(
+            activities=activities, record_shapes=self.record_shapes, with_stack=self.with_stack
+        )
         self._profiler.start()
 
     def _open_step_range(self, step: int) -> contextlib.AbstractContextManager:

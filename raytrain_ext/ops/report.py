@@ -42,9 +42,11 @@ class RunSeries:
 def load_summary(run_dir: Path) -> Dict[str, Any]:
     path = Path(run_dir) / "summary.json"
     if not path.is_file():
-        raise FileNotFoundError(f"RUN_DIR {run_dir}: no summary.json there; pass the run "
-                                "directory <run.output_dir>/<run.name> of a run that "
-                                "`raytrain-ext train` started")
+        raise FileNotFoundError(
+            f"RUN_DIR {run_dir}: no summary.json there; pass the run "
+            "directory <run.output_dir>/<run.name> of a run that "
+            "`raytrain-ext train` started"
+        )
     return json.loads(path.read_text())
 
 
@@ -66,10 +68,13 @@ def run_series(summary: Dict[str, Any], tokens_per_step: Optional[int]) -> RunSe
     ends = summary["step_end_times"]
     step_times = summary["step_times"]
     work = tokens_per_step or 1
-    return RunSeries(time_s=[t - start for _, t in ends], steps=[s for s, _ in ends],
-                     loss=[loss for _, loss in summary["loss_history"]],
-                     throughput=[work / dt for dt in step_times],
-                     throughput_unit="tokens/s" if tokens_per_step else "steps/s")
+    return RunSeries(
+        time_s=[t - start for _, t in ends],
+        steps=[s for s, _ in ends],
+        loss=[loss for _, loss in summary["loss_history"]],
+        throughput=[work / dt for dt in step_times],
+        throughput_unit="tokens/s" if tokens_per_step else "steps/s",
+    )
 
 
 def recovery_phases(summary: Dict[str, Any]) -> List[Dict[str, Any]]:
@@ -91,13 +96,19 @@ def recovery_phases(summary: Dict[str, Any]) -> List[Dict[str, Any]]:
         before = [t for t in ends if t <= detected]
         left = _next_transition(transitions, "RECOVERING", "SCHEDULING", detected)
         running = _next_transition(transitions, "SCHEDULING", "RUNNING", left)
-        row = {"at_s": detected - start, "reason": recovery["reason"],
-               "detect_s": detected - before[-1] if before else None,
-               "decide_s": _minus(left, detected), "reform_s": _minus(running, left),
-               "restore_s": recovery.get("restore_s"), "first_step_s": None, "mttr_s": None,
-               "restored_from": recovery.get("restored_from"),
-               "restored_step": recovery.get("restored_step"),
-               "steps_redone": recovery.get("steps_redone")}
+        row = {
+            "at_s": detected - start,
+            "reason": recovery["reason"],
+            "detect_s": detected - before[-1] if before else None,
+            "decide_s": _minus(left, detected),
+            "reform_s": _minus(running, left),
+            "restore_s": recovery.get("restore_s"),
+            "first_step_s": None,
+            "mttr_s": None,
+            "restored_from": recovery.get("restored_from"),
+            "restored_step": recovery.get("restored_step"),
+            "steps_redone": recovery.get("steps_redone"),
+        }
         after = recovery.get("first_step_after_s")
         if after is not None and running is not None:
             row["first_step_s"] = after - (running - detected) - (row["restore_s"] or 0.0)
@@ -126,10 +137,15 @@ def world_size_changes(summary: Dict[str, Any]) -> List[tuple]:
     same order as the SCHEDULING -> RUNNING transitions.
     """
     start = summary["started_at"]
-    formed = [t["at"] - start for t in summary.get("transitions", [])
-              if t["source"] == "SCHEDULING" and t["target"] == "RUNNING"]
-    return [(at, entry["world_size"])
-            for at, entry in zip(formed, summary.get("world_size_history", []))]
+    formed = [
+        t["at"] - start
+        for t in summary.get("transitions", [])
+        if t["source"] == "SCHEDULING" and t["target"] == "RUNNING"
+    ]
+    return [
+        (at, entry["world_size"])
+        for at, entry in zip(formed, summary.get("world_size_history", []))
+    ]
 
 
 def run_mfu(summary: Dict[str, Any], cfg) -> tuple:
@@ -142,8 +158,12 @@ def run_mfu(summary: Dict[str, Any], cfg) -> tuple:
     if cfg is None:
         return None, "config.yaml missing: model shape unknown"
     history = summary.get("world_size_history") or [{"world_size": 1}]
-    value = mfu(summary.get("tokens_per_s"), model_flops_per_token(cfg.model), peak,
-                num_devices=history[-1]["world_size"])
+    value = mfu(
+        summary.get("tokens_per_s"),
+        model_flops_per_token(cfg.model),
+        peak,
+        num_devices=history[-1]["world_size"],
+    )
     return value, "" if value is not None else "no throughput in summary.json"
 
 
@@ -162,21 +182,33 @@ def plot_run(summary: Dict[str, Any], tokens_per_step: Optional[int] = None):
     time_s = _break_where_steps_go_back(series.time_s, series.steps)
     fig = Figure(figsize=(10, 7), layout="constrained")
     ax_loss, ax_rate = fig.subplots(2, 1, sharex=True)
-    ax_loss.plot(time_s, _break_where_steps_go_back(series.loss, series.steps), marker=".",
-                 label="loss")
+    ax_loss.plot(
+        time_s, _break_where_steps_go_back(series.loss, series.steps), marker=".", label="loss"
+    )
     ax_loss.set_ylabel("loss")
-    ax_rate.plot(time_s, _break_where_steps_go_back(series.throughput, series.steps),
-                 marker=".", color="tab:green", label=series.throughput_unit)
+    ax_rate.plot(
+        time_s,
+        _break_where_steps_go_back(series.throughput, series.steps),
+        marker=".",
+        color="tab:green",
+        label=series.throughput_unit,
+    )
     ax_rate.set_ylabel(series.throughput_unit)
     ax_rate.set_xlabel("wall time since start (s)")
     twin = _plot_world_size(ax_rate, summary, series)
     for number, phase in enumerate(recovery_phases(summary), 1):
         _mark_recovery(ax_loss, ax_rate, number, phase)
-    fig.suptitle(f"{summary.get('run_name', 'run')}: {summary.get('status', '?')}, "
-                 f"{summary.get('steps_completed', 0)} steps, "
-                 f"recoveries: {len(summary.get('recoveries', []))}")
-    handles = [h for ax in (ax_loss, ax_rate, twin) if ax is not None
-               for h in ax.get_legend_handles_labels()[0]]
+    fig.suptitle(
+        f"{summary.get('run_name', 'run')}: {summary.get('status', '?')}, "
+        f"{summary.get('steps_completed', 0)} steps, "
+        f"recoveries: {len(summary.get('recoveries', []))}"
+    )
+    handles = [
+        h
+        for ax in (ax_loss, ax_rate, twin)
+        if ax is not None
+        for h in ax.get_legend_handles_labels()[0]
+    ]
     fig.legend(handles=handles, loc="outside lower center", ncols=2, fontsize="small")
     ax_loss.grid(alpha=0.3)
     ax_rate.grid(alpha=0.3)
@@ -215,10 +247,21 @@ def _mark_recovery(ax_loss, ax_rate, number: int, phase: Dict[str, Any]) -> None
     label = f"recovery {number} at {detected:.1f} s: {reason}"
     for ax in (ax_loss, ax_rate):
         if phase["mttr_s"] is not None:
-            ax.axvspan(begin, begin + phase["mttr_s"], color="tab:red", alpha=0.12,
-                       gid=f"recovery-{number}-span")
-        ax.axvline(detected, color="tab:red", linestyle="--", linewidth=1,
-                   gid=f"recovery-{number}", label=label if ax is ax_loss else None)
+            ax.axvspan(
+                begin,
+                begin + phase["mttr_s"],
+                color="tab:red",
+                alpha=0.12,
+                gid=f"recovery-{number}-span",
+            )
+        ax.axvline(
+            detected,
+            color="tab:red",
+            linestyle="--",
+            linewidth=1,
+            gid=f"recovery-{number}",
+            label=label if ax is ax_loss else None,
+        )
 
 
 def render_markdown(summary: Dict[str, Any], cfg=None, image: Optional[str] = "report.png") -> str:
@@ -231,11 +274,18 @@ def render_markdown(summary: Dict[str, Any], cfg=None, image: Optional[str] = "r
         lines += ["", "Error:", "", "```", summary["error"].strip(), "```"]
     lines += ["", *_recovery_section(recovery_phases(summary))]
     lines += ["", *_restore_section(summary)]
-    lines += ["", "## State transitions", "", "| at (s) | from | to | reason |",
-              "|---|---|---|---|"]
+    lines += [
+        "",
+        "## State transitions",
+        "",
+        "| at (s) | from | to | reason |",
+        "|---|---|---|---|",
+    ]
     start = summary["started_at"]
-    lines += [f"| {t['at'] - start:.2f} | {t['source']} | {t['target']} | {_cell(t['reason'])} |"
-              for t in summary.get("transitions", [])]
+    lines += [
+        f"| {t['at'] - start:.2f} | {t['source']} | {t['target']} | {_cell(t['reason'])} |"
+        for t in summary.get("transitions", [])
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -247,21 +297,35 @@ def _overview(summary: Dict[str, Any], cfg) -> List[tuple]:
     goodput = summary.get("goodput")
     return [
         ("status", summary.get("status")),
-        ("steps", f"{summary.get('steps_completed', 0)} ({len(history)} step records, "
-                  f"{redone} redone)"),
-        ("wall time", f"{summary['wall_time_s']:.2f} s (first step after "
-                      f"{_num(summary.get('time_to_first_step_s'))} s)"),
+        (
+            "steps",
+            f"{summary.get('steps_completed', 0)} ({len(history)} step records, {redone} redone)",
+        ),
+        (
+            "wall time",
+            f"{summary['wall_time_s']:.2f} s (first step after "
+            f"{_num(summary.get('time_to_first_step_s'))} s)",
+        ),
         ("loss", f"{_num(summary.get('first_loss'), 4)} -> {_num(summary.get('final_loss'), 4)}"),
-        ("throughput", f"{_num(summary.get('tokens_per_s'), 0)} tokens/s (steady state, all "
-                       f"ranks); median step {_num(summary.get('median_step_time_s'), 4)} s"),
-        ("goodput", f"{_num(goodput, 3)} (time in kept steps / wall time: the last run of "
-                    "each step counts, redone steps and all setup, checkpoint and recovery "
-                    "time do not)"),
+        (
+            "throughput",
+            f"{_num(summary.get('tokens_per_s'), 0)} tokens/s (steady state, all "
+            f"ranks); median step {_num(summary.get('median_step_time_s'), 4)} s",
+        ),
+        (
+            "goodput",
+            f"{_num(goodput, 3)} (time in kept steps / wall time: the last run of "
+            "each step counts, redone steps and all setup, checkpoint and recovery "
+            "time do not)",
+        ),
         ("MFU", f"{mfu_value:.1%}" if mfu_value is not None else f"n/a: {why}"),
         ("world size", sizes or "n/a"),
         ("checkpoint stall", f"{_num(summary.get('checkpoint_stall_s'), 3)} s"),
-        ("backend", f"{summary.get('backend')}, torch {summary.get('versions', {}).get('torch')}, "
-                    f"ray {summary.get('versions', {}).get('ray')}"),
+        (
+            "backend",
+            f"{summary.get('backend')}, torch {summary.get('versions', {}).get('torch')}, "
+            f"ray {summary.get('versions', {}).get('ray')}",
+        ),
         ("newest usable checkpoint", newest_local_checkpoint(cfg)),
     ]
 
@@ -275,25 +339,37 @@ def newest_local_checkpoint(cfg) -> str:
     from raytrain_ext.checkpoint.resolve import newest_usable
 
     found = newest_usable(DiskTier(cfg.checkpoint.dir))
-    text = f"step {found.step} in {cfg.checkpoint.dir}" if found.step is not None else \
-        f"none in {cfg.checkpoint.dir}"
+    text = (
+        f"step {found.step} in {cfg.checkpoint.dir}"
+        if found.step is not None
+        else f"none in {cfg.checkpoint.dir}"
+    )
     return text + "".join(f"; skipped {problem}" for problem in found.skipped)
 
 
 def _restore_section(summary: Dict[str, Any]) -> List[str]:
     """Where each restore spent its time (rank 0's ``checkpoint/phases.py`` record)."""
     rows = [("start", (summary.get("restored") or {}).get("phases"))]
-    rows += [(f"recovery {i}", r.get("restore_phases"))
-             for i, r in enumerate(summary.get("recoveries", []), 1)]
+    rows += [
+        (f"recovery {i}", r.get("restore_phases"))
+        for i, r in enumerate(summary.get("recoveries", []), 1)
+    ]
     rows = [(name, phases) for name, phases in rows if phases]
     if not rows:
         return ["## Restores", "", "No checkpoint was restored."]
     names = list(rows[0][1])
-    lines = ["## Restores", "", "Seconds on rank 0, by phase.", "",
-             "| restore | " + " | ".join(n.removesuffix("_s") for n in names) + " |",
-             "|---|" + "---|" * len(names)]
-    lines += [f"| {name} | " + " | ".join(_num(phases.get(n), 3) for n in names) + " |"
-              for name, phases in rows]
+    lines = [
+        "## Restores",
+        "",
+        "Seconds on rank 0, by phase.",
+        "",
+        "| restore | " + " | ".join(n.removesuffix("_s") for n in names) + " |",
+        "|---|" + "---|" * len(names),
+    ]
+    lines += [
+        f"| {name} | " + " | ".join(_num(phases.get(n), 3) for n in names) + " |"
+        for name, phases in rows
+    ]
     return lines
 
 
@@ -301,18 +377,28 @@ def _recovery_section(phases: List[Dict[str, Any]]) -> List[str]:
     lines = ["## Recoveries (MTTR)", ""]
     if not phases:
         return lines + ["No failures."]
-    lines += ["Seconds. detect: last good step -> failure detected; stop + decide: survivors "
-              "stopped and capacity settled; re-form: new group placed and rendezvoused; "
-              "restore: checkpoint loaded; first step: worker setup and the first step after "
-              "the re-form; MTTR: the sum, last good step -> first new step.", "",
-              "| # | at (s) | reason | " + " | ".join(PHASE_TITLES) + " | restored | redone |",
-              "|---|---|---|" + "---|" * len(PHASES) + "---|---|"]
+    lines += [
+        "Seconds. detect: last good step -> failure detected; stop + decide: survivors "
+        "stopped and capacity settled; re-form: new group placed and rendezvoused; "
+        "restore: checkpoint loaded; first step: worker setup and the first step after "
+        "the re-form; MTTR: the sum, last good step -> first new step.",
+        "",
+        "| # | at (s) | reason | " + " | ".join(PHASE_TITLES) + " | restored | redone |",
+        "|---|---|---|" + "---|" * len(PHASES) + "---|---|",
+    ]
     for i, p in enumerate(phases, 1):
-        restored = (f"{p['restored_from']} @ step {p['restored_step']}" if p["restored_from"]
-                    else "from scratch" if p["restored_step"] == 0 else "n/a")
-        lines.append(f"| {i} | {p['at_s']:.2f} | {_cell(p['reason'])} | "
-                     + " | ".join(_num(p[k]) for k in PHASES)
-                     + f" | {restored} | {_num(p['steps_redone'], 0)} |")
+        restored = (
+            f"{p['restored_from']} @ step {p['restored_step']}"
+            if p["restored_from"]
+            else "from scratch"
+            if p["restored_step"] == 0
+            else "n/a"
+        )
+        lines.append(
+            f"| {i} | {p['at_s']:.2f} | {_cell(p['reason'])} | "
+            + " | ".join(_num(p[k]) for k in PHASES)
+            + f" | {restored} | {_num(p['steps_redone'], 0)} |"
+        )
     means = [_mean([p[k] for p in phases]) for k in PHASES]
     lines.append("| mean | | | " + " | ".join(_num(m) for m in means) + " | | |")
     return lines
@@ -348,7 +434,9 @@ def write_report(run_dir: Path, out_dir: Optional[Path] = None) -> Dict[str, Pat
 def _report_command(args: argparse.Namespace) -> int:
     from raytrain_ext.inputs.paths import writable_dir_problem
 
-    problem = writable_dir_problem(Path(args.out or args.run_dir), "--out" if args.out else "RUN_DIR")
+    problem = writable_dir_problem(
+        Path(args.out or args.run_dir), "--out" if args.out else "RUN_DIR"
+    )
     if problem and Path(args.run_dir).is_dir():
         print(f"report failed: {problem}", file=sys.stderr)
         return 2

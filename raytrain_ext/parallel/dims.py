@@ -93,14 +93,21 @@ class ParallelDims:
                 f"({world_size} = dp_replicate {parallel_cfg.dp_replicate} x dp_shard "
                 f"{world_size / fixed:g} x tp {parallel_cfg.tp} x pp {parallel_cfg.pp}?). "
                 f"Choose degrees whose product divides {world_size} "
-                f"(divisors: {', '.join(map(str, divisors(world_size)))}).")
-        dims = cls(dp_replicate=parallel_cfg.dp_replicate, dp_shard=world_size // fixed,
-                   tp=parallel_cfg.tp, pp=parallel_cfg.pp, ep=parallel_cfg.ep)
+                f"(divisors: {', '.join(map(str, divisors(world_size)))})."
+            )
+        dims = cls(
+            dp_replicate=parallel_cfg.dp_replicate,
+            dp_shard=world_size // fixed,
+            tp=parallel_cfg.tp,
+            pp=parallel_cfg.pp,
+            ep=parallel_cfg.ep,
+        )
         if dims.dp_size % dims.ep:
             raise ParallelLayoutError(
                 f"parallel.ep: ep={dims.ep} does not divide the data-parallel size {dims.dp_size} "
                 f"(world size {world_size}); experts are sharded over groups of ep consecutive "
-                f"data-parallel ranks. Choose ep among {', '.join(map(str, divisors(dims.dp_size)))}.")
+                f"data-parallel ranks. Choose ep among {', '.join(map(str, divisors(dims.dp_size)))}."
+            )
         return dims
 
 
@@ -112,8 +119,10 @@ def check_degrees(parallel_cfg) -> None:
     for key in ("tp", "dp_replicate", "pp", "ep"):
         value = getattr(parallel_cfg, key)
         if value < 1:
-            raise ParallelLayoutError(f"parallel.{key}: must be >= 1, got {value}. "
-                                      f"Set parallel.{key}=1 to disable this dimension.")
+            raise ParallelLayoutError(
+                f"parallel.{key}: must be >= 1, got {value}. "
+                f"Set parallel.{key}=1 to disable this dimension."
+            )
 
 
 def check_expert_parallel(parallel_cfg, model_cfg) -> None:
@@ -134,17 +143,20 @@ def check_expert_parallel(parallel_cfg, model_cfg) -> None:
         raise ParallelLayoutError(
             f"parallel.ep: expert parallelism (ep={ep}) is not supported yet with "
             f"{', '.join(unsupported)}; it runs with parallel.strategy=ddp or fsdp (any tp and pp) "
-            "and dp_replicate=1. Change those keys, or set parallel.ep=1.")
+            "and dp_replicate=1. Change those keys, or set parallel.ep=1."
+        )
     experts = model_cfg.moe.num_experts
     if not experts:
         raise ParallelLayoutError(
             f"parallel.ep: expert parallelism (ep={ep}) needs a mixture-of-experts model, but "
-            "model.moe.num_experts=0. Set model.moe.num_experts (a multiple of ep) or parallel.ep=1.")
+            "model.moe.num_experts=0. Set model.moe.num_experts (a multiple of ep) or parallel.ep=1."
+        )
     if experts % ep:
         raise ParallelLayoutError(
             f"parallel.ep: model.moe.num_experts={experts} is not divisible by ep={ep} "
             f"({experts} / {ep} = {experts / ep:g} experts per rank); every rank holds the same "
-            f"number of whole experts. Choose ep among {', '.join(map(str, divisors(experts)))}.")
+            f"number of whole experts. Choose ep among {', '.join(map(str, divisors(experts)))}."
+        )
 
 
 def check_strategy_support(parallel_cfg) -> None:
@@ -155,17 +167,22 @@ def check_strategy_support(parallel_cfg) -> None:
         raise ParallelLayoutError(
             f"parallel.tp: tensor parallelism (tp={parallel_cfg.tp}) needs parallel.strategy=fsdp "
             f"(got {strategy!r}: DDP cannot synchronise TP-sharded DTensor parameters). "
-            "Set parallel.strategy=fsdp or parallel.tp=1.")
+            "Set parallel.strategy=fsdp or parallel.tp=1."
+        )
     if parallel_cfg.dp_replicate > 1 and strategy != "fsdp":
         raise ParallelLayoutError(
             f"parallel.dp_replicate: HSDP replica groups "
-            f"(dp_replicate={parallel_cfg.dp_replicate}) need parallel.strategy=fsdp; with {strategy!r} every rank is already a replica. "
-            "Set parallel.strategy=fsdp or parallel.dp_replicate=1.")
+            f"(dp_replicate={parallel_cfg.dp_replicate}) need parallel.strategy=fsdp; "
+            f"with {strategy!r} every rank is already a replica. "
+            "Set parallel.strategy=fsdp or parallel.dp_replicate=1."
+        )
     for key in ("activation_checkpointing", "cpu_offload", "compile"):
         if getattr(parallel_cfg, key) and strategy != "fsdp":
-            raise ParallelLayoutError(f"parallel.{key}: only implemented for "
-                                      f"parallel.strategy=fsdp (got {strategy!r}). "
-                                      f"Set parallel.strategy=fsdp or parallel.{key}=false.")
+            raise ParallelLayoutError(
+                f"parallel.{key}: only implemented for "
+                f"parallel.strategy=fsdp (got {strategy!r}). "
+                f"Set parallel.strategy=fsdp or parallel.{key}=false."
+            )
 
 
 def check_pipeline(parallel_cfg, model_cfg) -> None:
@@ -182,19 +199,23 @@ def check_pipeline(parallel_cfg, model_cfg) -> None:
         raise ParallelLayoutError(
             f"parallel.pp: pipeline parallelism (pp={pp}) runs with parallel.strategy ddp or fsdp "
             f"(got {parallel_cfg.strategy!r}). Set parallel.strategy=ddp or fsdp, "
-            "or parallel.pp=1.")
+            "or parallel.pp=1."
+        )
     if parallel_cfg.pp_schedule not in PP_SCHEDULES:
         raise ParallelLayoutError(
             f"parallel.pp_schedule: {parallel_cfg.pp_schedule!r} is not one of "
-            f"{', '.join(PP_SCHEDULES)}. Set parallel.pp_schedule to one of them.")
+            f"{', '.join(PP_SCHEDULES)}. Set parallel.pp_schedule to one of them."
+        )
     if model_cfg.n_layers < pp:
         raise ParallelLayoutError(
             f"parallel.pp: model.n_layers={model_cfg.n_layers} cannot fill pp={pp} stages; every "
-            f"stage needs at least one block. Choose pp <= {model_cfg.n_layers}.")
+            f"stage needs at least one block. Choose pp <= {model_cfg.n_layers}."
+        )
 
 
-def check_pipeline_microbatches(schedule: str, global_batch: int, micro: int,
-                                dims: "ParallelDims") -> None:
+def check_pipeline_microbatches(
+    schedule: str, global_batch: int, micro: int, dims: "ParallelDims"
+) -> None:
     """1F1B starts ``pp`` forwards before the first backward: it needs that many micro-batches."""
     if dims.pp == 1 or schedule != "1f1b":
         return
@@ -205,7 +226,8 @@ def check_pipeline_microbatches(schedule: str, global_batch: int, micro: int,
             f"ranks in micro-batches of {micro} give {min(counts)} micro-batches per step, fewer "
             f"than the pp={dims.pp} stages parallel.pp_schedule=1f1b needs. Use a "
             f"global_batch_size of at least {dims.dp_size * micro * dims.pp}, a smaller "
-            "micro_batch_size, or parallel.pp_schedule=gpipe.")
+            "micro_batch_size, or parallel.pp_schedule=gpipe."
+        )
 
 
 def check_sequence_parallel(parallel_cfg, model_cfg) -> None:
@@ -229,7 +251,8 @@ def check_sequence_parallel(parallel_cfg, model_cfg) -> None:
         raise ParallelLayoutError(
             f"parallel.sequence_parallel: not available with {', '.join(problems)}; it splits "
             "dense, unpipelined TP layers along the sequence. Change those keys, or set "
-            "parallel.sequence_parallel=false.")
+            "parallel.sequence_parallel=false."
+        )
 
 
 def check_model_fits_tp(tp: int, model_cfg) -> None:
@@ -244,12 +267,14 @@ def check_model_fits_tp(tp: int, model_cfg) -> None:
         raise ParallelLayoutError(
             f"parallel.tp: model.n_heads={model_cfg.n_heads} is not divisible by tp={tp} "
             f"({model_cfg.n_heads} / {tp} = {model_cfg.n_heads / tp:g} heads per rank); each TP "
-            "rank must hold whole heads. Choose tp dividing n_heads.")
+            "rank must hold whole heads. Choose tp dividing n_heads."
+        )
     if model_cfg.dropout > 0:
         raise ParallelLayoutError(
             f"parallel.tp: model.dropout={model_cfg.dropout} with tp={tp} is not supported yet "
             "(the ranks of a TP group would draw different masks for the same activations). "
-            "Set model.dropout=0 or parallel.tp=1.")
+            "Set model.dropout=0 or parallel.tp=1."
+        )
 
 
 def microbatch_counts(global_batch: int, dp_size: int, micro: int) -> set:
@@ -261,8 +286,13 @@ def microbatch_counts(global_batch: int, dp_size: int, micro: int) -> set:
     return {math.ceil(share / micro) for share in shares}
 
 
-def check_batch_split(strategy: str, global_batch: int, micro: int, dims: ParallelDims,
-                      world_size: Optional[int] = None) -> None:
+def check_batch_split(
+    strategy: str,
+    global_batch: int,
+    micro: int,
+    dims: ParallelDims,
+    world_size: Optional[int] = None,
+) -> None:
     """Every dp rank needs a sample; FSDP also needs equal micro-batch counts.
 
     FSDP all-gathers parameters in every forward, so a rank with fewer
@@ -277,7 +307,8 @@ def check_batch_split(strategy: str, global_batch: int, micro: int, dims: Parall
         raise ParallelLayoutError(
             f"data.global_batch_size: {global_batch} is smaller than the data-parallel size "
             f"{dims.dp_size} (world {world} / (tp {dims.tp} x pp {dims.pp})); every "
-            "data-parallel rank needs at least one sample per step. Raise global_batch_size.")
+            "data-parallel rank needs at least one sample per step. Raise global_batch_size."
+        )
     counts = microbatch_counts(global_batch, dims.dp_size, micro)
     if (strategy == "fsdp" or dims.pp > 1 or dims.ep > 1) and len(counts) > 1:
         raise ParallelLayoutError(
@@ -286,7 +317,8 @@ def check_batch_split(strategy: str, global_batch: int, micro: int, dims: Parall
             f"{min(counts)} and others {max(counts)} micro-batches; "
             f"{_lockstep_reason(strategy, dims)} needs the same count on "
             f"every rank. Use a global_batch_size that is a multiple of "
-            f"{dims.dp_size * micro} (data-parallel size x micro_batch_size).")
+            f"{dims.dp_size * micro} (data-parallel size x micro_batch_size)."
+        )
 
 
 def _lockstep_reason(strategy: str, dims: ParallelDims) -> str:
@@ -300,10 +332,12 @@ def dims_for_run(cfg, world_size: int) -> ParallelDims:
     """The layout for this worker group's actual world size (after any elastic resize),
     checked like on the driver: degrees, model fit, and the batch split."""
     dims = ParallelDims.build(cfg.parallel, cfg.model, world_size)
-    check_batch_split(cfg.parallel.strategy, cfg.data.global_batch_size,
-                      cfg.data.micro_batch_size, dims)
-    check_pipeline_microbatches(cfg.parallel.pp_schedule, cfg.data.global_batch_size,
-                                cfg.data.micro_batch_size, dims)
+    check_batch_split(
+        cfg.parallel.strategy, cfg.data.global_batch_size, cfg.data.micro_batch_size, dims
+    )
+    check_pipeline_microbatches(
+        cfg.parallel.pp_schedule, cfg.data.global_batch_size, cfg.data.micro_batch_size, dims
+    )
     return dims
 
 
@@ -313,12 +347,14 @@ def resize_unit(parallel_cfg) -> int:
     Any multiple of ``dp_replicate x tp x pp`` lays out (dp_shard takes the rest),
     and expert parallelism needs the data-parallel size to be a multiple of ``ep``.
     """
-    return (parallel_cfg.dp_replicate * parallel_cfg.tp * parallel_cfg.pp
-            * max(1, parallel_cfg.ep))
+    return parallel_cfg.dp_replicate * parallel_cfg.tp * parallel_cfg.pp * max(1, parallel_cfg.ep)
 
 
 def allowed_world_sizes(scaling_cfg, parallel_cfg) -> List[int]:
     """The world sizes the elastic controller may choose: multiples of the unit in min..max."""
     unit = resize_unit(parallel_cfg)
-    return [w for w in range(max(1, scaling_cfg.min_workers), scaling_cfg.max_workers + 1)
-            if w % unit == 0]
+    return [
+        w
+        for w in range(max(1, scaling_cfg.min_workers), scaling_cfg.max_workers + 1)
+        if w % unit == 0
+    ]

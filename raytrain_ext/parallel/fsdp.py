@@ -20,7 +20,7 @@ gradient together.  The loop therefore scales each rank's loss by ``dp_size``.
 from __future__ import annotations
 
 import contextlib
-from typing import ContextManager, Dict, List
+from typing import ContextManager, Dict
 
 import torch
 import torch.nn as nn
@@ -28,6 +28,7 @@ from torch.distributed._composable import checkpoint as checkpoint_activations
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from raytrain_ext.parallel.grads import global_grad_norm, group_by_mesh
 from raytrain_ext.parallel.strategy import DistContext
 from raytrain_ext.parallel.tp import apply_tensor_parallel
 
@@ -51,8 +52,11 @@ class FSDPStrategy:
                 checkpoint_activations(block)
             if self.cfg.compile:
                 block.compile()
-        dp_mesh = (self.mesh["dp_shard"] if dims.dp_replicate == 1
-                   else self.mesh["dp_replicate", "dp_shard"])
+        dp_mesh = (
+            self.mesh["dp_shard"]
+            if dims.dp_replicate == 1
+            else self.mesh["dp_replicate", "dp_shard"]
+        )
         options = {"mesh": dp_mesh, "mp_policy": self._mixed_precision(ctx)}
         if self.cfg.cpu_offload:
             options["offload_policy"] = CPUOffloadPolicy()
@@ -80,7 +84,7 @@ class FSDPStrategy:
 
     def clip_grad_norm(self, wrapped: nn.Module, max_norm: float) -> torch.Tensor:
         """Clip by the global norm; per mesh, since DTensor ops cannot mix meshes."""
-        groups = _group_by_mesh([p for p in wrapped.parameters() if p.grad is not None])
+        groups = group_by_mesh([p for p in wrapped.parameters() if p.grad is not None])
         total = global_grad_norm(groups)
         if max_norm > 0:
             for params in groups:
@@ -93,29 +97,7 @@ class FSDPStrategy:
     def full_parameters(self, wrapped: nn.Module) -> Dict[str, torch.Tensor]:
         """Unsharded fp32 parameters in canonical names (a collective: all ranks call it)."""
         with torch.no_grad():
-            return {name: p.full_tensor() if isinstance(p, DTensor) else p.detach()
-                    for name, p in wrapped.named_parameters()}
-
-
-def global_grad_norm(groups: List[List[nn.Parameter]]) -> torch.Tensor:
-    """The 2-norm over all gradients, as a plain tensor equal on every rank.
-
-    TP-sharded parameters live on the 2-D (dp, tp) mesh and the rest on the dp
-    mesh; DTensor cannot stack norms across meshes, so each mesh's norm is
-    reduced to a full tensor first and the squares are summed.
-    """
-    norms = [_full(torch.nn.utils.get_total_norm([p.grad for p in group])) for group in groups]
-    if not norms:
-        return torch.zeros(())
-    return torch.stack([n.float() ** 2 for n in norms]).sum().sqrt()
-
-
-def _group_by_mesh(params: List[nn.Parameter]) -> List[List[nn.Parameter]]:
-    groups: Dict[object, List[nn.Parameter]] = {}
-    for p in params:
-        groups.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
-    return list(groups.values())
-
-
-def _full(norm: torch.Tensor) -> torch.Tensor:
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+            return {
+                name: p.full_tensor() if isinstance(p, DTensor) else p.detach()
+                for name, p in wrapped.named_parameters()
+            }

@@ -45,7 +45,9 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from raytrain_ext.models.moe import MoEFeedForward
-from raytrain_ext.parallel.fsdp import _group_by_mesh, global_grad_norm
+from raytrain_ext.parallel.ep_shards import ExpertShards
+from raytrain_ext.parallel.grads import global_grad_norm, group_by_mesh
+from raytrain_ext.parallel.stage_state import StageStateDict
 from raytrain_ext.parallel.strategy import DistContext
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
@@ -152,8 +154,9 @@ class TokenLossSum:
         self.scale = 1.0
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        token_loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
-                                     reduction="sum")
+        token_loss = F.cross_entropy(
+            logits.float().flatten(0, 1), targets.flatten(), reduction="sum"
+        )
         return token_loss.double() * self.scale
 
 
@@ -199,8 +202,6 @@ class PipelineStrategy:
         self.ctx, dims = ctx, ctx.dims
         stage = GPTStage(model, dims.pp_rank(ctx.rank), dims.pp)
         if dims.ep > 1:  # experts split over this stage's data-parallel ranks
-            from raytrain_ext.parallel.ep import ExpertShards
-
             self.experts = ExpertShards(stage, ctx)
         stage = self.stage_module = stage.to(ctx.device)
         if self.inner.name == "fsdp":
@@ -211,21 +212,27 @@ class PipelineStrategy:
         else:  # DDP: gradients all-reduced after the schedule (see average_gradients)
             self.mesh = dims.build_mesh(ctx.device.type)
             wrapped = stage
-        self.stage = TrainingForwardStage(stage, wrapped, dims.pp_rank(ctx.rank), dims.pp,
-                                          ctx.device, group=self.pp_group)
+        self.stage = TrainingForwardStage(
+            stage, wrapped, dims.pp_rank(ctx.rank), dims.pp, ctx.device, group=self.pp_group
+        )
         return wrapped
 
     def _schedule(self, n_microbatches: int):
         if n_microbatches not in self._schedules:
             schedule_cls = SCHEDULES[self.cfg.pp_schedule]
             self._schedules[n_microbatches] = schedule_cls(
-                self.stage, n_microbatches, loss_fn=self.loss_fn, scale_grads=False)
+                self.stage, n_microbatches, loss_fn=self.loss_fn, scale_grads=False
+            )
         return self._schedules[n_microbatches]
 
-    def forward_backward(self, wrapped: nn.Module,
-                         batches: Sequence[Tuple[torch.Tensor, torch.Tensor]], loss_scale: float,
-                         autocast: Callable[[], ContextManager],
-                         aux_weight: float = 0.0) -> torch.Tensor:
+    def forward_backward(
+        self,
+        wrapped: nn.Module,
+        batches: Sequence[Tuple[torch.Tensor, torch.Tensor]],
+        loss_scale: float,
+        autocast: Callable[[], ContextManager],
+        aux_weight: float = 0.0,
+    ) -> torch.Tensor:
         """Run this step's micro-batches through the schedule; the last stage's token-loss sum.
 
         The first stage feeds the token ids, the last the targets; the
@@ -243,8 +250,11 @@ class PipelineStrategy:
             if dims.is_first_stage(rank):
                 schedule.step(torch.cat([inputs for inputs, _ in batches]))
             elif dims.is_last_stage(rank):
-                schedule.step(target=torch.cat([targets for _, targets in batches]),
-                              losses=losses, return_outputs=False)
+                schedule.step(
+                    target=torch.cat([targets for _, targets in batches]),
+                    losses=losses,
+                    return_outputs=False,
+                )
             else:
                 schedule.step()
         if not isinstance(wrapped, FSDPModule) and self.ctx.dp_size > 1:
@@ -276,7 +286,7 @@ class PipelineStrategy:
         expert_ids = self._expert_ids()
         params = [p for p in wrapped.parameters() if p.grad is not None and id(p) not in expert_ids]
         if isinstance(wrapped, FSDPModule):
-            groups = _group_by_mesh(params)
+            groups = group_by_mesh(params)
             stage_norm = global_grad_norm(groups)
         else:
             groups = [params]
@@ -297,8 +307,11 @@ class PipelineStrategy:
 
     def full_parameters(self, wrapped: nn.Module) -> Dict[str, torch.Tensor]:
         """Every stage's full parameters on every rank, canonical names, on CPU (a collective)."""
-        stage_params = (self.inner.full_parameters(wrapped) if isinstance(wrapped, FSDPModule)
-                        else dict(wrapped.named_parameters()))
+        stage_params = (
+            self.inner.full_parameters(wrapped)
+            if isinstance(wrapped, FSDPModule)
+            else dict(wrapped.named_parameters())
+        )
         own = {name: p.detach().cpu() for name, p in stage_params.items()}
         if self.experts is not None:
             own = self.experts.gather(own)
@@ -345,11 +358,5 @@ def average_gradients(stage: nn.Module, dp_group, skip: set = frozenset()) -> No
     flat /= dist.get_world_size(dp_group)
     offset = 0
     for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
         offset += g.numel()
-
-
-class StageStateDict(dict):
-    """A stage's model state dict that also knows every stage's keys (``whole_model_keys``)."""
-
-    whole_model_keys: set = set()

@@ -37,8 +37,10 @@ class DistContext:
         if self.dims is None:
             object.__setattr__(self, "dims", ParallelDims.data_parallel(self.world_size))
         if self.dims.world_size != self.world_size:
-            raise ValueError(f"ParallelDims {self.dims} describe {self.dims.world_size} ranks, "
-                             f"but the world size is {self.world_size}")
+            raise ValueError(
+                f"ParallelDims {self.dims} describe {self.dims.world_size} ranks, "
+                f"but the world size is {self.world_size}"
+            )
 
     @property
     def dp_rank(self) -> int:
@@ -76,31 +78,6 @@ class Strategy(Protocol):
     def full_parameters(self, wrapped: nn.Module) -> Dict[str, torch.Tensor]: ...
 
 
-def build_strategy(parallel_cfg: Any) -> Strategy:
-    """The strategy named by ``parallel.strategy``; it reads its options from the section."""
-    from raytrain_ext.parallel.ddp import DDPStrategy
-    from raytrain_ext.parallel.fsdp import FSDPStrategy
-
-    from raytrain_ext.parallel.zero import ZeroStrategy
-
-    strategies = {"ddp": DDPStrategy, "fsdp": FSDPStrategy, "zero": ZeroStrategy}
-    name = parallel_cfg.strategy
-    if name not in strategies:
-        raise ValueError(f"parallel.strategy: unknown strategy {name!r}; choose one of "
-                         f"{', '.join(strategies)}")
-    if parallel_cfg.pp > 1:  # pipeline stages, each data-parallel under the named strategy
-        from raytrain_ext.parallel.pp import PipelineStrategy
-
-        return PipelineStrategy(parallel_cfg, strategies[name](parallel_cfg))
-    if parallel_cfg.ep > 1:  # DDP or FSDP with the MoE experts sharded over groups of ep ranks
-        from raytrain_ext.parallel.ep import ExpertParallelStrategy, FSDPExpertParallelStrategy
-
-        if name == "fsdp":
-            return FSDPExpertParallelStrategy(parallel_cfg)
-        return ExpertParallelStrategy(parallel_cfg)
-    return strategies[name](parallel_cfg)
-
-
 def null_context() -> ContextManager:
     return contextlib.nullcontext()
 
@@ -126,8 +103,12 @@ def _zero_grad(wrapped: nn.Module, optimizer: torch.optim.Optimizer) -> None:
 # ``load_state_dicts`` replace ``get_state_dict`` / ``set_state_dict`` in checkpoints.
 # ``forward_backward(wrapped, batches, loss_scale, autocast) -> token-loss sum`` replaces
 # the loop's own micro-batch loop (a pipeline schedule runs all micro-batches at once).
-OPTIONAL_HOOKS = {"prepare": _prepare, "backward": _backward, "step": _step,
-                  "zero_grad": _zero_grad}
+OPTIONAL_HOOKS = {
+    "prepare": _prepare,
+    "backward": _backward,
+    "step": _step,
+    "zero_grad": _zero_grad,
+}
 
 
 def hook(strategy: Any, name: str):

@@ -46,8 +46,12 @@ from raytrain_ext.models.moe import MoEFeedForward
 
 def block_plan(moe: bool = False) -> Dict[str, object]:
     """Submodule name (relative to a ``Block``) -> its TP style (a MoE feed-forward stays whole)."""
-    plan: Dict[str, object] = {"attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(),
-                               "attn.wv": ColwiseParallel(), "attn.wo": RowwiseParallel()}
+    plan: Dict[str, object] = {
+        "attn.wq": ColwiseParallel(),
+        "attn.wk": ColwiseParallel(),
+        "attn.wv": ColwiseParallel(),
+        "attn.wo": RowwiseParallel(),
+    }
     if not moe:
         plan.update({"ffn.up": ColwiseParallel(), "ffn.down": RowwiseParallel()})
     return plan
@@ -58,21 +62,30 @@ def sequence_parallel_block_plan() -> Dict[str, object]:
     LayerNorms hold ``seq / tp`` positions per rank; each sublayer all-gathers its input
     along the sequence and reduce-scatters its output back (``Shard(1)``)."""
     gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-    return {"ln1": SequenceParallel(), "attn": gather,
-            "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(),
-            "attn.wv": ColwiseParallel(), "attn.wo": RowwiseParallel(output_layouts=Shard(1)),
-            "ln2": SequenceParallel(), "ffn": gather, "ffn.up": ColwiseParallel(),
-            "ffn.down": RowwiseParallel(output_layouts=Shard(1))}
+    return {
+        "ln1": SequenceParallel(),
+        "attn": gather,
+        "attn.wq": ColwiseParallel(),
+        "attn.wk": ColwiseParallel(),
+        "attn.wv": ColwiseParallel(),
+        "attn.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "ln2": SequenceParallel(),
+        "ffn": gather,
+        "ffn.up": ColwiseParallel(),
+        "ffn.down": RowwiseParallel(output_layouts=Shard(1)),
+    }
 
 
 def sequence_parallel_model_plan() -> Dict[str, object]:
     """The ends of the model under sequence parallelism: embeddings split by rows (token
     and position tables) whose outputs are reduce-scattered along the sequence, the final
     norm on sequence shards, and ``lm_head`` gathering the sequence for whole logits."""
-    return {"tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-            "pos_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0)),
-            "ln_f": SequenceParallel(),
-            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())}
+    return {
+        "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "pos_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0)),
+        "ln_f": SequenceParallel(),
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    }
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = False) -> None:
@@ -80,6 +93,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = F
     if sequence_parallel:
         parallelize_module(model, tp_mesh, sequence_parallel_model_plan())
     for block in model.blocks:
-        plan = (sequence_parallel_block_plan() if sequence_parallel
-                else block_plan(isinstance(block.ffn, MoEFeedForward)))
+        plan = (
+            sequence_parallel_block_plan()
+            if sequence_parallel
+            else block_plan(isinstance(block.ffn, MoEFeedForward))
+        )
         parallelize_module(block, tp_mesh, plan)

@@ -42,36 +42,52 @@ from raytrain_ext.parallel.strategy import DistContext
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 
 
-def check_zero_config(parallel_cfg, global_batch: int, micro: int, world_sizes: Iterable[int]) -> None:
+def check_zero_config(
+    parallel_cfg, global_batch: int, micro: int, world_sizes: Iterable[int]
+) -> None:
     """Raise ``ValueError`` naming the key and the fix for a ZeRO setup we cannot run."""
     z = parallel_cfg.zero
     if z.stage not in (1, 2, 3):
-        raise ValueError(f"parallel.zero.stage: {z.stage} is not a ZeRO stage. Set it to 1 "
-                         "(optimizer state sharded), 2 (+ gradients) or 3 (+ parameters).")
+        raise ValueError(
+            f"parallel.zero.stage: {z.stage} is not a ZeRO stage. Set it to 1 "
+            "(optimizer state sharded), 2 (+ gradients) or 3 (+ parameters)."
+        )
     for key in ("offload_optimizer", "offload_param"):
         if getattr(z, key) not in OFFLOAD_DEVICES:
-            raise ValueError(f"parallel.zero.{key}: {getattr(z, key)!r} is not one of "
-                             f"{', '.join(OFFLOAD_DEVICES)}.")
+            raise ValueError(
+                f"parallel.zero.{key}: {getattr(z, key)!r} is not one of "
+                f"{', '.join(OFFLOAD_DEVICES)}."
+            )
     if z.offload_param != "none" and z.stage != 3:
-        raise ValueError(f"parallel.zero.offload_param: offloading parameters needs ZeRO stage 3 "
-                         f"(got stage {z.stage}). Set parallel.zero.stage=3 or "
-                         "parallel.zero.offload_param=none.")
+        raise ValueError(
+            f"parallel.zero.offload_param: offloading parameters needs ZeRO stage 3 "
+            f"(got stage {z.stage}). Set parallel.zero.stage=3 or "
+            "parallel.zero.offload_param=none."
+        )
     nvme = [k for k in ("offload_optimizer", "offload_param") if getattr(z, k) == "nvme"]
     if nvme and not z.nvme_path:
-        raise ValueError(f"parallel.zero.{nvme[0]}: nvme offload needs a directory on a local "
-                         "NVMe drive. Set parallel.zero.nvme_path=/path/to/nvme/dir, or use cpu.")
+        raise ValueError(
+            f"parallel.zero.{nvme[0]}: nvme offload needs a directory on a local "
+            "NVMe drive. Set parallel.zero.nvme_path=/path/to/nvme/dir, or use cpu."
+        )
     if nvme and z.stage != 3:
-        raise ValueError(f"parallel.zero.{nvme[0]}: nvme offload (ZeRO-Infinity) needs ZeRO stage 3 "
-                         f"(got stage {z.stage}). Set parallel.zero.stage=3, or offload to cpu.")
+        raise ValueError(
+            f"parallel.zero.{nvme[0]}: nvme offload (ZeRO-Infinity) needs ZeRO stage 3 "
+            f"(got stage {z.stage}). Set parallel.zero.stage=3, or offload to cpu."
+        )
     for key, what in (("tp", "tensor"), ("pp", "pipeline"), ("dp_replicate", "HSDP replica")):
         value = getattr(parallel_cfg, key)
         if value > 1:
-            raise ValueError(f"parallel.{key}: {what} parallelism ({key}={value}) is not "
-                             f"supported with parallel.strategy=zero. Set parallel.{key}=1, or "
-                             "use parallel.strategy=fsdp (which composes with tp and HSDP).")
+            raise ValueError(
+                f"parallel.{key}: {what} parallelism ({key}={value}) is not "
+                f"supported with parallel.strategy=zero. Set parallel.{key}=1, or "
+                "use parallel.strategy=fsdp (which composes with tp and HSDP)."
+            )
     if not isinstance(z.extra, dict) and not hasattr(z.extra, "items"):
-        raise ValueError("parallel.zero.extra: must be a mapping of DeepSpeed config keys, "
-                         "e.g. parallel.zero.extra={zero_optimization: {reduce_bucket_size: 5e7}}.")
+        raise ValueError(
+            "parallel.zero.extra: must be a mapping of DeepSpeed config keys, "
+            "e.g. parallel.zero.extra={zero_optimization: {reduce_bucket_size: 5e7}}."
+        )
     if z.stage == 3:
         for world in world_sizes:
             check_stage3_split(global_batch, micro, world)
@@ -85,7 +101,8 @@ def check_nvme_support(zero_cfg, async_io_available: bool) -> None:
         raise RuntimeError(
             f"parallel.zero.{nvme[0]}: nvme offload needs DeepSpeed's async_io op, which needs "
             "libaio on this node (apt install libaio-dev, then reinstall deepspeed or let it "
-            "JIT-build the op). Install it in the worker image, or offload to cpu.")
+            "JIT-build the op). Install it in the worker image, or offload to cpu."
+        )
 
 
 def check_stage3_split(global_batch: int, micro: int, dp_size: int) -> None:
@@ -97,7 +114,8 @@ def check_stage3_split(global_batch: int, micro: int, dp_size: int) -> None:
             f"of {micro} give some ranks {min(counts)} and others {max(counts)} micro-batches; "
             "ZeRO stage 3 gathers parameters in every forward, so every rank needs the same count. "
             f"Use a global_batch_size that is a multiple of {dp_size * micro}, or "
-            "parallel.zero.stage=2.")
+            "parallel.zero.stage=2."
+        )
 
 
 def deep_merge(base: Dict[str, Any], extra: Dict[str, Any]) -> Dict[str, Any]:
@@ -118,7 +136,9 @@ def _offload(device: str, nvme_path: Optional[str]) -> Dict[str, Any]:
     return section
 
 
-def deepspeed_config(zero_cfg, micro_batch_size: int, grad_clip: float, bf16: bool) -> Dict[str, Any]:
+def deepspeed_config(
+    zero_cfg, micro_batch_size: int, grad_clip: float, bf16: bool
+) -> Dict[str, Any]:
     """The DeepSpeed JSON config for our settings (see the module docstring for why each key)."""
     zero: Dict[str, Any] = {"stage": zero_cfg.stage}
     if zero_cfg.offload_optimizer != "none":
@@ -163,8 +183,10 @@ def init_deepspeed_comm() -> None:
 
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         if key not in os.environ:
-            raise RuntimeError(f"parallel.strategy=zero: environment variable {key} is not set; "
-                               "DeepSpeed needs the torchrun variables (worker.dist_env sets them).")
+            raise RuntimeError(
+                f"parallel.strategy=zero: environment variable {key} is not set; "
+                "DeepSpeed needs the torchrun variables (worker.dist_env sets them)."
+            )
     if get_accelerator().device_name() == "cpu":
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
@@ -194,18 +216,24 @@ class ZeroStrategy:
         from raytrain_ext.parallel.zero_checkpoint import group_param_names
 
         if self.zero_cfg.stage == 3:
-            check_stage3_split(cfg.data.global_batch_size, cfg.data.micro_batch_size,
-                               self.ctx.dp_size)
+            check_stage3_split(
+                cfg.data.global_batch_size, cfg.data.micro_batch_size, self.ctx.dp_size
+            )
         self.group_names = group_param_names(model, optimizer)
         if "nvme" in (self.zero_cfg.offload_optimizer, self.zero_cfg.offload_param):
             from deepspeed.ops.op_builder import AsyncIOBuilder
 
             check_nvme_support(self.zero_cfg, AsyncIOBuilder().is_compatible(verbose=False))
         init_deepspeed_comm()
-        config = deepspeed_config(self.zero_cfg, cfg.data.micro_batch_size, cfg.optim.grad_clip,
-                                  bf16=self.ctx.autocast_dtype == torch.bfloat16)
-        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
-                                               dist_init_required=False)
+        config = deepspeed_config(
+            self.zero_cfg,
+            cfg.data.micro_batch_size,
+            cfg.optim.grad_clip,
+            bf16=self.ctx.autocast_dtype == torch.bfloat16,
+        )
+        engine, _, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, config=config, dist_init_required=False
+        )
         return engine
 
     @contextlib.contextmanager
@@ -241,7 +269,9 @@ class ZeroStrategy:
         else:
             norm = optimizer.scaled_global_norm()
         norm = torch.as_tensor(norm, dtype=torch.float32).detach().cpu()
-        return torch.full((), float("nan")) if float(norm) < 0 else norm  # DS may mark inf/NaN as -1
+        return (
+            torch.full((), float("nan")) if float(norm) < 0 else norm
+        )  # DS may mark inf/NaN as -1
 
     def step(self, wrapped: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         wrapped.step()  # also zeroes DeepSpeed's gradients
@@ -271,8 +301,13 @@ class ZeroStrategy:
 
         return zero_state_dicts(wrapped, self.group_names)
 
-    def load_state_dicts(self, wrapped: nn.Module, optimizer: torch.optim.Optimizer,
-                         model_sd: Dict[str, Any], optim_sd: Dict[str, Any]) -> None:
+    def load_state_dicts(
+        self,
+        wrapped: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        model_sd: Dict[str, Any],
+        optim_sd: Dict[str, Any],
+    ) -> None:
         from raytrain_ext.parallel.zero_checkpoint import load_zero_state_dicts
 
         load_zero_state_dicts(wrapped, self.group_names, model_sd, optim_sd)
@@ -297,7 +332,8 @@ class ZeroStrategy:
     def native_load(self, wrapped: nn.Module, load_dir: Path, tag: str) -> None:
         """``engine.load_checkpoint``: module, fp32 partitions and optimizer state, at the
         world size it was saved with (the LR schedule is ours, restored with the rest)."""
-        path, _ = wrapped.load_checkpoint(str(load_dir), tag=tag, load_optimizer_states=True,
-                                          load_lr_scheduler_states=False)
+        path, _ = wrapped.load_checkpoint(
+            str(load_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False
+        )
         if path is None:
             raise RuntimeError(f"DeepSpeed found no checkpoint at {load_dir}/{tag}")

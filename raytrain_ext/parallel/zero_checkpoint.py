@@ -57,8 +57,10 @@ def ensure_optimizer_state(zero_optimizer) -> None:
     inner = zero_optimizer.optimizer
     for flat in _flat_fp32_partitions(zero_optimizer):
         if not inner.state.get(flat):
-            inner.state[flat] = {"step": torch.tensor(0.0),
-                                 **{k: torch.zeros_like(flat) for k in PER_PARAM_STATE}}
+            inner.state[flat] = {
+                "step": torch.tensor(0.0),
+                **{k: torch.zeros_like(flat) for k in PER_PARAM_STATE},
+            }
     if hasattr(zero_optimizer, "_lazy_init_hp_params_optimizer_state"):
         # Stage 1/2 link each parameter's fragment to the optimizer state once, right
         # after the first group's first step, so later groups stay unlinked; relink all.
@@ -78,8 +80,10 @@ def full_fp32_parameters(engine) -> Dict[str, torch.Tensor]:
     """Every parameter's full fp32 master value (collective: every rank, same order)."""
     from deepspeed.utils import safe_get_full_fp32_param
 
-    return {name: safe_get_full_fp32_param(p).detach().reshape(_full_shape(p)).clone().cpu()
-            for name, p in _named_params(engine).items()}
+    return {
+        name: safe_get_full_fp32_param(p).detach().reshape(_full_shape(p)).clone().cpu()
+        for name, p in _named_params(engine).items()
+    }
 
 
 def zero_state_dicts(engine, group_names: List[List[str]]):
@@ -111,8 +115,9 @@ def _step_count(zero_optimizer) -> torch.Tensor:
     return torch.as_tensor(steps[0], dtype=torch.float32).detach().cpu().reshape(())
 
 
-def load_zero_state_dicts(engine, group_names: List[List[str]], model_sd: Dict[str, Any],
-                          optim_sd: Dict[str, Any]) -> None:
+def load_zero_state_dicts(
+    engine, group_names: List[List[str]], model_sd: Dict[str, Any], optim_sd: Dict[str, Any]
+) -> None:
     """Install full FQN-keyed state: weights (master and compute copy), moments, step, groups."""
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
@@ -135,7 +140,9 @@ def load_zero_state_dicts(engine, group_names: List[List[str]], model_sd: Dict[s
         engine.module.load_state_dict(buffers, strict=False)
 
 
-def _load_compute_weights(engine, params: Dict[str, nn.Parameter], model_sd: Dict[str, Any]) -> None:
+def _load_compute_weights(
+    engine, params: Dict[str, nn.Parameter], model_sd: Dict[str, Any]
+) -> None:
     """The module's own (compute-precision) weights; stage 3 scatters rank 0's copy."""
     import deepspeed
     import torch.distributed as dist

@@ -7,7 +7,22 @@ Pure arithmetic (no Ray, no processes): :mod:`.shape` counts parameters,
 
 from raytrain_ext.plan.cluster import Cluster, Settings
 from raytrain_ext.plan.layout import Plan, make_plan
-from raytrain_ext.plan.shape import ModelShape, PlanError, count_params, infer_shape, shape_from_config
+from raytrain_ext.plan.shape import (
+    ModelShape,
+    PlanError,
+    count_params,
+    infer_shape,
+    shape_from_config,
+)
 
-__all__ = ["Cluster", "ModelShape", "Plan", "PlanError", "Settings", "count_params", "infer_shape",
-           "make_plan", "shape_from_config"]
+__all__ = [
+    "Cluster",
+    "ModelShape",
+    "Plan",
+    "PlanError",
+    "Settings",
+    "count_params",
+    "infer_shape",
+    "make_plan",
+    "shape_from_config",
+]

@@ -33,14 +33,33 @@ def data_parallel_layouts(cluster: Cluster) -> List[Layout]:
         Layout("ZeRO-2", dp=n, zero_stage=2, engine=ds),
         Layout("ZeRO-2 + CPU offload", dp=n, zero_stage=2, offload_optimizer=True, engine=ds),
         Layout("ZeRO-3", dp=n, zero_stage=3, engine=ds),
-        Layout("ZeRO-3 + CPU offload (optimizer)", dp=n, zero_stage=3, offload_optimizer=True, engine=ds),
-        Layout("ZeRO-3 + CPU offload (optimizer+params)", dp=n, zero_stage=3, offload_optimizer=True,
-               offload_params=True, engine=ds),
+        Layout(
+            "ZeRO-3 + CPU offload (optimizer)",
+            dp=n,
+            zero_stage=3,
+            offload_optimizer=True,
+            engine=ds,
+        ),
+        Layout(
+            "ZeRO-3 + CPU offload (optimizer+params)",
+            dp=n,
+            zero_stage=3,
+            offload_optimizer=True,
+            offload_params=True,
+            engine=ds,
+        ),
         Layout("FSDP (full shard)", dp=n, zero_stage=3, gather_unit="block"),
     ]
     if cluster.nodes > 1:
-        layouts.append(Layout("HSDP (shard in node, replicate across nodes)", dp=n, zero_stage=3,
-                              shard_group=cluster.gpus_per_node, gather_unit="block"))
+        layouts.append(
+            Layout(
+                "HSDP (shard in node, replicate across nodes)",
+                dp=n,
+                zero_stage=3,
+                shard_group=cluster.gpus_per_node,
+                gather_unit="block",
+            )
+        )
     return layouts
 
 
@@ -62,7 +81,9 @@ def with_ep(layout: Layout, shape: ModelShape, cluster: Cluster) -> Layout:
     return replace(layout, ep=ep, name=f"{layout.name} + EP={ep}")
 
 
-def model_parallel_layout(shape: ModelShape, cluster: Cluster, tp: int, pp: int, ep: int = 1) -> Layout:
+def model_parallel_layout(
+    shape: ModelShape, cluster: Cluster, tp: int, pp: int, ep: int = 1
+) -> Layout:
     dp = cluster.gpus // (tp * pp)
     name = "TP x DP (ZeRO-1)" if pp == 1 else "TP x PP x DP (ZeRO-1)"
     if ep > 1:
@@ -82,8 +103,12 @@ def model_parallel_splits(shape: ModelShape, cluster: Cluster, pipeline: bool) -
     if pipeline:
         tps = tps[-1:]
     pps = [p for p in divisors(shape.n_layers) if p > 1] if pipeline else [1]
-    return [with_ep(model_parallel_layout(shape, cluster, tp, pp), shape, cluster)
-            for pp in pps for tp in tps if cluster.gpus % (tp * pp) == 0]
+    return [
+        with_ep(model_parallel_layout(shape, cluster, tp, pp), shape, cluster)
+        for pp in pps
+        for tp in tps
+        if cluster.gpus % (tp * pp) == 0
+    ]
 
 
 def user_split(shape: ModelShape, cluster: Cluster, tp: int, pp: int, ep: Optional[int]) -> Layout:
@@ -92,20 +117,28 @@ def user_split(shape: ModelShape, cluster: Cluster, tp: int, pp: int, ep: Option
         if not isinstance(value, int) or value <= 0:
             raise PlanError(f"{flag} must be a positive integer, got {value!r}")
     if cluster.gpus % (tp * pp):
-        raise PlanError(f"--tp {tp} x --pp {pp} = {tp * pp} does not divide the {cluster.gpus} GPUs "
-                        f"({cluster.nodes} nodes x {cluster.gpus_per_node}); choose degrees whose "
-                        f"product divides {cluster.gpus}")
+        raise PlanError(
+            f"--tp {tp} x --pp {pp} = {tp * pp} does not divide the {cluster.gpus} GPUs "
+            f"({cluster.nodes} nodes x {cluster.gpus_per_node}); choose degrees whose "
+            f"product divides {cluster.gpus}"
+        )
     if shape.n_heads % tp:
-        raise PlanError(f"--tp {tp} does not divide the {shape.n_heads} attention heads; "
-                        f"use one of {[d for d in divisors(shape.n_heads) if d <= cluster.gpus]}")
+        raise PlanError(
+            f"--tp {tp} does not divide the {shape.n_heads} attention heads; "
+            f"use one of {[d for d in divisors(shape.n_heads) if d <= cluster.gpus]}"
+        )
     if shape.n_layers % pp:
-        raise PlanError(f"--pp {pp} does not divide the {shape.n_layers} layers; "
-                        f"use one of {divisors(shape.n_layers)}")
+        raise PlanError(
+            f"--pp {pp} does not divide the {shape.n_layers} layers; "
+            f"use one of {divisors(shape.n_layers)}"
+        )
     dp = cluster.gpus // (tp * pp)
     ep = choose_ep(shape, dp, tp, cluster) if ep is None else ep
     if ep > 1 and not shape.is_moe:
         raise PlanError(f"--ep {ep} needs a mixture-of-experts model (--experts > 0); use --ep 1")
     if dp % ep or (shape.is_moe and shape.num_experts % ep):
-        raise PlanError(f"--ep {ep} must divide both the data-parallel degree {dp} "
-                        f"(GPUs / (tp x pp)) and the {shape.num_experts} experts")
+        raise PlanError(
+            f"--ep {ep} must divide both the data-parallel degree {dp} "
+            f"(GPUs / (tp x pp)) and the {shape.num_experts} experts"
+        )
     return model_parallel_layout(shape, cluster, tp, pp, ep)

@@ -57,7 +57,9 @@ def validate_cluster(cluster: Cluster) -> None:
         if not isinstance(value, int) or value <= 0:
             raise PlanError(f"{flag} must be a positive integer, got {value!r}")
     if not (math.isfinite(cluster.gpu_mem_gib) and cluster.gpu_mem_gib > 0):
-        raise PlanError(f"--gpu-mem-gb must be a positive number of GiB such as 80, got {cluster.gpu_mem_gib!r}")
+        raise PlanError(
+            f"--gpu-mem-gb must be a positive number of GiB such as 80, got {cluster.gpu_mem_gib!r}"
+        )
     if not (math.isfinite(cluster.host_mem_gib) and cluster.host_mem_gib >= 0):
         raise PlanError(f"--host-mem-gb must be >= 0 GiB per node, got {cluster.host_mem_gib!r}")
     if cluster.intra not in INTRA_NODE:
@@ -71,11 +73,15 @@ def validate_settings(settings: Settings, model_seq_len: int, seq_from_config: b
         if not isinstance(value, int) or value <= 0:
             raise PlanError(f"{flag} must be a positive integer, got {value!r}")
     if seq_from_config and settings.seq_len > model_seq_len:
-        raise PlanError(f"--seq {settings.seq_len} exceeds model.seq_len {model_seq_len} of the config "
-                        "(learned positions cap the sequence length); lower --seq or raise model.seq_len")
+        raise PlanError(
+            f"--seq {settings.seq_len} exceeds model.seq_len {model_seq_len} of the config "
+            "(learned positions cap the sequence length); lower --seq or raise model.seq_len"
+        )
     if settings.precision not in PRECISIONS:
         raise PlanError(f"--precision must be one of {PRECISIONS}, got {settings.precision!r}")
     if not 0 <= settings.headroom < 0.9:
-        raise PlanError(f"--headroom is a fraction of memory kept free, in [0, 0.9), got {settings.headroom}")
+        raise PlanError(
+            f"--headroom is a fraction of memory kept free, in [0, 0.9), got {settings.headroom}"
+        )
     if not settings.host_buffer_factor >= 1:
         raise PlanError(f"--host-buffer-factor must be >= 1, got {settings.host_buffer_factor}")

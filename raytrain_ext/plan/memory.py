@@ -164,12 +164,22 @@ def model_states(counts: ParamCounts, layout: Layout, bpp: BytesPerParam) -> Mod
     if layout.offload_params:
         host += params
         params = 0.0
-    return ModelStates(params=params, grads=grads16 + grads32, optimizer=optimizer,
-                       gathered=gathered, host_offload_per_rank=host)
+    return ModelStates(
+        params=params,
+        grads=grads16 + grads32,
+        optimizer=optimizer,
+        gathered=gathered,
+        host_offload_per_rank=host,
+    )
 
 
-def host_bytes_per_node(states: ModelStates, counts: ParamCounts, ranks_per_node: int,
-                        meta_init: bool, buffer_factor: float) -> dict:
+def host_bytes_per_node(
+    states: ModelStates,
+    counts: ParamCounts,
+    ranks_per_node: int,
+    meta_init: bool,
+    buffer_factor: float,
+) -> dict:
     """Host RAM one node needs: offloaded states, and the fp32 model each rank builds first.
 
     ``raytrain_ext.models.build_model`` materialises the full fp32 model on the
@@ -178,8 +188,11 @@ def host_bytes_per_node(states: ModelStates, counts: ParamCounts, ranks_per_node
     """
     offload = states.host_offload_per_rank * ranks_per_node
     init = 4 * (counts.largest_module if meta_init else counts.total) * ranks_per_node
-    return {"offload": offload * buffer_factor, "model_init": init * buffer_factor,
-            "total": max(offload, init) * buffer_factor}
+    return {
+        "offload": offload * buffer_factor,
+        "model_init": init * buffer_factor,
+        "total": max(offload, init) * buffer_factor,
+    }
 
 
 @dataclass(frozen=True)
@@ -196,8 +209,14 @@ class Activations:
         return self.stored_layers + self.recompute_working + self.logits
 
 
-def layer_activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, tp: int,
-                           precision: str = "bf16", flash_attention: bool = True) -> float:
+def layer_activation_bytes(
+    shape: ModelShape,
+    micro_batch: int,
+    seq_len: int,
+    tp: int,
+    precision: str = "bf16",
+    flash_attention: bool = True,
+) -> float:
     """Korthikanti et al. per-layer activations, generalised to MLP ratio and top-k MoE."""
     s, b, h, a, r = seq_len, micro_batch, shape.d_model, shape.n_heads, shape.mlp_ratio
     sbh = s * b * h
@@ -207,8 +226,16 @@ def layer_activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, tp
     return scale * (attention + 4 * sbh + mlp) / tp
 
 
-def activations(shape: ModelShape, micro_batch: int, seq_len: int, tp: int, pp: int,
-                recompute: bool, precision: str = "bf16", flash_attention: bool = True) -> Activations:
+def activations(
+    shape: ModelShape,
+    micro_batch: int,
+    seq_len: int,
+    tp: int,
+    pp: int,
+    recompute: bool,
+    precision: str = "bf16",
+    flash_attention: bool = True,
+) -> Activations:
     """Peak over pipeline stages: the first holds ``L`` layers' worth (1F1B), the last the logits."""
     per_layer = layer_activation_bytes(shape, micro_batch, seq_len, tp, precision, flash_attention)
     word = 4 if precision == "fp32" else 2
@@ -221,5 +248,6 @@ def activations(shape: ModelShape, micro_batch: int, seq_len: int, tp: int, pp: 
         stored, logits_on_peak = first_stage, (logits if pp == 1 else 0.0)
     else:
         stored, logits_on_peak = (shape.n_layers / pp) * stored_per_layer, logits
-    return Activations(per_layer=per_layer, stored_layers=stored, recompute_working=working,
-                       logits=logits_on_peak)
+    return Activations(
+        per_layer=per_layer, stored_layers=stored, recompute_working=working, logits=logits_on_peak
+    )

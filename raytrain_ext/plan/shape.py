@@ -66,18 +66,27 @@ class ParamCounts:
 
 def validate_shape(shape: ModelShape) -> None:
     """Reject shapes the model could not be built with, naming the flag to fix."""
-    for flag, value in (("--layers", shape.n_layers), ("--hidden", shape.d_model),
-                        ("--heads", shape.n_heads), ("--vocab", shape.vocab_size),
-                        ("--seq", shape.seq_len), ("--mlp-ratio", shape.mlp_ratio)):
+    for flag, value in (
+        ("--layers", shape.n_layers),
+        ("--hidden", shape.d_model),
+        ("--heads", shape.n_heads),
+        ("--vocab", shape.vocab_size),
+        ("--seq", shape.seq_len),
+        ("--mlp-ratio", shape.mlp_ratio),
+    ):
         if not isinstance(value, int) or value <= 0:
             raise PlanError(f"{flag} must be a positive integer, got {value!r}")
     if shape.d_model % shape.n_heads:
-        raise PlanError(f"--hidden {shape.d_model} is not divisible by --heads {shape.n_heads}; "
-                        "choose heads that divide the hidden size")
+        raise PlanError(
+            f"--hidden {shape.d_model} is not divisible by --heads {shape.n_heads}; "
+            "choose heads that divide the hidden size"
+        )
     if shape.num_experts < 0:
         raise PlanError(f"--experts must be >= 0 (0 = dense), got {shape.num_experts}")
     if shape.is_moe and not 1 <= shape.top_k <= shape.num_experts:
-        raise PlanError(f"--top-k {shape.top_k} must be between 1 and --experts {shape.num_experts}")
+        raise PlanError(
+            f"--top-k {shape.top_k} must be between 1 and --experts {shape.num_experts}"
+        )
     if shape.total_params_override is not None and shape.total_params_override <= 0:
         raise PlanError(f"--params must be positive, got {shape.total_params_override}")
 
@@ -102,19 +111,31 @@ def count_params(shape: ModelShape) -> ParamCounts:
         total, expert = shape.total_params_override, round(expert * scale)
     one_expert = 2 * d * hidden if shape.is_moe else 0  # each expert is its own module
     largest_module = max(shape.vocab_size * d, shape.seq_len * d, d * hidden, one_expert)
-    return ParamCounts(total=total, expert=expert, largest_module=largest_module,
-                       largest_fsdp_unit=max(block, root))
+    return ParamCounts(
+        total=total,
+        expert=expert,
+        largest_module=largest_module,
+        largest_fsdp_unit=max(block, root),
+    )
 
 
 def shape_from_config(model_cfg) -> ModelShape:
     """The shape of ``cfg.model`` from :func:`raytrain_ext.config.load_config`."""
-    return ModelShape(n_layers=int(model_cfg.n_layers), d_model=int(model_cfg.d_model),
-                      n_heads=int(model_cfg.n_heads), vocab_size=int(model_cfg.vocab_size),
-                      seq_len=int(model_cfg.seq_len), mlp_ratio=int(model_cfg.mlp_ratio),
-                      num_experts=int(model_cfg.moe.num_experts), top_k=int(model_cfg.moe.top_k))
+    return ModelShape(
+        n_layers=int(model_cfg.n_layers),
+        d_model=int(model_cfg.d_model),
+        n_heads=int(model_cfg.n_heads),
+        vocab_size=int(model_cfg.vocab_size),
+        seq_len=int(model_cfg.seq_len),
+        mlp_ratio=int(model_cfg.mlp_ratio),
+        num_experts=int(model_cfg.moe.num_experts),
+        top_k=int(model_cfg.moe.top_k),
+    )
 
 
-def infer_shape(total_params: float, vocab_size: int, seq_len: int, mlp_ratio: int = 4) -> ModelShape:
+def infer_shape(
+    total_params: float, vocab_size: int, seq_len: int, mlp_ratio: int = 4
+) -> ModelShape:
     """A conventional dense GPT shape with about ``total_params`` parameters.
 
     Published GPT/Llama shapes keep ``d_model / n_layers`` near 128 (7B:
@@ -128,7 +149,13 @@ def infer_shape(total_params: float, vocab_size: int, seq_len: int, mlp_ratio: i
     d_model = max(256, round((total_params * 128 / per_layer_factor) ** (1 / 3) / 256) * 256)
     layer_budget = total_params - 2 * vocab_size * d_model - seq_len * d_model
     n_layers = max(1, round(layer_budget / (per_layer_factor * d_model * d_model)))
-    return ModelShape(n_layers=n_layers, d_model=d_model, n_heads=d_model // 128,
-                      vocab_size=vocab_size, seq_len=seq_len, mlp_ratio=mlp_ratio,
-                      inferred=True, total_params_override=int(total_params))
-
+    return ModelShape(
+        n_layers=n_layers,
+        d_model=d_model,
+        n_heads=d_model // 128,
+        vocab_size=vocab_size,
+        seq_len=seq_len,
+        mlp_ratio=mlp_ratio,
+        inferred=True,
+        total_params_override=int(total_params),
+    )

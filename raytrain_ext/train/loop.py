@@ -34,16 +34,17 @@ import torch.nn.functional as F
 from raytrain_ext.checkpoint.manager import REQUEST_EMERGENCY, CheckpointManager, SaveRequests
 from raytrain_ext.config import config_digest
 from raytrain_ext.data import GlobalSampler, open_token_dataset, rank_slice
-from raytrain_ext.models import build_model
 from raytrain_ext.metrics.flops import mfu, model_flops_per_token, peak_flops_for
-from raytrain_ext.ops.profiler import StepProfiler
+from raytrain_ext.models import build_model
 from raytrain_ext.ops.guards import (
     NonFiniteDecision,
     NonFiniteLossError,
     StragglerDetector,
     nonfinite_decision,
 )
-from raytrain_ext.parallel import DistContext, build_strategy, dims_for_run
+from raytrain_ext.ops.profiler import StepProfiler
+from raytrain_ext.parallel import DistContext, dims_for_run
+from raytrain_ext.parallel.registry import build_strategy
 from raytrain_ext.parallel.strategy import hook
 from raytrain_ext.train.ledger import SampleLedger, params_sha256
 from raytrain_ext.train.optim import build_optimizer, build_scheduler
@@ -74,29 +75,50 @@ def autocast_dtype(mixed_precision: str, device: torch.device) -> Optional[torch
 class TrainLoop:
     """Owns model, optimizer, schedule, sampler and ledger for one rank."""
 
-    def __init__(self, cfg, rank: int, world_size: int, local_rank: int, device: torch.device,
-                 report: Report, requests: Optional[SaveRequests] = None,
-                 chaos_armed: bool = False, mark: Callable[[str], None] = lambda phase: None):
+    def __init__(
+        self,
+        cfg,
+        rank: int,
+        world_size: int,
+        local_rank: int,
+        device: torch.device,
+        report: Report,
+        requests: Optional[SaveRequests] = None,
+        chaos_armed: bool = False,
+        mark: Callable[[str], None] = lambda phase: None,
+    ):
         self.cfg = cfg
         self.report = report
         self.mark = mark  # phase marks let the controller tell a hung rank from its waiting peers
-        self.ctx = DistContext(rank, world_size, local_rank, device,
-                               autocast_dtype(cfg.parallel.mixed_precision, device),
-                               dims=dims_for_run(cfg, world_size))
+        self.ctx = DistContext(
+            rank,
+            world_size,
+            local_rank,
+            device,
+            autocast_dtype(cfg.parallel.mixed_precision, device),
+            dims=dims_for_run(cfg, world_size),
+        )
         seed_everything(cfg.run.seed + rank)
-        self.dataset = open_token_dataset(cfg.data.path, cfg.model.seq_len,
-                                          s3_endpoint_url=cfg.data.s3_endpoint_url,
-                                          s3_region=cfg.data.s3_region)
+        self.dataset = open_token_dataset(
+            cfg.data.path,
+            cfg.model.seq_len,
+            s3_endpoint_url=cfg.data.s3_endpoint_url,
+            s3_region=cfg.data.s3_region,
+        )
         max_token = self.dataset.max_token()
         if max_token >= cfg.model.vocab_size:
-            raise ValueError(f"data.path {cfg.data.path} holds token id {max_token}, but "
-                             f"model.vocab_size is {cfg.model.vocab_size}; raise model.vocab_size")
-        self.sampler = GlobalSampler(self.dataset.num_samples, cfg.data.global_batch_size,
-                                     cfg.data.seed, cfg.data.shuffle)
+            raise ValueError(
+                f"data.path {cfg.data.path} holds token id {max_token}, but "
+                f"model.vocab_size is {cfg.model.vocab_size}; raise model.vocab_size"
+            )
+        self.sampler = GlobalSampler(
+            self.dataset.num_samples, cfg.data.global_batch_size, cfg.data.seed, cfg.data.shuffle
+        )
         self.strategy = build_strategy(cfg.parallel)
         self.model = self.strategy.wrap(build_model(cfg.model, cfg.run.seed), self.ctx)
-        self.optimizer = build_optimizer(self.model, cfg.optim,
-                                         foreach=getattr(self.strategy, "optimizer_foreach", True))
+        self.optimizer = build_optimizer(
+            self.model, cfg.optim, foreach=getattr(self.strategy, "optimizer_foreach", True)
+        )
         self.scheduler = build_scheduler(self.optimizer, cfg.optim)
         self.model = hook(self.strategy, "prepare")(self.model, self.optimizer, cfg)
         self.ledger = SampleLedger()
@@ -113,18 +135,26 @@ class TrainLoop:
         self._compute_s = 0.0
         self._expert_tokens: Optional[torch.Tensor] = None  # MoE: kept tokens per expert
         self._rollback_note: Optional[Dict[str, int]] = None
-        self.stragglers = StragglerDetector(cfg.guards.straggler_factor,
-                                            cfg.guards.straggler_window)
+        self.stragglers = StragglerDetector(
+            cfg.guards.straggler_factor, cfg.guards.straggler_window
+        )
         self.profiler = StepProfiler(cfg.profile, rank, device)
         self.flops_per_token = model_flops_per_token(cfg.model)
-        self.peak_flops = peak_flops_for(torch.cuda.get_device_name(device)) \
-            if device.type == "cuda" else None
+        self.peak_flops = (
+            peak_flops_for(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+        )
         self.ckpt: Optional[CheckpointManager] = None
         self.restored: Optional[Dict[str, Any]] = None
         if cfg.checkpoint.enabled:
-            self.ckpt = CheckpointManager(cfg.checkpoint, cfg.run.name, rank, world_size,
-                                          local_rank, self.config_digest,
-                                          stall_s=cfg.chaos.stall_save_s)
+            self.ckpt = CheckpointManager(
+                cfg.checkpoint,
+                cfg.run.name,
+                rank,
+                world_size,
+                local_rank,
+                self.config_digest,
+                stall_s=cfg.chaos.stall_save_s,
+            )
             for tier in self.ckpt.tiers:
                 tier.probe()
             self.restored = self.ckpt.restore(self)
@@ -142,11 +172,17 @@ class TrainLoop:
             if self.ckpt is not None:
                 self.ckpt.close()
         params = self.strategy.full_parameters(self.model)
-        return {"rank": self.ctx.rank, "steps": self.step, "final_loss": last_loss,
-                "params_sha256": params_sha256(params), "samples_digest": self.ledger.digest,
-                "samples_consumed": self.ledger.samples, "restored": self.restored,
-                "preempted_at": self.preempted_at,
-                "checkpoint": self.ckpt.stats if self.ckpt else None}
+        return {
+            "rank": self.ctx.rank,
+            "steps": self.step,
+            "final_loss": last_loss,
+            "params_sha256": params_sha256(params),
+            "samples_digest": self.ledger.digest,
+            "samples_consumed": self.ledger.samples,
+            "restored": self.restored,
+            "preempted_at": self.preempted_at,
+            "checkpoint": self.ckpt.stats if self.ckpt else None,
+        }
 
     def train_step(self) -> float:
         start = time.perf_counter()
@@ -156,8 +192,11 @@ class TrainLoop:
         lr = self.scheduler.get_last_lr()[0]
         skip_batch = step in self.skip_steps  # rolled back past it: consume, do not train
         if skip_batch:
-            loss_sum, grad_norm, self._compute_s = torch.zeros((), dtype=torch.float64), \
-                torch.zeros(()), 0.0
+            loss_sum, grad_norm, self._compute_s = (
+                torch.zeros((), dtype=torch.float64),
+                torch.zeros(()),
+                0.0,
+            )
         else:
             if self.chaos_armed and ctx.rank == self.cfg.chaos.slow_rank:
                 time.sleep(self.cfg.chaos.slow_s)  # a straggler: slow compute, every step
@@ -169,8 +208,9 @@ class TrainLoop:
             vote = max(vote, self.ckpt.request_flag())
         busy = float(self.ckpt is not None and self.ckpt.busy())
         self.mark("exchange")
-        exchanged = self._exchange(local, loss_sum, (vote, busy, self._compute_s),
-                                   self._take_expert_tokens())
+        exchanged = self._exchange(
+            local, loss_sum, (vote, busy, self._compute_s), self._take_expert_tokens()
+        )
         loss = exchanged.loss_sum / self.global_tokens
         decision = self._nonfinite_decision(step, loss, float(grad_norm), exchanged.consumed)
         if not skip_batch and decision.action == "ok":
@@ -183,22 +223,39 @@ class TrainLoop:
             return loss
         stall = 0.0
         if self.ckpt is not None:
-            stall = self.ckpt.after_step(self, self.step, exchanged.request, exchanged.busy > 0,
-                                         final=self.step == self.cfg.run.max_steps,
-                                         deadline=self.requests.deadline)
+            stall = self.ckpt.after_step(
+                self,
+                self.step,
+                exchanged.request,
+                exchanged.busy > 0,
+                final=self.step == self.cfg.run.max_steps,
+                deadline=self.requests.deadline,
+            )
         if exchanged.request >= REQUEST_EMERGENCY:
             self.preempted_at = self.step
         step_time = time.perf_counter() - start
-        record = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": float(grad_norm),
-                  "step_time_s": step_time, "tokens_per_s": self.global_tokens / step_time,
-                  "compute_s": self._compute_s, "ckpt_stall_s": stall,
-                  "wait_s": max(0.0, step_time - self._compute_s - stall),  # comm + peers
-                  "world_size": ctx.world_size, "time": time.time(),
-                  "peak_memory_gb": peak_memory_bytes(ctx.device) / 2**30,
-                  "mfu": mfu(self.global_tokens / step_time, self.flops_per_token,
-                             self.peak_flops, ctx.world_size),
-                  **self._straggler_fields(exchanged.compute_s),
-                  **self._expert_load_field(exchanged.expert_tokens)}
+        record = {
+            "step": self.step,
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": float(grad_norm),
+            "step_time_s": step_time,
+            "tokens_per_s": self.global_tokens / step_time,
+            "compute_s": self._compute_s,
+            "ckpt_stall_s": stall,
+            "wait_s": max(0.0, step_time - self._compute_s - stall),  # comm + peers
+            "world_size": ctx.world_size,
+            "time": time.time(),
+            "peak_memory_gb": peak_memory_bytes(ctx.device) / 2**30,
+            "mfu": mfu(
+                self.global_tokens / step_time,
+                self.flops_per_token,
+                self.peak_flops,
+                ctx.world_size,
+            ),
+            **self._straggler_fields(exchanged.compute_s),
+            **self._expert_load_field(exchanged.expert_tokens),
+        }
         if skip_batch or decision.action != "ok":
             record["skipped"] = True
         if self._rollback_note is not None:
@@ -209,12 +266,19 @@ class TrainLoop:
         self._maybe_inject_fault()
         return loss
 
-    def _nonfinite_decision(self, step: int, loss: float, grad_norm: float,
-                            consumed: np.ndarray) -> NonFiniteDecision:
+    def _nonfinite_decision(
+        self, step: int, loss: float, grad_norm: float, consumed: np.ndarray
+    ) -> NonFiniteDecision:
         """Apply ``guards.nan_policy`` to a NaN/Inf step (every rank decides alike)."""
         g = self.cfg.guards
-        decision = nonfinite_decision(g.nan_policy, loss, grad_norm, self.nonfinite_steps,
-                                      g.max_nan_steps, can_rollback=self.ckpt is not None)
+        decision = nonfinite_decision(
+            g.nan_policy,
+            loss,
+            grad_norm,
+            self.nonfinite_steps,
+            g.max_nan_steps,
+            can_rollback=self.ckpt is not None,
+        )
         if decision.action == "ok":
             return decision
         self.nonfinite_steps += 1
@@ -237,12 +301,17 @@ class TrainLoop:
         restored = self.ckpt.restore(self, newest=True)
         if restored is None:
             if self.ctx.rank == 0:
-                log.warning("guards.nan_policy=rollback: no committed checkpoint; "
-                            "the step's update was skipped instead")
+                log.warning(
+                    "guards.nan_policy=rollback: no committed checkpoint; "
+                    "the step's update was skipped instead"
+                )
             return False
         if self.ctx.rank == 0:
-            log.warning("rolled back to step %d; step %d's batch will be skipped",
-                        restored["step"], step + 1)
+            log.warning(
+                "rolled back to step %d; step %d's batch will be skipped",
+                restored["step"],
+                step + 1,
+            )
         self._rollback_note = {"from_step": step + 1, "to_step": restored["step"]}
         return True
 
@@ -280,10 +349,18 @@ class TrainLoop:
     def _maybe_inject_fault(self) -> None:
         """``chaos.kill_rank`` dies as on a crash, ``chaos.hang_rank`` stops forever."""
         chaos = self.cfg.chaos
-        if self.chaos_armed and self.ctx.rank == chaos.kill_rank and self.step == chaos.kill_at_step:
+        if (
+            self.chaos_armed
+            and self.ctx.rank == chaos.kill_rank
+            and self.step == chaos.kill_at_step
+        ):
             log.warning("chaos: killing rank %d after step %d", self.ctx.rank, self.step)
             os._exit(1)
-        if self.chaos_armed and self.ctx.rank == chaos.hang_rank and self.step == chaos.hang_at_step:
+        if (
+            self.chaos_armed
+            and self.ctx.rank == chaos.hang_rank
+            and self.step == chaos.hang_at_step
+        ):
             log.warning("chaos: hanging rank %d after step %d", self.ctx.rank, self.step)
             self.mark("hung")
             threading.Event().wait()
@@ -295,13 +372,18 @@ class TrainLoop:
         backward: this rank's own work, before it can wait for any peer.
         """
         ctx, micro = self.ctx, self.cfg.data.micro_batch_size
-        chunks = [local[i:i + micro] for i in range(0, len(local), micro)]
+        chunks = [local[i : i + micro] for i in range(0, len(local), micro)]
         scale = ctx.dp_size / self.global_tokens
         own = getattr(self.strategy, "forward_backward", None)
         if own is not None:  # a pipeline schedule: compute_s includes waiting for other stages
             batches = [tuple(t.to(ctx.device) for t in self.dataset.batch(i)) for i in chunks]
-            loss_sum = own(self.model, batches, scale, self._autocast,
-                           aux_weight=self.cfg.model.moe.aux_loss_weight)
+            loss_sum = own(
+                self.model,
+                batches,
+                scale,
+                self._autocast,
+                aux_weight=self.cfg.model.moe.aux_loss_weight,
+            )
             self._expert_tokens = self.strategy.take_kept_tokens()
             self._compute_s = time.perf_counter() - start
             return loss_sum
@@ -309,13 +391,16 @@ class TrainLoop:
         self._expert_tokens = None  # a rolled-back step's counts do not carry over
         loss_sum = torch.zeros((), device=ctx.device, dtype=torch.float64)
         for j, indices in enumerate(chunks):
-            inputs, targets = (t.to(ctx.device, non_blocking=True) for t in self.dataset.batch(indices))
+            inputs, targets = (
+                t.to(ctx.device, non_blocking=True) for t in self.dataset.batch(indices)
+            )
             sync = j == len(chunks) - 1
             with self.strategy.accumulate(self.model, sync=sync):
                 with self._autocast():
                     logits = self.model(inputs)
-                token_loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
-                                             reduction="sum")
+                token_loss = F.cross_entropy(
+                    logits.float().flatten(0, 1), targets.flatten(), reduction="sum"
+                )
                 loss = token_loss * scale
                 aux = self.strategy.unwrap(self.model).aux_loss()
                 if aux is not None:
@@ -341,8 +426,9 @@ class TrainLoop:
             return contextlib.nullcontext()
         return torch.autocast(self.ctx.device.type, dtype=self.ctx.autocast_dtype)
 
-    def _exchange(self, local: np.ndarray, loss_sum: torch.Tensor, votes: tuple,
-                  expert_tokens: List[float]) -> "Exchanged":
+    def _exchange(
+        self, local: np.ndarray, loss_sum: torch.Tensor, votes: tuple, expert_tokens: List[float]
+    ) -> "Exchanged":
         """One all-gather of [loss sum, save request, save busy, compute time, kept tokens
         per expert (MoE only), indices].
 
@@ -356,19 +442,23 @@ class TrainLoop:
         payload[1:head] = torch.tensor([*votes, *expert_tokens], dtype=torch.float64)
         # one rank per data-parallel group reports its samples, one (the last stage) its loss
         if self.ctx.counts_samples:
-            payload[head:head + len(local)] = torch.from_numpy(local.astype(np.float64))
+            payload[head : head + len(local)] = torch.from_numpy(local.astype(np.float64))
         payload = payload.to(self.ctx.device)
         payload[0] = loss_sum if self.ctx.counts_loss else 0.0
-        gathered = torch.empty(self.ctx.world_size * payload.numel(), dtype=torch.float64,
-                               device=self.ctx.device)
+        gathered = torch.empty(
+            self.ctx.world_size * payload.numel(), dtype=torch.float64, device=self.ctx.device
+        )
         _all_gather_flat(gathered, payload)
         gathered = gathered.view(self.ctx.world_size, -1).cpu()
         indices = gathered[:, head:].flatten()
-        return Exchanged(consumed=indices[indices >= 0].to(torch.int64).numpy(),
-                         loss_sum=float(gathered[:, 0].sum()),
-                         request=gathered[:, 1].max().item(), busy=gathered[:, 2].max().item(),
-                         compute_s=gathered[:, 3].tolist(),
-                         expert_tokens=gathered[:, 1 + len(votes):head].sum(dim=0).tolist())
+        return Exchanged(
+            consumed=indices[indices >= 0].to(torch.int64).numpy(),
+            loss_sum=float(gathered[:, 0].sum()),
+            request=gathered[:, 1].max().item(),
+            busy=gathered[:, 2].max().item(),
+            compute_s=gathered[:, 3].tolist(),
+            expert_tokens=gathered[:, 1 + len(votes) : head].sum(dim=0).tolist(),
+        )
 
 
 @dataclass

@@ -18,10 +18,13 @@ def build_optimizer(model: nn.Module, optim_cfg, foreach: bool = True) -> torch.
     for p in model.parameters():
         if p.requires_grad:
             (decay if p.dim() >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": optim_cfg.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas),
-                             eps=optim_cfg.eps, foreach=foreach)
+    groups = [
+        {"params": decay, "weight_decay": optim_cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(
+        groups, lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), eps=optim_cfg.eps, foreach=foreach
+    )
 
 
 def lr_factor(step: int, optim_cfg) -> float:

@@ -97,9 +97,13 @@ class TrainWorker:
 
     def node_info(self) -> Dict[str, Any]:
         ctx = ray.get_runtime_context()
-        return {"node_id": ctx.get_node_id(), "node_ip": ray.util.get_node_ip_address(),
-                "gpu_ids": [str(g) for g in ray.get_gpu_ids()], "pid": os.getpid(),
-                "hostname": os.uname().nodename}
+        return {
+            "node_id": ctx.get_node_id(),
+            "node_ip": ray.util.get_node_ip_address(),
+            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+            "pid": os.getpid(),
+            "hostname": os.uname().nodename,
+        }
 
     def host_rendezvous(self, timeout_s: float) -> int:
         """Start the rendezvous store this worker will host as rank 0; returns its port."""
@@ -167,10 +171,17 @@ class TrainWorker:
             if self.metrics_sink is not None:
                 self.metrics_sink.write(record["step"], record)
 
-        loop = TrainLoop(cfg, self.env.rank, self.env.world_size, self.env.local_rank,
-                         self.device, report, self.requests,
-                         chaos_armed=attempt < cfg.chaos.attempts,
-                         mark=self.events.mark)
+        loop = TrainLoop(
+            cfg,
+            self.env.rank,
+            self.env.world_size,
+            self.env.local_rank,
+            self.device,
+            report,
+            self.requests,
+            chaos_armed=attempt < cfg.chaos.attempts,
+            mark=self.events.mark,
+        )
         chaos = cfg.chaos
         if attempt == 1 and chaos.kill_during_recovery and self.env.rank == chaos.kill_rank:
             os._exit(1)  # chaos: a failure during recovery (restored, before the first step)
@@ -185,8 +196,10 @@ class TrainWorker:
         names = {t.ident: t.name for t in threading.enumerate()}
         parts = []
         for ident, frame in sys._current_frames().items():
-            parts.append(f"--- thread {names.get(ident, '?')} ({ident}), phase "
-                         f"{self.events.phase}, last step {self.events.last_step}\n")
+            parts.append(
+                f"--- thread {names.get(ident, '?')} ({ident}), phase "
+                f"{self.events.phase}, last step {self.events.last_step}\n"
+            )
             parts.append("".join(traceback.format_stack(frame)))
         return "\n".join(parts)
 
@@ -203,10 +216,19 @@ class TrainWorker:
 # What a first ``fit`` imports (measured: ``sys.modules`` after a spare's first step), so a
 # spare pays none of it on the recovery path.  ``torch._dynamo`` (imported by the first
 # DDP construction) alone takes 0.5-2 s, and the peers wait for it in DDP's first broadcast.
-WARM_MODULES = ("torch", "torch.distributed", "torch.distributed.checkpoint", "torch._dynamo",
-                "pandas", "pyarrow.compute", "pyarrow.json", "pydantic",
-                "raytrain_ext.train.loop", "raytrain_ext.checkpoint.manager",
-                "raytrain_ext.checkpoint.memory")
+WARM_MODULES = (
+    "torch",
+    "torch.distributed",
+    "torch.distributed.checkpoint",
+    "torch._dynamo",
+    "pandas",
+    "pyarrow.compute",
+    "pyarrow.json",
+    "pydantic",
+    "raytrain_ext.train.loop",
+    "raytrain_ext.checkpoint.manager",
+    "raytrain_ext.checkpoint.memory",
+)
 
 
 def remote_worker_class(max_concurrency: int = 4):

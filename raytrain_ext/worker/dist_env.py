@@ -37,9 +37,15 @@ class WorkerEnv:
     device_index: int = 0  # this worker's GPU inside cuda_visible_devices
 
     def as_environ(self) -> dict:
-        env = {"RANK": self.rank, "LOCAL_RANK": self.local_rank, "WORLD_SIZE": self.world_size,
-               "LOCAL_WORLD_SIZE": self.local_world_size, "GROUP_RANK": self.node_rank,
-               "MASTER_ADDR": self.master_addr, "MASTER_PORT": self.master_port}
+        env = {
+            "RANK": self.rank,
+            "LOCAL_RANK": self.local_rank,
+            "WORLD_SIZE": self.world_size,
+            "LOCAL_WORLD_SIZE": self.local_world_size,
+            "GROUP_RANK": self.node_rank,
+            "MASTER_ADDR": self.master_addr,
+            "MASTER_PORT": self.master_port,
+        }
         if self.cuda_visible_devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.cuda_visible_devices
         return {k: str(v) for k, v in env.items()}
@@ -82,7 +88,7 @@ def bound_listener(host: str, port: Optional[int] = None) -> Tuple[int, int]:
     ``TCPStore`` binds by itself), handed over as (fd, port) to ``TCPStore``'s
     ``master_listen_fd``, which owns it from then on.  ``port`` None: a free one in
     20000..(ephemeral start - 1), see :func:`free_port`."""
-    for candidate in ([port] if port is not None else _candidate_ports() + [0]):
+    for candidate in [port] if port is not None else _candidate_ports() + [0]:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -114,12 +120,19 @@ def host_store(host: str, timeout_s: float, port: Optional[int] = None) -> dist.
     peer is 50 ms early), which a re-form pays in full.  ``port`` None: a free one.
     """
     fd, port = bound_listener(host, port)
-    return dist.TCPStore(host, port, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
-                         wait_for_workers=False, master_listen_fd=fd)
+    return dist.TCPStore(
+        host,
+        port,
+        is_master=True,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+        master_listen_fd=fd,
+    )
 
 
-def init_distributed(env: WorkerEnv, backend: str, timeout_s: float,
-                     store: Optional[dist.Store] = None) -> torch.device:
+def init_distributed(
+    env: WorkerEnv, backend: str, timeout_s: float, store: Optional[dist.Store] = None
+) -> torch.device:
     """Export the torchrun variables, pick the device, join the process group.
 
     ``store``: rank 0's own ``host_store``; other ranks connect to
@@ -137,10 +150,16 @@ def init_distributed(env: WorkerEnv, backend: str, timeout_s: float,
     if store is None and env.rank == 0:
         store = host_store(env.master_addr, timeout_s, env.master_port)
     elif store is None:
-        store = dist.TCPStore(env.master_addr, env.master_port, is_master=False,
-                              timeout=timeout, wait_for_workers=False)
-    dist.init_process_group(backend=backend, store=store, rank=env.rank,
-                            world_size=env.world_size, timeout=timeout)
+        store = dist.TCPStore(
+            env.master_addr,
+            env.master_port,
+            is_master=False,
+            timeout=timeout,
+            wait_for_workers=False,
+        )
+    dist.init_process_group(
+        backend=backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout
+    )
     return device
 
 
@@ -166,8 +185,13 @@ def destroy_distributed() -> None:
     del handles  # the groups' destructors run here, with the GIL released
 
 
-def assign_ranks(node_ids: List[str], gpu_ids: List[List[str]], master_addrs: List[str],
-                 port: int, order: Optional[List[int]] = None) -> List[WorkerEnv]:
+def assign_ranks(
+    node_ids: List[str],
+    gpu_ids: List[List[str]],
+    master_addrs: List[str],
+    port: int,
+    order: Optional[List[int]] = None,
+) -> List[WorkerEnv]:
     """Rank workers node by node so local ranks are contiguous (as torchrun does).
 
     ``node_ids[i]``/``gpu_ids[i]`` describe actor ``i``; the result's entry ``i`` is
@@ -180,16 +204,24 @@ def assign_ranks(node_ids: List[str], gpu_ids: List[List[str]], master_addrs: Li
             node_order.append(nid)
     ranked = sorted(range(len(node_ids)), key=lambda i: (node_order.index(node_ids[i]), i))
     master = master_addrs[ranked[0]]
-    per_node_gpus = {nid: sorted({g for i, n in enumerate(node_ids) if n == nid for g in gpu_ids[i]},
-                                 key=_gpu_sort_key) for nid in node_order}
+    per_node_gpus = {
+        nid: sorted(
+            {g for i, n in enumerate(node_ids) if n == nid for g in gpu_ids[i]}, key=_gpu_sort_key
+        )
+        for nid in node_order
+    }
     envs: List[Optional[WorkerEnv]] = [None] * len(node_ids)
     for rank, i in enumerate(ranked):
         nid = node_ids[i]
         peers = [j for j in ranked if node_ids[j] == nid]
         visible = per_node_gpus[nid]
         envs[i] = WorkerEnv(
-            rank=rank, local_rank=peers.index(i), world_size=len(node_ids),
-            local_world_size=len(peers), node_rank=node_order.index(nid), master_addr=master,
+            rank=rank,
+            local_rank=peers.index(i),
+            world_size=len(node_ids),
+            local_world_size=len(peers),
+            node_rank=node_order.index(nid),
+            master_addr=master,
             master_port=port,
             cuda_visible_devices=",".join(visible) if visible else None,
             device_index=visible.index(gpu_ids[i][0]) if gpu_ids[i] else 0,

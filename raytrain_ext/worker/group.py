@@ -59,24 +59,35 @@ class WorkerGroup:
     def world_size(self) -> int:
         return len(self.actors)
 
-    def start(self, num_workers: int, *, backend: str, timeout_s: float,
-              placement_timeout_s: float, runtime_env: Optional[dict] = None,
-              spares: int = 0) -> None:
+    def start(
+        self,
+        num_workers: int,
+        *,
+        backend: str,
+        timeout_s: float,
+        placement_timeout_s: float,
+        runtime_env: Optional[dict] = None,
+        spares: int = 0,
+    ) -> None:
         """Place ``num_workers`` actors (plus ``spares`` warm standbys) as one gang and form
         the process group."""
         total = num_workers + spares
         selector = None
         if self.avoid_nodes:  # preempted or evicted nodes; Ray labels every node with its id
             selector = [{"ray.io/node-id": f"!in({','.join(sorted(self.avoid_nodes))})"}] * total
-        self.pg = placement_group([dict(self.resources)] * total,
-                                  strategy=self.placement_strategy, bundle_label_selector=selector)
+        self.pg = placement_group(
+            [dict(self.resources)] * total,
+            strategy=self.placement_strategy,
+            bundle_label_selector=selector,
+        )
         ready, _ = ray.wait([self.pg.ready()], timeout=placement_timeout_s)
         if not ready:
             raise PlacementTimeout(
                 f"could not place {total} workers with {self.resources} each "
                 f"({self.placement_strategy}) within {placement_timeout_s:.0f} s; cluster "
                 f"resources: {ray.cluster_resources()}. Lower scaling.num_workers, "
-                "scaling.resources_per_worker or elastic.spare_workers, or add nodes.")
+                "scaling.resources_per_worker or elastic.spare_workers, or add nodes."
+            )
         self._runtime_env = runtime_env
         actors = [self._create(i) for i in range(num_workers)]
         self.spares = [self._create_spare(i) for i in range(num_workers, total)]
@@ -84,8 +95,9 @@ class WorkerGroup:
         infos = ray.get([a.node_info.remote() for a in actors])
         self._form(list(zip(actors, range(num_workers), infos)), backend, timeout_s)
 
-    def reform(self, keep_ranks: List[int], *, backend: str, timeout_s: float,
-               placement_timeout_s: float) -> Dict[str, int]:
+    def reform(
+        self, keep_ranks: List[int], *, backend: str, timeout_s: float, placement_timeout_s: float
+    ) -> Dict[str, int]:
         """Re-form at the same size keeping the ``keep_ranks`` processes (their collectives
         failed cleanly); the other ranks are killed and replaced by ready spares first, then
         by fresh actors in their freed bundles.  Freed bundles left over host new spares,
@@ -100,11 +112,13 @@ class WorkerGroup:
         need = self.world_size - len(members)
         ready = self._ready_spares(need)
         members += ready
-        fresh = [(self._create(b), b) for b in freed[:need - len(ready)]]
-        infos = ray.get([a.node_info.remote() for a, _ in fresh],  # a process start, in a
-                        timeout=min(placement_timeout_s, 30.0))  # bundle the gang holds
+        fresh = [(self._create(b), b) for b in freed[: need - len(ready)]]
+        infos = ray.get(
+            [a.node_info.remote() for a, _ in fresh],  # a process start, in a
+            timeout=min(placement_timeout_s, 30.0),
+        )  # bundle the gang holds
         members += [(a, b, info) for (a, b), info in zip(fresh, infos)]
-        self.vacant += freed[need - len(ready):]
+        self.vacant += freed[need - len(ready) :]
         self._form(members, backend, timeout_s)
         return {"kept": len(keep), "spares_used": len(ready), "started": len(fresh)}
 
@@ -144,34 +158,55 @@ class WorkerGroup:
     def _create(self, bundle: int):
         gpus = self.resources.get("GPU", 0.0)
         custom = {k: v for k, v in self.resources.items() if k not in ("CPU", "GPU")}
-        return remote_worker_class().options(
-            num_cpus=self.resources.get("CPU", 0.0), num_gpus=gpus, resources=custom or None,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                self.pg, placement_group_bundle_index=bundle),
-            runtime_env=self._runtime_env,
-        ).remote()
+        return (
+            remote_worker_class()
+            .options(
+                num_cpus=self.resources.get("CPU", 0.0),
+                num_gpus=gpus,
+                resources=custom or None,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self.pg, placement_group_bundle_index=bundle
+                ),
+                runtime_env=self._runtime_env,
+            )
+            .remote()
+        )
 
     def _create_spare(self, bundle: int) -> Spare:
         actor = self._create(bundle)
         return Spare(actor, bundle, actor.warm.remote())
 
-    def _form(self, members: List[Tuple[Any, int, Dict[str, Any]]], backend: str,
-              timeout_s: float) -> None:
+    def _form(
+        self, members: List[Tuple[Any, int, Dict[str, Any]]], backend: str, timeout_s: float
+    ) -> None:
         """Rank ``members`` (actor, bundle, node info) node by node and join them in one group."""
-        envs = assign_ranks([i["node_id"] for _, _, i in members],
-                            [i["gpu_ids"] for _, _, i in members],
-                            [i["node_ip"] for _, _, i in members], port=0)
+        envs = assign_ranks(
+            [i["node_id"] for _, _, i in members],
+            [i["gpu_ids"] for _, _, i in members],
+            [i["node_ip"] for _, _, i in members],
+            port=0,
+        )
         order = sorted(range(len(members)), key=lambda i: envs[i].rank)
         self.actors = [members[i][0] for i in order]
         self.bundles = [members[i][1] for i in order]
         self.infos = [members[i][2] for i in order]
         port = ray.get(self.actors[0].host_rendezvous.remote(timeout_s))
         self.envs = [WorkerEnv(**{**envs[i].to_dict(), "master_port": port}) for i in order]
-        backends = ray.get([a.setup.remote(e.to_dict(), backend, timeout_s)
-                            for a, e in zip(self.actors, self.envs)], timeout=timeout_s + 30)
+        backends = ray.get(
+            [
+                a.setup.remote(e.to_dict(), backend, timeout_s)
+                for a, e in zip(self.actors, self.envs)
+            ],
+            timeout=timeout_s + 30,
+        )
         self.backend = backends[0]
-        log.info("worker group formed: %d workers, backend %s, master %s:%d", len(members),
-                 self.backend, self.envs[0].master_addr, port)
+        log.info(
+            "worker group formed: %d workers, backend %s, master %s:%d",
+            len(members),
+            self.backend,
+            self.envs[0].master_addr,
+            port,
+        )
 
     def call_async(self, method: str, *args) -> List[ray.ObjectRef]:
         """Call ``method`` on every worker; refs are in rank order."""
