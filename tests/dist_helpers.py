@@ -12,6 +12,7 @@ import torch
 import torch.multiprocessing as mp
 
 from raytrain_ext.config import config_from_dict, load_config, to_dict
+from raytrain_ext.faults import FaultInjector
 from raytrain_ext.worker.dist_env import WorkerEnv, destroy_distributed, free_port, init_distributed
 
 
@@ -37,9 +38,9 @@ def _fit_and_save(rank: int, world: int, cfg_dict: dict, out_dir: str, device) -
     from raytrain_ext.train.loop import TrainLoop
 
     records: List[Dict] = []
-    loop = TrainLoop(
-        config_from_dict(cfg_dict), rank, world, rank, device, records.append, chaos_armed=True
-    )
+    cfg = config_from_dict(cfg_dict)
+    faults = FaultInjector(cfg.chaos, rank)  # armed: the first attempt
+    loop = TrainLoop(cfg, rank, world, rank, device, records.append, faults=faults)
     result = loop.fit()
     params = {k: v.clone() for k, v in loop.strategy.full_parameters(loop.model).items()}
     torch.save(

@@ -233,9 +233,8 @@ class ChaosConfig:
     hang_rank: int = -1  # this rank stops making progress ...
     hang_at_step: int = 0  # ... right after this step (first attempt only)
     attempts: int = 1  # faults fire on the first this-many attempts (2: back-to-back failures)
-    kill_during_recovery: bool = (
-        False  # chaos.kill_rank also dies right after the first re-form's restore
-    )
+    # chaos.kill_rank also dies right after the first re-form's restore
+    kill_during_recovery: bool = False
     nan_rank: int = -1  # this rank's loss becomes NaN ...
     nan_at_step: int = 0  # ... at this step (first attempt only)
     slow_rank: int = -1  # this rank sleeps ...

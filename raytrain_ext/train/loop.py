@@ -18,10 +18,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 import random
 import resource
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
@@ -34,6 +32,7 @@ import torch.nn.functional as F
 from raytrain_ext.checkpoint.manager import REQUEST_EMERGENCY, CheckpointManager, SaveRequests
 from raytrain_ext.config import config_digest
 from raytrain_ext.data import GlobalSampler, open_token_dataset, rank_slice
+from raytrain_ext.faults import FaultInjector
 from raytrain_ext.metrics.flops import mfu, model_flops_per_token, peak_flops_for
 from raytrain_ext.models import build_model
 from raytrain_ext.ops.guards import (
@@ -84,7 +83,7 @@ class TrainLoop:
         device: torch.device,
         report: Report,
         requests: Optional[SaveRequests] = None,
-        chaos_armed: bool = False,
+        faults: Optional[FaultInjector] = None,
         mark: Callable[[str], None] = lambda phase: None,
     ):
         self.cfg = cfg
@@ -128,7 +127,7 @@ class TrainLoop:
         self.config_digest = config_digest(cfg)
         self.requests = requests or SaveRequests()
         self.preempted_at: Optional[int] = None
-        self.chaos_armed = chaos_armed
+        self.faults = faults or FaultInjector.disarmed(cfg.chaos, rank)
         self._first_report = True
         self.skip_steps: set = set()  # steps whose batch is consumed without an update
         self.nonfinite_steps = 0
@@ -153,7 +152,7 @@ class TrainLoop:
                 world_size,
                 local_rank,
                 self.config_digest,
-                stall_s=cfg.chaos.stall_save_s,
+                stall_s=self.faults.save_stall_s,
             )
             for tier in self.ckpt.tiers:
                 tier.probe()
@@ -198,8 +197,7 @@ class TrainLoop:
                 0.0,
             )
         else:
-            if self.chaos_armed and ctx.rank == self.cfg.chaos.slow_rank:
-                time.sleep(self.cfg.chaos.slow_s)  # a straggler: slow compute, every step
+            self.faults.before_compute()
             loss_sum = self._forward_backward(local, start)
             self.mark("compute")
             grad_norm = self.strategy.clip_grad_norm(self.model, self.cfg.optim.grad_clip)
@@ -263,7 +261,7 @@ class TrainLoop:
         if self._first_report:  # tells the controller where this group resumed from
             record["restored"], self._first_report = self.restored, False
         self.report(record)
-        self._maybe_inject_fault()
+        self.faults.after_step(self.step, self.mark)
         return loss
 
     def _nonfinite_decision(
@@ -346,25 +344,6 @@ class TrainLoop:
             return {}
         return {"expert_load": [round(c / total, 6) for c in global_tokens]}
 
-    def _maybe_inject_fault(self) -> None:
-        """``chaos.kill_rank`` dies as on a crash, ``chaos.hang_rank`` stops forever."""
-        chaos = self.cfg.chaos
-        if (
-            self.chaos_armed
-            and self.ctx.rank == chaos.kill_rank
-            and self.step == chaos.kill_at_step
-        ):
-            log.warning("chaos: killing rank %d after step %d", self.ctx.rank, self.step)
-            os._exit(1)
-        if (
-            self.chaos_armed
-            and self.ctx.rank == chaos.hang_rank
-            and self.step == chaos.hang_at_step
-        ):
-            log.warning("chaos: hanging rank %d after step %d", self.ctx.rank, self.step)
-            self.mark("hung")
-            threading.Event().wait()
-
     def _forward_backward(self, local: np.ndarray, start: float) -> torch.Tensor:
         """Accumulate gradients over this rank's micro-batches; return its token-loss sum.
 
@@ -406,20 +385,13 @@ class TrainLoop:
                 if aux is not None:
                     loss = loss + aux_weight * aux * (targets.numel() * scale)
                     self._count_expert_load()
-                loss = self._chaos_on_loss(loss)
+                loss = self.faults.on_loss(self.step + 1, loss)
                 if sync:  # the gradient all-reduce: from here on this rank waits for its peers
                     self._compute_s = time.perf_counter() - start
                     self.mark("exchange")
                 hook(self.strategy, "backward")(self.model, loss)
             loss_sum += token_loss.detach()
         return loss_sum
-
-    def _chaos_on_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """``chaos.nan_rank`` poisons one step's loss."""
-        chaos, rank = self.cfg.chaos, self.ctx.rank
-        if self.chaos_armed and rank == chaos.nan_rank and self.step + 1 == chaos.nan_at_step:
-            return loss * float("nan")
-        return loss
 
     def _autocast(self):
         if self.ctx.autocast_dtype is None:

@@ -25,6 +25,7 @@ import ray
 import torch.distributed as dist
 
 from raytrain_ext.checkpoint.manager import SaveRequests
+from raytrain_ext.faults import FaultInjector
 from raytrain_ext.worker.dist_env import (
     WorkerEnv,
     choose_backend,
@@ -161,6 +162,7 @@ class TrainWorker:
 
         cfg = config_from_dict(cfg_dict)
         assert self.env is not None, "setup() must run before fit()"
+        faults = FaultInjector(cfg.chaos, self.env.rank, attempt)
         self.grace_s = cfg.checkpoint.preemption_grace_s
         is_rank0 = self.env.rank == 0
         if is_rank0:
@@ -179,12 +181,10 @@ class TrainWorker:
             self.device,
             report,
             self.requests,
-            chaos_armed=attempt < cfg.chaos.attempts,
+            faults=faults,
             mark=self.events.mark,
         )
-        chaos = cfg.chaos
-        if attempt == 1 and chaos.kill_during_recovery and self.env.rank == chaos.kill_rank:
-            os._exit(1)  # chaos: a failure during recovery (restored, before the first step)
+        faults.after_restore()
         return loop.fit()
 
     def dump_stacks(self) -> str:
