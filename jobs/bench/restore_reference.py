@@ -6,8 +6,8 @@ W at once, from the same medium:
 - memory: W processes each ``ray.get`` an object holding the bytes (put by another
   process, as a holder puts the files) and copy it into a buffer of their own;
 - local: W threads each read the step's files into fresh buffers, after the files were
-  dropped from the page cache (``posix_fadvise(DONTNEED)``: clean pages leave it, so
-  the first reader goes to the disk);
+  written back and dropped from the page cache (``sync``, then ``posix_fadvise(DONTNEED)``),
+  so the first reader goes to the disk; the restore being measured starts the same way;
 - S3: W threads each download the step's objects with boto3 (multipart, the tier's
   part size and concurrency) into memory.
 """
@@ -25,6 +25,9 @@ MB = 1024 * 1024
 
 
 def drop_from_page_cache(paths: List[Path]) -> None:
+    """Write back every dirty page first (``DONTNEED`` keeps dirty pages, and a writeback
+    still running would slow whichever read comes first), then drop the files' pages."""
+    os.sync()
     for path in paths:
         fd = os.open(path, os.O_RDONLY)
         try:
