@@ -6,7 +6,6 @@ import time
 import pytest
 
 from raytrain_ext.checkpoint.disk import DiskTier
-from raytrain_ext.checkpoint.manager import split_location
 from raytrain_ext.checkpoint.manifest import (
     MANIFEST,
     Manifest,
@@ -16,6 +15,7 @@ from raytrain_ext.checkpoint.manifest import (
     verify_dir,
 )
 from raytrain_ext.checkpoint.resolve import check_step
+from raytrain_ext.checkpoint.restore import split_location
 from raytrain_ext.checkpoint.tier import prune
 from raytrain_ext.config import ConfigError, load_config
 

@@ -1,6 +1,7 @@
 """Elastic policies are pure: decisions as data, checked without Ray."""
 
 from raytrain_ext.elastic.policy import (
+    Action,
     Budget,
     Decision,
     ScalingPolicy,
@@ -22,7 +23,7 @@ def test_scaling_policy_uses_what_fits_within_bounds():
     assert policy.decide(8) == Decision("restart", "8 workers fit; using 4 (min 2, max 4)", 4)
     assert policy.decide(3).world_size == 3
     fail = policy.decide(1)
-    assert fail.action == "fail" and "fewer than scaling.min_workers=2" in fail.reason
+    assert fail.action is Action.FAIL and "fewer than scaling.min_workers=2" in fail.reason
 
 
 def failures(limit):
@@ -36,7 +37,7 @@ def test_failure_budget():
     scaling = ScalingPolicy(1, 2)
     assert recovery_decision(1, 2, failures(1), scaling).world_size == 2
     out = recovery_decision(2, 2, failures(1), scaling)
-    assert out.action == "fail" and out.reason == "failure 2 exceeds elastic.max_failures=1"
+    assert out.action is Action.FAIL and out.reason == "failure 2 exceeds elastic.max_failures=1"
 
 
 def test_grow_policy_waits_for_stable_capacity_and_the_cooldown():

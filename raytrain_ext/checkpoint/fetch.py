@@ -36,6 +36,7 @@ from raytrain_ext.checkpoint.s3 import S3Tier
 from raytrain_ext.checkpoint.tier import Tier
 
 ShapeCheck = Callable[[Any, Dict[str, Any], str], None]  # (metadata, targets, where): raises
+ReadViews = Callable[[List[str]], Dict[str, memoryview]]  # file names -> their bytes
 
 
 @dataclass
@@ -46,70 +47,56 @@ class Fetched:
     problem: Optional[str] = None
 
 
-def fetch_step(
-    tier: Tier,
-    step: int,
-    manifest: Manifest,
-    targets: Dict[str, Any],
-    phases: RestorePhases,
-    cache: Path,
-    is_coordinator: bool,
-    check_shapes: ShapeCheck,
-    read_threads: int,
-    whole: bool = False,
-) -> Fetched:
-    """Fetch what this rank's load of ``step`` needs from ``tier`` (see the module doc)."""
+@dataclass
+class StepLoad:
+    """One rank's load of one committed step: what the fetch of every tier needs."""
+
+    step: int
+    manifest: Manifest
+    targets: Dict[str, Any]  # the state dict DCP loads into (checkpoint/state.load_targets)
+    phases: RestorePhases
+    cache: Path  # this rank's scratch directory for downloaded or materialised files
+    is_coordinator: bool  # rank 0 (DCP's planner plans the replicated items there)
+    check_shapes: ShapeCheck
+    read_threads: int
+
+
+def fetch_step(tier: Tier, load: StepLoad, whole: bool = False) -> Fetched:
+    """Fetch what this rank's ``load`` needs from ``tier`` (see the module doc)."""
     if whole:
-        return _fetch_whole(tier, step, manifest, targets, phases, cache, check_shapes)
+        return _fetch_whole(tier, load)
     if isinstance(tier, S3Tier):
-        return _fetch_s3(
-            tier, step, manifest, targets, phases, cache, is_coordinator, check_shapes, read_threads
-        )
+        return _fetch_s3(tier, load)
     if isinstance(tier, MemoryTier):
-        where = f"memory://{tier.run}/{step_dir_name(step)}"
 
         def read(names: List[str]) -> Dict[str, memoryview]:
-            with phases.time("fetch"):
-                return tier.read_files(step, names)
-    else:
-        directory = tier.materialize(step, [], cache)
-        where = str(directory)
+            with load.phases.time("fetch"):
+                return tier.read_files(load.step, names)
 
-        def read(names: List[str]) -> Dict[str, memoryview]:
-            return map_files(directory, names)
-
-    return _fetch_planned(
-        read, manifest, targets, where, phases, is_coordinator, check_shapes, read_threads
-    )
+        return _fetch_planned(read, load, f"memory://{tier.run}/{step_dir_name(load.step)}")
+    directory = tier.materialize(load.step, [], load.cache)
+    return _fetch_planned(lambda names: map_files(directory, names), load, str(directory))
 
 
-def _fetch_planned(
-    read: Callable[[List[str]], Dict[str, memoryview]],
-    manifest: Manifest,
-    targets: Dict[str, Any],
-    where: str,
-    phases: RestorePhases,
-    is_coordinator: bool,
-    check_shapes: ShapeCheck,
-    read_threads: int,
-) -> Fetched:
-    missing = _unlisted(manifest, where)
-    if missing:
-        return Fetched(None, missing)
+def _fetch_planned(read: ReadViews, load: StepLoad, where: str) -> Fetched:
+    """Metadata first (verified, shapes checked), then the files this rank's plan reads."""
+    manifest = load.manifest
+    if METADATA not in manifest.files:
+        return Fetched(None, f"{where}: the manifest lists no {METADATA}")
     try:
         views = read([METADATA])
     except FileNotFoundError as e:
         return Fetched(None, f"{where}/{METADATA} is missing ({e})")
-    with phases.time("verify"):
+    with load.phases.time("verify"):
         problem = size_problem(views, manifest, where) or whole_file_problem(
             views[METADATA], manifest.files[METADATA], f"{where}/{METADATA}"
         )
     if problem:
         return Fetched(None, problem)
     metadata = pickle.loads(views[METADATA])
-    check_shapes(metadata, targets, where)
-    with phases.time("plan"):
-        names = plan_files(targets, metadata, is_coordinator)
+    load.check_shapes(metadata, load.targets, where)
+    with load.phases.time("plan"):
+        names = plan_files(load.targets, metadata, load.is_coordinator)
     unknown = [name for name in names if name not in manifest.files]
     if unknown:
         return Fetched(None, f"{where}/{unknown[0]} is read by the load but not in the manifest")
@@ -117,51 +104,26 @@ def _fetch_planned(
         views.update(read(names))
     except FileNotFoundError as e:
         return Fetched(None, f"{where}: {e}")
-    return Fetched(
-        VerifiedReader(views, manifest, where, read_threads), size_problem(views, manifest, where)
-    )
+    reader = VerifiedReader(views, manifest, where, load.read_threads)
+    return Fetched(reader, size_problem(views, manifest, where))
 
 
-def _unlisted(manifest: Manifest, where: str) -> Optional[str]:
-    if METADATA not in manifest.files:
-        return f"{where}: the manifest lists no {METADATA}"
-    return None
-
-
-def _fetch_s3(
-    tier: S3Tier,
-    step: int,
-    manifest: Manifest,
-    targets: Dict[str, Any],
-    phases: RestorePhases,
-    cache: Path,
-    is_coordinator: bool,
-    check_shapes: ShapeCheck,
-    read_threads: int,
-) -> Fetched:
-    fetch = PlannedS3Fetch(tier, step, manifest, cache, tier.max_concurrency)
-    with phases.time("fetch"):  # each ranged chunk is verified as it arrives
+def _fetch_s3(tier: S3Tier, load: StepLoad) -> Fetched:
+    fetch = PlannedS3Fetch(tier, load.step, load.manifest, load.cache, tier.max_concurrency)
+    with load.phases.time("fetch"):  # each ranged chunk is verified as it arrives
         problem = fetch.fetch_metadata()
         if problem is None:
-            check_shapes(fetch.metadata, targets, tier.key(step))
-            problem = fetch.prepare(targets, is_coordinator)
-    return Fetched(fetch.reader(read_threads), problem)
+            load.check_shapes(fetch.metadata, load.targets, tier.key(load.step))
+            problem = fetch.prepare(load.targets, load.is_coordinator)
+    return Fetched(fetch.reader(load.read_threads), problem)
 
 
-def _fetch_whole(
-    tier: Tier,
-    step: int,
-    manifest: Manifest,
-    targets: Dict[str, Any],
-    phases: RestorePhases,
-    cache: Path,
-    check_shapes: ShapeCheck,
-) -> Fetched:
-    with phases.time("fetch"):
-        directory = tier.materialize(step, sorted(manifest.files), cache)
-    with phases.time("verify"):
-        problem = verify_dir(directory, manifest)
+def _fetch_whole(tier: Tier, load: StepLoad) -> Fetched:
+    with load.phases.time("fetch"):
+        directory = tier.materialize(load.step, sorted(load.manifest.files), load.cache)
+    with load.phases.time("verify"):
+        problem = verify_dir(directory, load.manifest)
     reader = dcp.FileSystemReader(directory)
     if problem is None:
-        check_shapes(reader.read_metadata(), targets, str(directory))
+        load.check_shapes(reader.read_metadata(), load.targets, str(directory))
     return Fetched(reader, problem)

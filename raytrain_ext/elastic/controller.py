@@ -33,6 +33,7 @@ from raytrain_ext.config import to_dict
 from raytrain_ext.elastic.diagnostics import dump_worker_stacks, newly_flagged_stragglers
 from raytrain_ext.elastic.failure_text import one_line
 from raytrain_ext.elastic.policy import (
+    Action,
     Budget,
     Decision,
     GrowPolicy,
@@ -344,7 +345,7 @@ class Controller:
         self.group.shutdown()
         self._resize_target = None
         decision = self._decide_with_patience(self.cfg.elastic.wait_for_capacity_s)
-        if decision.action == "fail":
+        if decision.action == Action.FAIL:
             return RunState.FAILED, decision.reason
         self.world_size = decision.world_size
         self.attempt += 1
@@ -467,12 +468,12 @@ class Controller:
             decision=decision.action,
             world_size=decision.world_size,
         )
-        if decision.action == "fail" and preempted:
+        if decision.action == Action.FAIL and preempted:
             return RunState.PREEMPTED, (
                 f"{decision.reason} after the preemption; the emergency "
                 "checkpoint is committed: rerun to resume"
             )
-        if decision.action == "fail":
+        if decision.action == Action.FAIL:
             return RunState.FAILED, decision.reason
         self.world_size = decision.world_size
         self.attempt += 1
@@ -504,7 +505,7 @@ class Controller:
                 self.failures, capacity, self.failure_budget, self.scaling_policy
             )
             if (
-                decision.action == "restart"
+                decision.action == Action.RESTART
                 or capacity >= self.scaling_policy.min_workers
                 or self.clock() >= deadline
                 or self._stop_reason is not None

@@ -8,14 +8,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any, Dict, Iterable, Mapping, Optional, Set
+
+
+class Action(StrEnum):
+    """What the controller does after a failure (a ``str``: records and logs print it)."""
+
+    RESTART = "restart"  # re-form with ``Decision.world_size`` workers
+    FAIL = "fail"
 
 
 @dataclass(frozen=True)
 class Decision:
-    """``action`` is ``restart`` (re-form with ``world_size`` workers) or ``fail``."""
-
-    action: str
+    action: Action
     reason: str
     world_size: Optional[int] = None
 
@@ -71,13 +77,13 @@ class ScalingPolicy:
         size = self.size_for(capacity)
         if size < self.min_workers:
             return Decision(
-                "fail",
+                Action.FAIL,
                 f"only {capacity} workers fit, fewer than "
                 f"scaling.min_workers={self.min_workers}"
                 + (f" in multiples of {self.unit}" if self.unit > 1 else ""),
             )
         return Decision(
-            "restart",
+            Action.RESTART,
             f"{capacity} workers fit; using {size} "
             f"(min {self.min_workers}, max {self.max_workers}"
             + (f", multiples of {self.unit})" if self.unit > 1 else ")"),
@@ -90,7 +96,7 @@ def recovery_decision(
 ) -> Decision:
     """What to do after the ``failures``-th failure, with ``capacity`` workers placeable."""
     if not failure_budget.allows(failures):
-        return Decision("fail", failure_budget.spent(failures, "failure"))
+        return Decision(Action.FAIL, failure_budget.spent(failures, "failure"))
     return scaling_policy.decide(capacity)
 
 

@@ -97,7 +97,7 @@ def _check_resume(cfg) -> None:
     resume = cfg.checkpoint.resume
     if resume in ("auto", "never"):
         return
-    from raytrain_ext.checkpoint.manager import split_location
+    from raytrain_ext.checkpoint.restore import split_location
     from raytrain_ext.checkpoint.tiers import tier_for_location
 
     location, step = split_location(resume)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Dict, List, Sequence
 
 
@@ -44,9 +45,18 @@ class StragglerDetector:
         return sorted(r for r, n in self.streaks.items() if n >= self.window)
 
 
+class StepAction(StrEnum):
+    """What a step with a non-finite loss or gradient norm gets (every rank alike)."""
+
+    OK = "ok"  # finite: the update is applied
+    SKIP = "skip"  # no update, the batch is consumed
+    ROLLBACK = "rollback"  # restore the last checkpoint and skip this batch
+    FAIL = "fail"
+
+
 @dataclass(frozen=True)
 class NonFiniteDecision:
-    action: str  # "ok" | "skip" | "rollback" | "fail"
+    action: StepAction
     reason: str = ""
 
 
@@ -68,22 +78,22 @@ def nonfinite_decision(
     degrades to ``skip`` (there is nothing to roll back to).
     """
     if math.isfinite(loss) and math.isfinite(grad_norm):
-        return NonFiniteDecision("ok")
+        return NonFiniteDecision(StepAction.OK)
     what = f"loss {loss}, grad_norm {grad_norm}"
     if policy == "fail":
-        return NonFiniteDecision("fail", f"{what} (guards.nan_policy=fail)")
+        return NonFiniteDecision(StepAction.FAIL, f"{what} (guards.nan_policy=fail)")
     if nonfinite_so_far + 1 > max_nonfinite:
         return NonFiniteDecision(
-            "fail",
+            StepAction.FAIL,
             f"{what}: {nonfinite_so_far + 1} non-finite steps exceed "
             f"guards.max_nan_steps={max_nonfinite}",
         )
     if policy == "rollback" and can_rollback:
         return NonFiniteDecision(
-            "rollback", f"{what}: restoring the last checkpoint and skipping this batch"
+            StepAction.ROLLBACK, f"{what}: restoring the last checkpoint and skipping this batch"
         )
     fallback = " (no committed checkpoint to roll back to)" if policy == "rollback" else ""
-    return NonFiniteDecision("skip", f"{what}: update skipped, batch consumed{fallback}")
+    return NonFiniteDecision(StepAction.SKIP, f"{what}: update skipped, batch consumed{fallback}")
 
 
 class NonFiniteLossError(RuntimeError):

@@ -38,6 +38,7 @@ from raytrain_ext.models import build_model
 from raytrain_ext.ops.guards import (
     NonFiniteDecision,
     NonFiniteLossError,
+    StepAction,
     StragglerDetector,
     nonfinite_decision,
 )
@@ -211,13 +212,13 @@ class TrainLoop:
         )
         loss = exchanged.loss_sum / self.global_tokens
         decision = self._nonfinite_decision(step, loss, float(grad_norm), exchanged.consumed)
-        if not skip_batch and decision.action == "ok":
+        if not skip_batch and decision.action == StepAction.OK:
             hook(self.strategy, "step")(self.model, self.optimizer)
         self.scheduler.step()
         hook(self.strategy, "zero_grad")(self.model, self.optimizer)
         self.ledger.record(step, exchanged.consumed)
         self.step += 1
-        if decision.action == "rollback" and self._rollback(step):
+        if decision.action == StepAction.ROLLBACK and self._rollback(step):
             return loss
         stall = 0.0
         if self.ckpt is not None:
@@ -254,7 +255,7 @@ class TrainLoop:
             **self._straggler_fields(exchanged.compute_s),
             **self._expert_load_field(exchanged.expert_tokens),
         }
-        if skip_batch or decision.action != "ok":
+        if skip_batch or decision.action != StepAction.OK:
             record["skipped"] = True
         if self._rollback_note is not None:
             record["rolled_back"], self._rollback_note = self._rollback_note, None
@@ -277,12 +278,12 @@ class TrainLoop:
             g.max_nan_steps,
             can_rollback=self.ckpt is not None,
         )
-        if decision.action == "ok":
+        if decision.action == StepAction.OK:
             return decision
         self.nonfinite_steps += 1
         batch = ", ".join(str(i) for i in sorted(consumed.tolist())[:32])
         message = f"non-finite step {step + 1}: {decision.reason}; batch sample indices [{batch}]"
-        if decision.action == "fail":
+        if decision.action == StepAction.FAIL:
             raise NonFiniteLossError(message)
         if self.ctx.rank == 0:
             log.warning(message)
