@@ -3,7 +3,7 @@
 Why: DCP's ``FileSystemReader`` loads each item through ``torch.load`` (a read into a
 fresh tensor), then copies it into its target, one item after another, after the caller
 has hashed every file in a separate pass.  Here each file this rank's load plan touches
-is a view of bytes already in reach (a read-only map of a file on disk or in the cache,
+is a view of bytes already in reach (a private map of a file on disk or in the cache,
 or the object store's buffer of the memory tier); a pool of threads verifies its
 checksum chunks, which also brings a cold file in from the disk, several chunks at a
 time, while each item whose chunks have passed is copied straight from the view into
