@@ -16,7 +16,8 @@ from raytrain_ext.faults import FaultInjector
 from raytrain_ext.worker.dist_env import WorkerEnv, destroy_distributed, free_port, init_distributed
 
 
-def _run_rank(rank: int, world: int, port: int, cfg_dict: dict, out_dir: str) -> None:
+def init_local_rank(rank: int, world: int, port: int) -> torch.device:
+    """Join a gloo group of ``world`` processes on this machine as ``rank``."""
     env = WorkerEnv(
         rank=rank,
         local_rank=rank,
@@ -27,7 +28,11 @@ def _run_rank(rank: int, world: int, port: int, cfg_dict: dict, out_dir: str) ->
         master_port=port,
     )
     torch.set_num_threads(1)
-    device = init_distributed(env, "gloo", timeout_s=60)
+    return init_distributed(env, "gloo", timeout_s=60)
+
+
+def _run_rank(rank: int, world: int, port: int, cfg_dict: dict, out_dir: str) -> None:
+    device = init_local_rank(rank, world, port)
     try:
         _fit_and_save(rank, world, cfg_dict, out_dir, device)
     finally:

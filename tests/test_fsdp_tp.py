@@ -24,8 +24,8 @@ import torch
 
 from raytrain_ext.config import load_config
 from raytrain_ext.models import build_model
-from raytrain_ext.worker.dist_env import WorkerEnv, destroy_distributed, free_port, init_distributed
-from tests.dist_helpers import spawn_ranks, train_processes
+from raytrain_ext.worker.dist_env import destroy_distributed, free_port
+from tests.dist_helpers import init_local_rank, spawn_ranks, train_processes
 from tests.test_training_math import ATOL, ATOL_UNEVEN, max_param_diff
 
 BASE = [
@@ -152,17 +152,7 @@ def _tp_forward_rank(rank: int, world: int, port: int, out_dir: str) -> None:
 
     from raytrain_ext.parallel.tp import apply_tensor_parallel
 
-    env = WorkerEnv(
-        rank=rank,
-        local_rank=rank,
-        world_size=world,
-        local_world_size=world,
-        node_rank=0,
-        master_addr="127.0.0.1",
-        master_port=port,
-    )
-    torch.set_num_threads(1)
-    init_distributed(env, "gloo", timeout_s=60)
+    init_local_rank(rank, world, port)
     try:
         model_cfg = load_config(None, []).model
         reference, sharded = build_model(model_cfg, 7), build_model(model_cfg, 7)
