@@ -19,11 +19,8 @@ from raytrain_ext.checkpoint.disk import DiskTier
 from raytrain_ext.checkpoint.manifest import MANIFEST, Manifest, parse_step_dir
 from raytrain_ext.checkpoint.ranged import PlannedS3Fetch
 from raytrain_ext.checkpoint.reader import (
-    METADATA,
     VerifiedReader,
     map_files,
-    size_problem,
-    whole_file_problem,
 )
 from raytrain_ext.checkpoint.resolve import Resolution, newest_usable
 from raytrain_ext.checkpoint.s3 import S3Tier
@@ -91,11 +88,10 @@ def load_model_state(
         fetched = {"fetched_bytes": fetch.fetched_bytes, "ranged": fetch.ranged}
     else:
         directory = tier.materialize(step, sorted(manifest.files), cache_dir)
-        views = map_files(directory, sorted(manifest.files))
-        problem = size_problem(views, manifest, str(directory)) or whole_file_problem(
-            views[METADATA], manifest.files[METADATA], f"{directory}/{METADATA}"
+        reader = VerifiedReader(
+            map_files(directory, sorted(manifest.files)), manifest, str(directory)
         )
-        reader = VerifiedReader(views, manifest, str(directory))
+        problem = reader.problem_before_load()
         state = _empty_model_state(reader.read_metadata()) if problem is None else {}
         fetched = {"fetched_bytes": sum(e.size for e in manifest.files.values()), "ranged": False}
     _refuse_damaged(problem)

@@ -13,7 +13,6 @@ engine's own loader, so they are materialised and verified whole, before the loa
 
 from __future__ import annotations
 
-import pickle
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
@@ -29,8 +28,6 @@ from raytrain_ext.checkpoint.reader import (
     VerifiedReader,
     map_files,
     plan_files,
-    size_problem,
-    whole_file_problem,
 )
 from raytrain_ext.checkpoint.s3 import S3Tier
 from raytrain_ext.checkpoint.tier import Tier
@@ -84,16 +81,14 @@ def _fetch_planned(read: ReadViews, load: StepLoad, where: str) -> Fetched:
     if METADATA not in manifest.files:
         return Fetched(None, f"{where}: the manifest lists no {METADATA}")
     try:
-        views = read([METADATA])
+        reader = VerifiedReader(read([METADATA]), manifest, where, load.read_threads)
     except FileNotFoundError as e:
         return Fetched(None, f"{where}/{METADATA} is missing ({e})")
     with load.phases.time("verify"):
-        problem = size_problem(views, manifest, where) or whole_file_problem(
-            views[METADATA], manifest.files[METADATA], f"{where}/{METADATA}"
-        )
+        problem = reader.problem_before_load()
     if problem:
         return Fetched(None, problem)
-    metadata = pickle.loads(views[METADATA])
+    metadata = reader.read_metadata()
     load.check_shapes(metadata, load.targets, where)
     with load.phases.time("plan"):
         names = plan_files(load.targets, metadata, load.is_coordinator)
@@ -101,11 +96,10 @@ def _fetch_planned(read: ReadViews, load: StepLoad, where: str) -> Fetched:
     if unknown:
         return Fetched(None, f"{where}/{unknown[0]} is read by the load but not in the manifest")
     try:
-        views.update(read(names))
+        reader.add_views(read(names))
     except FileNotFoundError as e:
         return Fetched(None, f"{where}: {e}")
-    reader = VerifiedReader(views, manifest, where, load.read_threads)
-    return Fetched(reader, size_problem(views, manifest, where))
+    return Fetched(reader, reader.problem_before_load())
 
 
 def _fetch_s3(tier: S3Tier, load: StepLoad) -> Fetched:

@@ -38,6 +38,7 @@ import torch.distributed.checkpoint as dcp
 
 from raytrain_ext.checkpoint import native
 from raytrain_ext.checkpoint import state as ckpt_state
+from raytrain_ext.checkpoint.agreement import gather_from_all
 from raytrain_ext.checkpoint.manifest import (
     Manifest,
     checksum_file,
@@ -239,7 +240,7 @@ class CheckpointManager:
             step_dir = self.staging / step_dir_name(step)
             timing: Dict[str, Any] = {"step": step, "tiers_s": {}}
             mine, entries = self._write(snap, step_dir, timing, native_files.names)
-            parts = self._all_gather((entries, bool(native_files.info)))
+            parts = gather_from_all((entries, bool(native_files.info)), self.group)
             files = {name: entry for part, _ in parts for name, entry in part.items()}
             timing["bytes"] = sum(entry.size for entry in files.values())
             # native files are loadable only if every rank saved its own
@@ -304,17 +305,11 @@ class CheckpointManager:
         timing["checksum_s"] = time.perf_counter() - started - timing["write_s"]
         return mine, entries
 
-    def _all_gather(self, value: Any) -> List[Any]:
-        """Every rank's ``value``, in rank order, over the checkpoint group."""
-        gathered: List[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, value, group=self.group)
-        return gathered
-
     def _agree_past(self, deadline: Optional[float]) -> bool:
         """True on every rank when any rank is past ``deadline`` (one all-gather)."""
         if deadline is None:
             return False
-        return any(self._all_gather(time.time() > deadline))
+        return any(gather_from_all(time.time() > deadline, self.group))
 
     def _own_files(self, step_dir: Path) -> List[str]:
         names = [p.name for p in step_dir.iterdir() if p.name.startswith(f"__{self.rank}_")]
@@ -329,7 +324,7 @@ class CheckpointManager:
             tier.upload(manifest.step, step_dir, mine)
         except Exception as e:
             error = f"rank {self.rank}: {e}"
-        errors = [e for e in self._all_gather(error) if e]
+        errors = [e for e in gather_from_all(error, self.group) if e]
         if errors:
             self.stats["failed"].append(
                 {"step": manifest.step, "tier": tier.name, "error": errors[0]}

@@ -88,9 +88,9 @@ def whole_file_problem(view: memoryview, entry: FileEntry, where: str) -> Option
 class VerifiedReader(dcp.FileSystemReader):
     """DCP storage reader over verified views of the checkpoint's files.
 
-    ``views`` holds ``.metadata`` and every data file this rank's plan reads; their
-    sizes have been checked against the manifest (``size_problem``).  ``path`` only
-    names the checkpoint in messages and records.
+    ``views`` holds ``.metadata`` and, once ``add_views`` has run, every data file this
+    rank's plan reads.  ``problem_before_load`` is the check a caller makes before
+    ``dcp.load``.  ``path`` only names the checkpoint in messages and records.
     """
 
     def __init__(
@@ -98,21 +98,34 @@ class VerifiedReader(dcp.FileSystemReader):
     ):
         super().__init__(path)
         self.where = path  # ``path`` is normalised as a local path ("memory:/run/...")
-        self.views, self.manifest, self.threads = views, manifest, max(1, threads)
+        self.views, self.manifest, self.threads = dict(views), manifest, max(1, threads)
         self.problem: Optional[str] = None
+        self._metadata = None
+
+    def add_views(self, views: Dict[str, memoryview]) -> None:
+        self.views.update(views)
+
+    def problem_before_load(self) -> Optional[str]:
+        """Every view's size against the manifest, then DCP's ``.metadata`` checksum (the
+        data files are verified as they load)."""
+        return size_problem(self.views, self.manifest, self.where) or whole_file_problem(
+            self.views[METADATA], self.manifest.files[METADATA], f"{self.where}/{METADATA}"
+        )
 
     def read_metadata(self, *args, **kwargs):
-        """DCP's metadata, unpickled from its verified view (a small file, checked first)."""
-        view = self.views[METADATA]
-        problem = whole_file_problem(
-            view, self.manifest.files[METADATA], f"{self.where}/{METADATA}"
-        )
-        if problem:
-            raise ValueError(problem)
-        metadata = pickle.loads(view)
-        metadata.storage_meta = metadata.storage_meta or dcp.metadata.StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+        """DCP's metadata, verified and unpickled once (the caller plans with it before
+        ``dcp.load`` asks again)."""
+        if self._metadata is None:
+            view = self.views[METADATA]
+            problem = whole_file_problem(
+                view, self.manifest.files[METADATA], f"{self.where}/{METADATA}"
+            )
+            if problem:
+                raise ValueError(problem)
+            self._metadata = pickle.loads(view)
+            self._metadata.storage_meta = self._metadata.storage_meta or dcp.metadata.StorageMeta()
+        self._metadata.storage_meta.load_id = self.load_id
+        return self._metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future:
         items = sorted(plan.items, key=self._position)

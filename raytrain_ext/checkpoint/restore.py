@@ -27,6 +27,7 @@ import torch.distributed.checkpoint as dcp
 
 from raytrain_ext.checkpoint import native
 from raytrain_ext.checkpoint import state as ckpt_state
+from raytrain_ext.checkpoint.agreement import gather_from_all
 from raytrain_ext.checkpoint.fetch import Fetched, StepLoad, fetch_step
 from raytrain_ext.checkpoint.manifest import Manifest, parse_step_dir
 from raytrain_ext.checkpoint.phases import MemoryWatch, RestorePhases
@@ -53,12 +54,6 @@ class Restorer:
     def __init__(self, ckpt_cfg, tiers: List[Tier], rank: int, world_size: int, group, cache: Path):
         self.cfg, self.tiers, self.group, self.cache = ckpt_cfg, tiers, group, cache
         self.rank, self.world_size = rank, world_size
-
-    def _all_gather(self, value: Any) -> List[Any]:
-        """Every rank's ``value``, in rank order, over the checkpoint group."""
-        gathered: List[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, value, group=self.group)
-        return gathered
 
     def restore(self, loop, newest: bool = False) -> Optional[Dict[str, Any]]:
         """Load the newest committed checkpoint that verifies; None when there is none.
@@ -169,7 +164,7 @@ class Restorer:
 
     def _unusable(self, problem: Optional[str], problems_seen: List[str]) -> bool:
         """Whether any rank found a problem (one all-gather); the first is recorded."""
-        problems = [p for p in self._all_gather(problem) if p]
+        problems = [p for p in gather_from_all(problem, self.group) if p]
         if problems:
             problems_seen.append(problems[0])
             if self.rank == 0:

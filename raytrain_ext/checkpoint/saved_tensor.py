@@ -120,7 +120,7 @@ def tensor_view(blob: memoryview) -> torch.Tensor:
         io.BytesIO(_record(blob, names["data.pkl"]))
     ).load()
     record = names.get(f"data/{storage.key}")
-    itemsize = torch.empty((), dtype=storage.dtype).element_size()
+    itemsize = storage.dtype.itemsize
     if (
         record is None
         or record.compress_type != zipfile.ZIP_STORED
