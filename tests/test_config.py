@@ -1,11 +1,15 @@
 """Config: precedence, interpolation, and a clear error for each kind of bad input."""
 
+import json
 from pathlib import Path
 
 import pytest
+import yaml
 from omegaconf import OmegaConf
 
-from raytrain_ext.config import ConfigError, config_from_dict, load_config, to_dict
+from raytrain_ext.config import ConfigError, TrainConfig, config_from_dict, load_config, to_dict
+from raytrain_ext.config.choices import Choice, PipelineSchedule, StrategyName
+from raytrain_ext.config.fields import choice_of, declared_ranges, leaf_fields
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -100,6 +104,20 @@ BAD_INPUTS = [
     (["run.seed=-1"], r"run\.seed: must be >= 0, got -1"),
     (["run.max_steps"], r"override 'run\.max_steps' is not of the form key=value"),
     (["data.seed=${nope.x}"], r"data\.seed: cannot resolve interpolation"),
+    (
+        ["parallel.pp_schedule=1F1B"],
+        r"parallel\.pp_schedule: '1F1B' is not one of gpipe, 1f1b \(from command line\)\. "
+        r"Set parallel\.pp_schedule to one of them",
+    ),
+    (
+        ["guards.nan_policy=skip"],
+        r"guards\.nan_policy: 'skip' is not one of skip_step, rollback, fail",
+    ),
+    (["parallel.strategy=${run.name}"], r"parallel\.strategy: cannot resolve .*'tiny'.*ddp, fsdp"),
+    (["optim.lr=inf"], r"optim\.lr: must be a positive finite number, got inf"),
+    (["chaos.kill_rank=-3"], r"chaos\.kill_rank: must be -1 \(none/unlimited\) or >= 0, got -3"),
+    (["model.dropout=1.0"], r"model\.dropout: must be in \[0, 1\), got 1\.0"),
+    (["checkpoint.every_seconds=-1"], r"checkpoint\.every_seconds: must be > 0 or null"),
 ]
 
 
@@ -124,3 +142,71 @@ def test_missing_and_malformed_files(tmp_path):
         load_config(write(tmp_path, "run: [unclosed\n"))
     with pytest.raises(ConfigError, match=r"must hold a mapping"):
         load_config(write(tmp_path, "- a\n- b\n"))
+
+
+CHOICE_KEYS = [
+    (key, kind) for key, _, kind in leaf_fields(TrainConfig) if choice_of(TrainConfig, key)
+]
+
+
+def test_choice_keys_are_the_closed_sets_the_code_uses():
+    assert {key: kind.values() for key, kind in CHOICE_KEYS} == {
+        "run.device": ("auto", "cpu", "cuda"),
+        "scaling.placement_strategy": ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
+        "parallel.strategy": ("ddp", "fsdp", "zero"),
+        "parallel.backend": ("auto", "nccl", "gloo"),
+        "parallel.mixed_precision": ("auto", "bf16", "fp32"),
+        "parallel.pp_schedule": ("gpipe", "1f1b"),
+        "parallel.zero.offload_optimizer": ("none", "cpu", "nvme"),
+        "parallel.zero.offload_param": ("none", "cpu", "nvme"),
+        "checkpoint.on_busy": ("skip", "wait"),
+        "guards.nan_policy": ("skip_step", "rollback", "fail"),
+    }
+
+
+@pytest.mark.parametrize("key,kind", CHOICE_KEYS, ids=[key for key, _ in CHOICE_KEYS])
+def test_every_choice_is_accepted_as_users_spell_it(tmp_path, key, kind):
+    """Member names are their values: OmegaConf writes names, users write values."""
+    schema = OmegaConf.structured(TrainConfig)
+    for value in kind.values():
+        assert kind[value].value == value
+        from_cli = OmegaConf.merge(schema, OmegaConf.from_dotlist([f"{key}={value}"]))
+        nested: object = value
+        for part in reversed(key.split(".")):
+            nested = {part: nested}
+        from_yaml = OmegaConf.merge(schema, OmegaConf.create(yaml.safe_dump(nested)))
+        assert OmegaConf.select(from_cli, key) == OmegaConf.select(from_yaml, key) == value
+
+
+def test_choice_values_behave_as_plain_strings():
+    """Code compares them with strings, keys dicts by strings and formats them with !r."""
+    cfg = load_config(None, ["parallel.pp_schedule=gpipe"])
+    strategy, schedule = cfg.parallel.strategy, cfg.parallel.pp_schedule
+    assert strategy is StrategyName.ddp and schedule is PipelineSchedule("gpipe")
+    assert strategy == "ddp" and strategy != "fsdp" and schedule in ("gpipe", "1f1b")
+    assert {"ddp": 1}[strategy] == 1 and {"gpipe": 2}[schedule] == 2
+    assert f"{strategy} {strategy!r} {schedule}" == "ddp 'ddp' gpipe"
+
+
+def test_written_configs_hold_plain_strings():
+    """config.yaml, summary/digest JSON and the dict shipped to workers name no enum class."""
+    cfg = load_config(None, ["parallel.strategy=fsdp", "parallel.pp_schedule=gpipe"])
+    data = to_dict(cfg)
+    assert type(data["parallel"]["strategy"]) is str and data["parallel"]["strategy"] == "fsdp"
+    assert yaml.safe_load(yaml.safe_dump(data)) == data  # safe_dump refuses enum members
+    text = OmegaConf.to_yaml(cfg)
+    assert "strategy: fsdp" in text and "pp_schedule: gpipe" in text and "StrategyName." not in text
+    assert '"fsdp"' in json.dumps(data)
+    again = config_from_dict(data)
+    assert again.parallel.strategy is StrategyName.fsdp and to_dict(again) == data
+
+
+def test_declared_ranges_hold_for_the_defaults():
+    """A default outside its own range would make every run fail validation."""
+    cfg = load_config(None, use_default=False)
+    ranges = dict(declared_ranges(TrainConfig))
+    assert ranges and "run.max_steps" in ranges and "chaos.kill_rank" in ranges
+    assert all(
+        bounds.problem(key, OmegaConf.select(cfg, key)) is None for key, bounds in ranges.items()
+    )
+    assert not any(issubclass(type(v), Choice) for v in to_dict(cfg)["parallel"].values())

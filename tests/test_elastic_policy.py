@@ -74,7 +74,7 @@ def test_preemption_budget_is_separate_from_failures():
 def test_node_probe_counts_nodes_proven_alive_without_pinging_them():
     """After a failure, the nodes whose ranks answered the controller's poll are alive; the
     capacity check counts them at once instead of waiting for a ping task to start there."""
-    from raytrain_ext.elastic.policy import NodeProbe
+    from raytrain_ext.elastic.cluster_probe import NodeProbe
 
     probe = NodeProbe(known_alive={"node-a"})
     probe.add(["node-a"])  # already known: no ping task is submitted (no Ray needed)

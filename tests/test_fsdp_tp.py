@@ -150,13 +150,15 @@ def resume_from(ckpt: Path, tmp: Path, world: int, *extra):
 def _tp_forward_rank(rank: int, world: int, port: int, out_dir: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
+    from raytrain_ext.models import GPT_SPEC
     from raytrain_ext.parallel.tp import apply_tensor_parallel
 
     init_local_rank(rank, world, port)
     try:
         model_cfg = load_config(None, []).model
         reference, sharded = build_model(model_cfg, 7), build_model(model_cfg, 7)
-        apply_tensor_parallel(sharded, init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)))
+        tp_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+        apply_tensor_parallel(sharded, GPT_SPEC, tp_mesh)
         tokens = torch.randint(
             0,
             model_cfg.vocab_size,

@@ -20,8 +20,9 @@ import torch
 
 from raytrain_ext.config import ConfigError, load_config
 from raytrain_ext.models import build_model
+from raytrain_ext.models.gpt_parallel import GPTStage
+from raytrain_ext.models.spec import stage_layers
 from raytrain_ext.parallel import ParallelDims
-from raytrain_ext.parallel.pp import GPTStage, stage_layers
 from tests.test_fsdp_tp import TP_LOSS_ATOL, assert_matches, curve, train
 from tests.test_training_math import ATOL_UNEVEN
 

@@ -200,7 +200,7 @@ class CheckpointManager:
         restore can load); like a failed persist, it never stops training.
         """
         strategy = loop.strategy
-        if not getattr(strategy, "native_checkpoint", False):
+        if not strategy.native_checkpoint:
             return native.NativeFiles()
         step_dir = self.staging / step_dir_name(step)
         saved_root = native.private_dir(step_dir, self.rank)

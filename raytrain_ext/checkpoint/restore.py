@@ -178,7 +178,7 @@ class Restorer:
         """Whether the strategy's own loader can take this checkpoint: it holds native
         files of the same format and stage, saved at this world size (same on every rank)."""
         strategy = loop.strategy
-        if not (manifest.native and getattr(strategy, "native_checkpoint", False)):
+        if not (manifest.native and strategy.native_checkpoint):
             return False
         wanted = strategy.native_info()
         return manifest.world_size == self.world_size and all(

@@ -24,15 +24,11 @@ from typing import Any, Dict, List
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.state_dict import (
-    get_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import _get_scalar_dtype
 
 from raytrain_ext.checkpoint.phases import RestorePhases
+from raytrain_ext.parallel.stage_state import whole_model_keys
 
 TRAIN_KEY = "train"
 
@@ -77,10 +73,9 @@ def train_items(loop) -> Dict[str, Any]:
 
 
 def model_and_optim(loop):
-    """(model, optimizer) state dicts, FQN-keyed; a strategy may provide its own
-    (``state_dicts``: ZeRO assembles its partitions into this same format)."""
-    own = getattr(loop.strategy, "state_dicts", None)
-    return own(loop.model, loop.optimizer) if own else get_state_dict(loop.model, loop.optimizer)
+    """(model, optimizer) state dicts, FQN-keyed, in ``get_state_dict``'s format (ZeRO
+    assembles its partitions into the same format)."""
+    return loop.strategy.state_dicts(loop.model, loop.optimizer)
 
 
 def capture(loop) -> Dict[str, Any]:
@@ -144,7 +139,7 @@ def _same_layout(host: Any, tensor: torch.Tensor) -> bool:
 
 def load_targets(loop, saved_world_size: int) -> Dict[str, Any]:
     """The state dict DCP loads into: live model/optimizer tensors plus byte buffers."""
-    if getattr(loop.strategy, "state_dicts", None) is None:  # get_state_dict's path
+    if not loop.strategy.owns_optimizer_state:
         preallocate_adam_state(loop.optimizer)
     model_sd, optim_sd = model_and_optim(loop)
     targets: Dict[str, Any] = {"model": model_sd, "optim": optim_sd, TRAIN_KEY: io.BytesIO()}
@@ -204,17 +199,11 @@ def without_model(targets: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def apply_model_and_optim(loop, loaded: Dict[str, Any], phases: RestorePhases) -> None:
-    """Install the model, then the optimizer, timing each; a strategy's own loader (ZeRO)
-    installs both at once (timed as ``model``)."""
-    own = getattr(loop.strategy, "load_state_dicts", None)
-    if own:
-        with phases.time("model"):
-            own(loop.model, loop.optimizer, loaded["model"], loaded["optim"])
-        return
-    with phases.time("model"):
-        set_model_state_dict(loop.model, loaded["model"])
-    with phases.time("optim"):
-        set_optimizer_state_dict(loop.model, loop.optimizer, loaded["optim"])
+    """Install the model, then the optimizer, timing each (ZeRO installs both at once,
+    timed as ``model``)."""
+    loop.strategy.load_state_dicts(
+        loop.model, loop.optimizer, loaded["model"], loaded["optim"], phases.time
+    )
 
 
 def apply_train(loop, loaded: Dict[str, Any]) -> Dict[str, Any]:
@@ -244,7 +233,7 @@ def shape_mismatches(metadata, targets: Dict[str, Any]) -> List[str]:
             problems.append(f"{key}: checkpoint {list(entry.size)} vs model {list(tensor.shape)}")
     saved = {k for k in metadata.state_dict_metadata if k.startswith("model.")}
     # a pipeline stage holds part of the model; the other stages' keys are not extra
-    known = getattr(targets["model"], "whole_model_keys", None) or targets["model"]
+    known = whole_model_keys(targets["model"])
     problems += [
         f"{k}: in the checkpoint but not in the model"
         for k in sorted(saved - {f"model.{n}" for n in known})

@@ -23,6 +23,7 @@ from omegaconf.errors import (
 )
 
 from raytrain_ext.config.errors import ConfigError
+from raytrain_ext.config.fields import choice_of
 from raytrain_ext.config.schema import TrainConfig
 from raytrain_ext.config.validate import validate
 
@@ -68,7 +69,9 @@ def config_from_dict(data: dict) -> DictConfig:
 
 
 def to_dict(cfg: DictConfig) -> dict:
-    return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+    """Plain values only: a choice is written as its string (``"fsdp"``), not an enum member,
+    so the dict serialises to JSON/YAML anywhere and rebuilds without this package's enums."""
+    return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)  # type: ignore[return-value]
 
 
 def to_yaml(cfg: DictConfig) -> str:
@@ -118,12 +121,21 @@ def _merge(base: DictConfig, update: DictConfig, source: str) -> DictConfig:
     except ConfigKeyError as e:
         raise ConfigError(_unknown_key_message(e, source)) from None
     except ValidationError as e:
-        raise ConfigError(
-            f"{_full_key(e)}: {_first_line(e)} (from {source}). "
-            f"Give {_full_key(e)} a value of the documented type."
-        ) from None
+        raise ConfigError(_invalid_value_message(e, source)) from None
     except OmegaConfBaseException as e:
         raise ConfigError(f"{_full_key(e)}: {_first_line(e)} (from {source}).") from None
+
+
+def _invalid_value_message(e: ValidationError, source: str) -> str:
+    """A value of the wrong type, or outside the key's choice enum (named with its values)."""
+    key = _full_key(e)
+    choices = choice_of(TrainConfig, key)
+    if choices is not None:
+        return (
+            f"{key}: {getattr(e, 'value', None)!r} is not one of {', '.join(choices.values())} "
+            f"(from {source}). Set {key} to one of them."
+        )
+    return f"{key}: {_first_line(e)} (from {source}). Give {key} a value of the documented type."
 
 
 def _unknown_key_message(e: ConfigKeyError, source: str) -> str:

@@ -1,8 +1,10 @@
 """Typed configuration: one structured dataclass per section.
 
-OmegaConf enforces the types and rejects unknown keys when YAML files and
-``key=value`` overrides are merged onto these defaults; the semantic checks
-(divisibility, ranges, choices) live in :mod:`raytrain_ext.config.validate`.
+OmegaConf enforces the types, rejects unknown keys and refuses a value outside a
+key's choice enum (:mod:`raytrain_ext.config.choices`) when YAML files and
+``key=value`` overrides are merged onto these defaults.  Numeric ranges are declared
+beside each field (:mod:`raytrain_ext.config.fields`); the checks of ranges and
+between keys live in :mod:`raytrain_ext.config.validate`.
 Interpolations such as ``${run.seed}`` are resolved on the driver, so workers
 always receive plain values.
 """
@@ -12,6 +14,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+from raytrain_ext.config.choices import (
+    Backend,
+    Device,
+    MixedPrecision,
+    NanPolicy,
+    Offload,
+    OnBusy,
+    PipelineSchedule,
+    PlacementStrategy,
+    StrategyName,
+)
+from raytrain_ext.config.fields import at_least, minus_one_or_more, positive, within
+
 
 @dataclass
 class RunConfig:
@@ -19,10 +34,10 @@ class RunConfig:
 
     name: str = "tiny"
     output_dir: str = "runs"
-    seed: int = 1234
-    max_steps: int = 40
-    log_every: int = 5
-    device: str = "auto"  # auto | cpu | cuda
+    seed: int = at_least(0, 1234)
+    max_steps: int = positive(40)
+    log_every: int = positive(5)
+    device: Device = Device.auto
     tensorboard: bool = True
 
 
@@ -30,23 +45,23 @@ class RunConfig:
 class MoEConfig:
     """Mixture-of-experts feed-forward; ``num_experts: 0`` means a dense MLP."""
 
-    num_experts: int = 0
+    num_experts: int = at_least(0, 0)
     top_k: int = 2
     capacity_factor: float = 1.25
-    aux_loss_weight: float = 0.01
+    aux_loss_weight: float = at_least(0, 0.01)
 
 
 @dataclass
 class ModelConfig:
     """Reference GPT shape; ``vocab_size: 256`` matches the byte-level corpus."""
 
-    n_layers: int = 2
-    d_model: int = 128
-    n_heads: int = 4
-    vocab_size: int = 256
-    seq_len: int = 128
-    mlp_ratio: int = 4
-    dropout: float = 0.0
+    n_layers: int = positive(2)
+    d_model: int = positive(128)
+    n_heads: int = positive(4)
+    vocab_size: int = positive(256)
+    seq_len: int = positive(128)
+    mlp_ratio: int = positive(4)
+    dropout: float = within(0, 1, 0.0, hi_open=True)
     moe: MoEConfig = field(default_factory=MoEConfig)
 
 
@@ -61,10 +76,10 @@ class DataConfig:
     """
 
     path: str = "builtin:corpus"
-    global_batch_size: int = 16
-    micro_batch_size: int = 4
+    global_batch_size: int = positive(16)
+    micro_batch_size: int = positive(4)
     shuffle: bool = True
-    seed: int = "${run.seed}"  # type: ignore[assignment]
+    seed: int = at_least(0, "${run.seed}")
     s3_endpoint_url: Optional[str] = None
     s3_region: Optional[str] = None
     # a dataset of fewer samples than one global batch is refused unless this is true
@@ -76,14 +91,14 @@ class DataConfig:
 class OptimConfig:
     """AdamW with linear warmup then cosine decay to ``min_lr``."""
 
-    lr: float = 3.0e-3
-    min_lr: float = 3.0e-4
-    weight_decay: float = 0.1
+    lr: float = positive(3.0e-3)
+    min_lr: float = at_least(0, 3.0e-4)
+    weight_decay: float = at_least(0, 0.1)
     betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1.0e-8
-    warmup_steps: int = 5
-    decay_steps: int = "${run.max_steps}"  # type: ignore[assignment]
-    grad_clip: float = 1.0
+    eps: float = positive(1.0e-8)
+    warmup_steps: int = at_least(0, 5)
+    decay_steps: int = positive("${run.max_steps}")
+    grad_clip: float = at_least(0, 1.0)
 
 
 @dataclass
@@ -94,13 +109,13 @@ class ScalingConfig:
     controller keeps the world size inside that range.
     """
 
-    num_workers: int = 2
+    num_workers: int = positive(2)
     min_workers: Optional[int] = None
     max_workers: Optional[int] = None
     resources_per_worker: Dict[str, float] = field(default_factory=lambda: {"CPU": 1.0})
     use_gpu: bool = False
-    placement_strategy: str = "PACK"  # PACK | SPREAD | STRICT_PACK | STRICT_SPREAD
-    placement_timeout_s: float = 60.0
+    placement_strategy: PlacementStrategy = PlacementStrategy.PACK
+    placement_timeout_s: float = positive(60.0)
     ray_address: Optional[str] = None
 
 
@@ -110,8 +125,8 @@ class ZeroConfig:
     from these keys, ``optim.*`` and ``data.micro_batch_size``; ``extra`` is merged last."""
 
     stage: int = 2  # 1: optimizer state, 2: + gradients, 3: + parameters sharded
-    offload_optimizer: str = "none"  # none | cpu | nvme
-    offload_param: str = "none"  # none | cpu | nvme (stage 3 only)
+    offload_optimizer: Offload = Offload.none
+    offload_param: Offload = Offload.none  # stage 3 only
     nvme_path: Optional[str] = None  # directory for nvme offload
     extra: Dict[str, Any] = field(default_factory=dict)  # raw DeepSpeed keys, merged last
     # also write DeepSpeed's own save_checkpoint files into every checkpoint (same manifest
@@ -133,16 +148,17 @@ class ParallelConfig:
     ddp`` or ``fsdp``, any ``tp`` and ``pp``; no ``dp_replicate``).
     """
 
-    strategy: str = "ddp"  # ddp | fsdp (FSDP2)
-    backend: str = "auto"  # auto (nccl on GPU, gloo on CPU) | nccl | gloo
-    timeout_s: float = 120.0
-    mixed_precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32
+    strategy: StrategyName = StrategyName.ddp
+    backend: Backend = Backend.auto
+    timeout_s: float = positive(120.0)
+    mixed_precision: MixedPrecision = MixedPrecision.auto
     tp: int = 1  # tensor-parallel degree (consecutive ranks, keep it within a node)
     # with tp > 1: the residual stream, LayerNorms and embeddings split along the sequence
     sequence_parallel: bool = False
     dp_replicate: int = 1  # HSDP replica groups; dp_shard = world / (dp_replicate x tp x pp)
     pp: int = 1  # pipeline stages (blocks split by layer count; strategy ddp or fsdp)
-    pp_schedule: str = "1f1b"  # gpipe | 1f1b (micro-batches: data.micro_batch_size each)
+    # each micro-batch of the schedule holds data.micro_batch_size samples
+    pp_schedule: PipelineSchedule = PipelineSchedule("1f1b")
     ep: int = 1  # expert-parallel degree: MoE experts sharded over ep data-parallel ranks
     activation_checkpointing: bool = False  # recompute each block's activations in backward
     cpu_offload: bool = False  # FSDP CPUOffloadPolicy: sharded params/grads/optimizer on host
@@ -157,10 +173,10 @@ class S3Config:
     uri: Optional[str] = None  # s3://bucket/prefix
     endpoint_url: Optional[str] = None  # MinIO, COS, OSS, moto, ...
     region: Optional[str] = None
-    part_size_mb: int = 16
-    max_concurrency: int = 8
-    max_attempts: int = 5
-    retry_backoff_s: float = 1.0
+    part_size_mb: int = positive(16)
+    max_concurrency: int = positive(8)
+    max_attempts: int = positive(5)
+    retry_backoff_s: float = at_least(0, 1.0)
 
 
 @dataclass
@@ -176,23 +192,24 @@ class CheckpointConfig:
 
     enabled: bool = True
     memory: Optional[bool] = None  # Ray object store tier; null = on when >1 node
-    keep_in_memory: int = 2
+    keep_in_memory: int = positive(2)
     dir: str = "${run.output_dir}/${run.name}/checkpoints"
     local: bool = True
     s3: S3Config = field(default_factory=S3Config)
-    every_steps: Optional[int] = None
-    every_seconds: Optional[float] = 600.0
+    every_steps: Optional[int] = positive(None, null="disabled")
+    every_seconds: Optional[float] = positive(600.0, null="disabled")
     save_final: bool = True
     async_save: bool = True
-    write_threads: int = 2  # DCP writer threads per rank (2 doubles write bandwidth here)
-    read_threads: int = 4  # restore: checksum chunks verified and items loaded at once, per rank
+    write_threads: int = positive(2)  # DCP writer threads per rank (2 doubles write bandwidth here)
+    # restore: checksum chunks verified and items loaded at once, per rank
+    read_threads: int = positive(4)
     recycle_files: bool = True  # a deleted local step's data files are reused by the next save
-    checksum_chunk_kb: int = 8192  # granularity of verified ranged reads from S3
-    on_busy: str = "skip"  # skip | wait: when a save is due while the previous one persists
-    keep_last: int = 3
+    checksum_chunk_kb: int = positive(8192)  # granularity of verified ranged reads from S3
+    on_busy: OnBusy = OnBusy.skip
+    keep_last: int = positive(3)
     resume: str = "auto"  # auto (newest committed, if any) | never | a step-<N> path or URI
-    preemption_grace_s: float = 30.0  # SIGTERM -> emergency checkpoint within this budget
-    timeout_s: float = 600.0
+    preemption_grace_s: float = positive(30.0)  # SIGTERM -> emergency checkpoint within this budget
+    timeout_s: float = positive(600.0)
 
 
 @dataclass
@@ -208,37 +225,47 @@ class ElasticConfig:
     or by new processes in their freed slots.
     """
 
-    poll_interval_s: float = 0.2
-    max_failures: int = 0
-    hang_factor: float = 20.0  # hung: no step for max(hang_factor x median step, hang_floor_s)
-    hang_floor_s: float = 120.0
-    wait_for_capacity_s: float = 300.0  # below min_workers: wait this long for nodes, then fail
-    grow_check_s: float = 2.0  # how often a running group below max_workers looks for capacity
-    grow_stable_s: float = 10.0  # extra capacity must be seen this long before growing ...
-    resize_cooldown_s: float = 60.0  # ... and this long after the last re-form (hysteresis)
-    max_preemptions: int = -1  # preemptions (SIGTERM, drain) survived by shrinking; -1: unlimited
-    preemption_wait_s: float = 0.0  # after a preemption below min_workers: wait, then stop
+    poll_interval_s: float = positive(0.2)
+    max_failures: int = minus_one_or_more(0)
+    # hung: no step for max(hang_factor x median step, hang_floor_s)
+    hang_factor: float = positive(20.0)
+    hang_floor_s: float = positive(120.0)
+    # below min_workers: wait this long for nodes, then fail
+    wait_for_capacity_s: float = at_least(0, 300.0)
+    # how often a running group below max_workers looks for capacity
+    grow_check_s: float = positive(2.0)
+    # extra capacity must be seen this long before growing ...
+    grow_stable_s: float = at_least(0, 10.0)
+    # ... and this long after the last re-form (hysteresis)
+    resize_cooldown_s: float = at_least(0, 60.0)
+    # preemptions (SIGTERM, drain) survived by shrinking; -1: unlimited
+    max_preemptions: int = minus_one_or_more(-1)
+    # after a preemption below min_workers: wait, then stop
+    preemption_wait_s: float = at_least(0, 0.0)
     reuse_survivors: bool = True  # after a failure, keep the processes whose collectives failed
-    reuse_wait_s: float = 5.0  # ... if they return within this long (else: restart them all)
-    spare_workers: int = 0  # warm standby processes placed with the gang (each holds a slot)
+    # ... if they return within this long (else: restart them all)
+    reuse_wait_s: float = at_least(0, 5.0)
+    # warm standby processes placed with the gang (each holds a slot)
+    spare_workers: int = at_least(0, 0)
 
 
 @dataclass
 class ChaosConfig:
     """Fault injection for rehearsals and tests; everything is off by default."""
 
-    stall_save_s: float = 0.0  # hold each checkpoint between writing and committing it
-    kill_rank: int = -1  # this rank's process exits abruptly ...
-    kill_at_step: int = 0  # ... right after this step (first attempt only)
-    hang_rank: int = -1  # this rank stops making progress ...
-    hang_at_step: int = 0  # ... right after this step (first attempt only)
-    attempts: int = 1  # faults fire on the first this-many attempts (2: back-to-back failures)
+    stall_save_s: float = at_least(0, 0.0)  # hold each checkpoint between writing and committing it
+    kill_rank: int = minus_one_or_more(-1)  # this rank's process exits abruptly ...
+    kill_at_step: int = at_least(0, 0)  # ... right after this step (first attempt only)
+    hang_rank: int = minus_one_or_more(-1)  # this rank stops making progress ...
+    hang_at_step: int = at_least(0, 0)  # ... right after this step (first attempt only)
+    # faults fire on the first this-many attempts (2: back-to-back failures)
+    attempts: int = positive(1)
     # chaos.kill_rank also dies right after the first re-form's restore
     kill_during_recovery: bool = False
-    nan_rank: int = -1  # this rank's loss becomes NaN ...
-    nan_at_step: int = 0  # ... at this step (first attempt only)
-    slow_rank: int = -1  # this rank sleeps ...
-    slow_s: float = 0.0  # ... this long in every step (a straggler)
+    nan_rank: int = minus_one_or_more(-1)  # this rank's loss becomes NaN ...
+    nan_at_step: int = at_least(0, 0)  # ... at this step (first attempt only)
+    slow_rank: int = minus_one_or_more(-1)  # this rank sleeps ...
+    slow_s: float = at_least(0, 0.0)  # ... this long in every step (a straggler)
 
 
 @dataclass
@@ -254,11 +281,11 @@ class GuardsConfig:
     stacks of every worker go to ``<run_dir>/hang-stacks/``.
     """
 
-    straggler_factor: float = 1.5
-    straggler_window: int = 20
+    straggler_factor: float = positive(1.5)
+    straggler_window: int = positive(20)
     evict_stragglers: bool = False
-    nan_policy: str = "skip_step"  # skip_step | rollback | fail
-    max_nan_steps: int = 10  # more non-finite steps than this in one run: fail
+    nan_policy: NanPolicy = NanPolicy.skip_step
+    max_nan_steps: int = at_least(0, 10)  # more non-finite steps than this in one run: fail
     hang_stacks: bool = True
 
 

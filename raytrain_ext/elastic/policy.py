@@ -1,6 +1,7 @@
 """Elastic policies: pure functions of what happened, returning decisions as data.
 
-The controller executes decisions; policies never touch Ray, so every rule is
+The controller executes decisions; policies never touch Ray (what the cluster has
+room for is asked by ``cluster_probe`` and passed in as numbers), so every rule is
 unit-testable by calling it with made-up capacities and failure counts.
 """
 
@@ -9,13 +10,18 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, Dict, Iterable, Mapping, Optional, Set
+from typing import Iterable, Mapping, Optional
 
 
 class Action(StrEnum):
-    """What the controller does after a failure (a ``str``: records and logs print it)."""
+    """What the controller does after a failure (a ``str``: records and logs print it).
+
+    ``REPLACE`` is chosen by the recovery from the surviving processes; the policies
+    here return ``RESTART`` or ``FAIL``.
+    """
 
     RESTART = "restart"  # re-form with ``Decision.world_size`` workers
+    REPLACE = "replace"  # re-form in place at the same size, surviving processes kept
     FAIL = "fail"
 
 
@@ -98,69 +104,6 @@ def recovery_decision(
     if not failure_budget.allows(failures):
         return Decision(Action.FAIL, failure_budget.spent(failures, "failure"))
     return scaling_policy.decide(capacity)
-
-
-def free_resources_per_node() -> Dict[str, Dict[str, float]]:
-    """Free resources of every node Ray lists, keyed by node id."""
-    import ray
-
-    return {
-        node: dict(res)
-        for node, res in ray._private.state.state.available_resources_per_node().items()
-    }
-
-
-class NodeProbe:
-    """Which nodes answer a ping: a zero-CPU task pinned to each node.
-
-    Ray keeps listing a node that died abruptly until its health checks fail
-    (seconds to tens of seconds), so recovery must not count a dead node's CPUs.
-    A live node under load may need seconds to start a worker for the ping, so
-    answers are collected as they come (``answered``) instead of after one
-    fixed timeout: a slow node joins late, a dead one never does.
-    """
-
-    def __init__(self, nodes: Iterable[str] = (), known_alive: Iterable[str] = ()):
-        """``known_alive``: nodes just proven alive another way (a worker on them answered),
-        counted without a ping, which on a loaded node first has to start a worker process."""
-        self._pending: Dict[Any, str] = {}
-        self._alive: Set[str] = set(known_alive)
-        self._probed: Set[str] = set(self._alive)
-        self.add(nodes)
-
-    def add(self, nodes: Iterable[str]) -> None:
-        """Ping the nodes not pinged yet (nodes that joined since)."""
-        import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        ping = ray.remote(num_cpus=0)(_pong)
-        for node in set(nodes) - self._probed:
-            self._probed.add(node)
-            self._pending[
-                ping.options(
-                    scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
-                ).remote()
-            ] = node
-
-    def answered(self, timeout_s: float) -> Set[str]:
-        import ray
-
-        if self._pending:
-            ready, _ = ray.wait(
-                list(self._pending), num_returns=len(self._pending), timeout=timeout_s
-            )
-            for ref in ready:
-                node = self._pending.pop(ref)
-                try:
-                    ray.get(ref)
-                except ray.exceptions.RayError:  # Ray failed the ping: the node is gone
-                    continue
-                self._alive.add(node)
-        return set(self._alive)
-
-
-def _pong() -> bool:
-    return True
 
 
 @dataclass

@@ -13,6 +13,8 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 
 import ray
 
+from raytrain_ext.elastic.failure_text import root_cause
+
 PEER_LOSS_MARKERS = (
     "Connection closed by peer",
     "Connection reset by peer",
@@ -23,7 +25,7 @@ PEER_LOSS_MARKERS = (
 
 def is_peer_loss(error: BaseException) -> bool:
     """A collective that raised because a peer vanished (an echo of another rank's failure)."""
-    text = f"{type(getattr(error, 'cause', None) or error).__name__}: {error}"
+    text = f"{type(root_cause(error)).__name__}: {error}"
     return any(marker in text for marker in PEER_LOSS_MARKERS)
 
 

@@ -11,7 +11,6 @@ Initialization is deterministic given the seed and independent of the device.
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -102,20 +101,6 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.lm_head(self.ln_f(x))
-
-    def aux_loss(self) -> Optional[torch.Tensor]:
-        """Sum of the MoE load-balancing losses of the last forward (None when dense)."""
-        losses = [b.ffn.aux_loss for b in self.blocks if isinstance(b.ffn, MoEFeedForward)]
-        return torch.stack(losses).sum() if losses else None
-
-    def expert_load(self) -> Optional[torch.Tensor]:
-        """Tokens each expert kept in the last forward, summed over MoE layers (None when dense).
-
-        Counts this rank's tokens for all experts, local or not (routing runs
-        where the tokens are), so a sum over ranks is the global load.
-        """
-        loads = [b.ffn.expert_load for b in self.blocks if isinstance(b.ffn, MoEFeedForward)]
-        return torch.stack(loads).sum(dim=0) if loads else None
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

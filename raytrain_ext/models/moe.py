@@ -93,3 +93,24 @@ class MoEFeedForward(nn.Module):
         routed = F.one_hot(experts, self.num_experts).sum(dim=1).float()
         fraction = routed.mean(dim=0) / self.top_k
         return self.num_experts * (fraction * probs.mean(dim=0)).sum()
+
+
+def moe_layers(model: nn.Module) -> list:
+    """The model's MoE feed-forwards, in module order (empty for a dense model)."""
+    return [m for m in model.modules() if isinstance(m, MoEFeedForward)]
+
+
+def moe_aux_loss(model: nn.Module) -> Optional[torch.Tensor]:
+    """Sum of the MoE load-balancing losses of the last forward (None when dense)."""
+    losses = [moe.aux_loss for moe in moe_layers(model)]
+    return torch.stack(losses).sum() if losses else None
+
+
+def moe_expert_load(model: nn.Module) -> Optional[torch.Tensor]:
+    """Tokens each expert kept in the last forward, summed over MoE layers (None when dense).
+
+    Counts this rank's tokens for all experts, local or not (routing runs where the
+    tokens are), so a sum over ranks is the global load.
+    """
+    loads = [moe.expert_load for moe in moe_layers(model)]
+    return torch.stack(loads).sum(dim=0) if loads else None

@@ -8,14 +8,11 @@ import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from raytrain_ext.parallel.strategy import DistContext, null_context
+from raytrain_ext.parallel.strategy import DistContext, Strategy, null_context
 
 
-class DDPStrategy:
+class DDPStrategy(Strategy):
     name = "ddp"
-
-    def __init__(self, parallel_cfg=None):
-        self.parallel_cfg = parallel_cfg  # DDP has no options of its own
 
     def wrap(self, model: nn.Module, ctx: DistContext) -> nn.Module:
         model = model.to(ctx.device)

@@ -19,10 +19,11 @@ import math
 from dataclasses import dataclass
 from typing import List, Optional
 
+from raytrain_ext.config.choices import StrategyName
+
 MESH_DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "tp")
-STRATEGIES_WITH_TP = ("fsdp",)
-STRATEGIES_WITH_PP = ("ddp", "fsdp")
-PP_SCHEDULES = ("gpipe", "1f1b")
+STRATEGIES_WITH_TP = (StrategyName.fsdp,)
+STRATEGIES_WITH_PP = (StrategyName.ddp, StrategyName.fsdp)
 
 
 class ParallelLayoutError(ValueError):
@@ -190,7 +191,8 @@ def check_pipeline(parallel_cfg, model_cfg) -> None:
 
     Blocks split as evenly as layer counts allow (earlier stages take the
     remainder), so ``n_layers`` need not divide by ``pp``.  ZeRO owns the
-    backward itself, which the pipeline schedule needs.
+    backward itself, which the pipeline schedule needs.  The schedule's name needs
+    no check here: its enum (``config.choices.PipelineSchedule``) refuses others.
     """
     pp = parallel_cfg.pp
     if pp == 1:
@@ -200,11 +202,6 @@ def check_pipeline(parallel_cfg, model_cfg) -> None:
             f"parallel.pp: pipeline parallelism (pp={pp}) runs with parallel.strategy ddp or fsdp "
             f"(got {parallel_cfg.strategy!r}). Set parallel.strategy=ddp or fsdp, "
             "or parallel.pp=1."
-        )
-    if parallel_cfg.pp_schedule not in PP_SCHEDULES:
-        raise ParallelLayoutError(
-            f"parallel.pp_schedule: {parallel_cfg.pp_schedule!r} is not one of "
-            f"{', '.join(PP_SCHEDULES)}. Set parallel.pp_schedule to one of them."
         )
     if model_cfg.n_layers < pp:
         raise ParallelLayoutError(

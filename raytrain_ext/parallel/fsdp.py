@@ -28,16 +28,17 @@ from torch.distributed._composable import checkpoint as checkpoint_activations
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from raytrain_ext.models.spec import ModelSpec
 from raytrain_ext.parallel.grads import global_grad_norm, group_by_mesh
-from raytrain_ext.parallel.strategy import DistContext
+from raytrain_ext.parallel.strategy import DistContext, Strategy
 from raytrain_ext.parallel.tp import apply_tensor_parallel
 
 
-class FSDPStrategy:
+class FSDPStrategy(Strategy):
     name = "fsdp"
 
-    def __init__(self, parallel_cfg):
-        self.cfg = parallel_cfg
+    def __init__(self, parallel_cfg, spec: ModelSpec):
+        super().__init__(parallel_cfg, spec)
         self.mesh = None  # the ("dp_replicate", "dp_shard", "tp") DeviceMesh, set by wrap
         self.ignored: set = set()  # parameters FSDP must not shard or reduce (EP's experts)
 
@@ -46,8 +47,9 @@ class FSDPStrategy:
         dims = ctx.dims
         self.mesh = dims.build_mesh(ctx.device.type)
         if dims.tp > 1:
-            apply_tensor_parallel(model, self.mesh["tp"], self.cfg.sequence_parallel)
-        for block in model.blocks:
+            apply_tensor_parallel(model, self.spec, self.mesh["tp"], self.cfg.sequence_parallel)
+        blocks = self.spec.blocks(model)
+        for block in blocks:
             if self.cfg.activation_checkpointing:
                 checkpoint_activations(block)
             if self.cfg.compile:
@@ -61,7 +63,7 @@ class FSDPStrategy:
         if self.cfg.cpu_offload:
             options["offload_policy"] = CPUOffloadPolicy()
         ignored = self.ignored
-        for block in model.blocks:
+        for block in blocks:
             fully_shard(block, **options, ignored_params=ignored & set(block.parameters()) or None)
         fully_shard(model, **options, ignored_params=ignored or None)
         return model

@@ -1,11 +1,10 @@
-"""Pipeline parallelism: the GPT's blocks split into stages along the ``pp`` mesh axis.
+"""Pipeline parallelism: a model's blocks split into stages along the ``pp`` mesh axis.
 
-Stage ``s`` of ``pp`` holds a contiguous run of blocks (earlier stages take the
-remainder of an uneven split); stage 0 also holds the embeddings, the last
-stage the final norm and ``lm_head``.  Every stage is built from the full,
-deterministically initialised GPT and keeps its modules under their original
-names (``blocks.5.attn.wq.weight``), so parameters, checkpoints and
-``params_sha256`` are those of a DDP run.
+The model's spec builds each stage (``ModelSpec.pipeline_stage``): a contiguous run
+of blocks (``stage_layers``), the first stage also the input layers, the last the
+output ones.  Every stage is cut from the full, deterministically initialised model
+and keeps its modules under their original names (``blocks.5.attn.wq.weight``), so
+parameters, checkpoints and ``params_sha256`` are those of a DDP run.
 
 Apply order (torchtitan's): split -> data parallelism per stage (FSDP2, with
 optional TP, on the stage's slice of the mesh; or DDP-style averaging of the
@@ -44,100 +43,14 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from raytrain_ext.models.moe import MoEFeedForward
+from raytrain_ext.config.choices import PipelineSchedule
+from raytrain_ext.models.spec import ModelSpec, PipelineStageModule
 from raytrain_ext.parallel.ep_shards import ExpertShards
 from raytrain_ext.parallel.grads import global_grad_norm, group_by_mesh
-from raytrain_ext.parallel.stage_state import StageStateDict
-from raytrain_ext.parallel.strategy import DistContext
+from raytrain_ext.parallel.stage_state import StageStateDict, whole_model_keys
+from raytrain_ext.parallel.strategy import DistContext, Strategy
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-
-
-def stage_layers(n_layers: int, pp: int) -> List[range]:
-    """The global block indices of each stage: contiguous, sizes differ by at most one."""
-    base, extra = divmod(n_layers, pp)
-    bounds = [0]
-    for stage in range(pp):
-        bounds.append(bounds[-1] + base + (1 if stage < extra else 0))
-    return [range(bounds[s], bounds[s + 1]) for s in range(pp)]
-
-
-class StageBlocks(nn.Module):
-    """This stage's blocks, registered under their global layer index.
-
-    Iterates over the blocks in order, like the ``ModuleList`` it replaces, so
-    code that loops over ``model.blocks`` (FSDP, TP, activation checkpointing)
-    works on a stage unchanged, while names stay ``blocks.<global index>``.
-    """
-
-    def __init__(self, blocks: Dict[int, nn.Module]):
-        super().__init__()
-        for index, block in blocks.items():
-            self.add_module(str(index), block)
-
-    def __iter__(self):
-        return iter(self._modules.values())
-
-    def __len__(self) -> int:
-        return len(self._modules)
-
-
-class AttachAuxLoss(torch.autograd.Function):
-    """Identity on ``x`` whose backward also seeds ``weighted_aux`` with gradient 1, as if
-    it had been added to the loss (Megatron's MoE aux-loss scaler does the same)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weighted_aux: torch.Tensor) -> torch.Tensor:
-        ctx.aux_like = (weighted_aux.shape, weighted_aux.dtype, weighted_aux.device)
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        shape, dtype, device = ctx.aux_like
-        return grad, torch.ones(shape, dtype=dtype, device=device)
-
-
-class GPTStage(nn.Module):
-    """One pipeline stage of a ``GPT``; its modules are the GPT's own (shared, not copied)."""
-
-    def __init__(self, model: nn.Module, stage: int, num_stages: int):
-        super().__init__()
-        self.is_first, self.is_last = stage == 0, stage == num_stages - 1
-        if self.is_first:
-            self.tok_emb, self.pos_emb = model.tok_emb, model.pos_emb
-        layers = stage_layers(len(model.blocks), num_stages)[stage]
-        self.blocks = StageBlocks({i: model.blocks[i] for i in layers})
-        if self.is_last:
-            self.ln_f, self.lm_head = model.ln_f, model.lm_head
-        self.aux_weight = 0.0  # per micro-batch: moe.aux_loss_weight x its tokens x loss scale
-        self.training_forward = False  # set by TrainingForwardStage around a micro-batch
-        self.kept_tokens: Optional[torch.Tensor] = None  # MoE: per expert, since the last take
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Token ids -> activations on the first stage, activations -> logits on the last."""
-        if self.is_first:
-            positions = torch.arange(x.shape[1], device=x.device)
-            x = self.tok_emb(x) + self.pos_emb(positions)
-        for block in self.blocks:
-            x = block(x)
-            if isinstance(block.ffn, MoEFeedForward):
-                x = self._moe_bookkeeping(x, block.ffn)
-        return self.lm_head(self.ln_f(x)) if self.is_last else x
-
-    def _moe_bookkeeping(self, x: torch.Tensor, moe: MoEFeedForward) -> torch.Tensor:
-        """Count the layer's kept tokens and tie its weighted balance loss to ``x``, in
-        training forwards only (``TrainingForwardStage``)."""
-        if not self.training_forward:
-            return x
-        load = moe.expert_load
-        self.kept_tokens = load if self.kept_tokens is None else self.kept_tokens + load
-        if self.aux_weight:
-            x = AttachAuxLoss.apply(x, moe.aux_loss * self.aux_weight)
-        return x
-
-    def take_kept_tokens(self) -> Optional[torch.Tensor]:
-        tokens, self.kept_tokens = self.kept_tokens, None
-        return tokens
+SCHEDULES = {PipelineSchedule.gpipe: ScheduleGPipe, PipelineSchedule["1f1b"]: Schedule1F1B}
 
 
 class TokenLossSum:
@@ -161,13 +74,13 @@ class TokenLossSum:
 
 
 class TrainingForwardStage(PipelineStage):
-    """A ``PipelineStage`` that tells its ``GPTStage`` which forwards train a micro-batch.
+    """A ``PipelineStage`` that tells its stage module which forwards train a micro-batch.
 
     On its first step the schedule also runs the stage on placeholder inputs to
     infer shapes; MoE bookkeeping (expert load, balance loss) must skip those.
     """
 
-    def __init__(self, stage_module: GPTStage, *args, **kwargs):
+    def __init__(self, stage_module: PipelineStageModule, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.stage_module = stage_module
 
@@ -179,13 +92,14 @@ class TrainingForwardStage(PipelineStage):
             self.stage_module.training_forward = False
 
 
-class PipelineStrategy:
+class PipelineStrategy(Strategy):
     """``parallel.pp > 1``: this rank's stage, data-parallel under ``inner`` (DDP or FSDP)."""
 
     name = "pp"
+    runs_microbatches = True  # the schedule runs the step's micro-batches
 
-    def __init__(self, parallel_cfg, inner):
-        self.cfg = parallel_cfg
+    def __init__(self, parallel_cfg, spec: ModelSpec, inner: Strategy):
+        super().__init__(parallel_cfg, spec)
         self.inner = inner
         self.ctx: Optional[DistContext] = None
         self.mesh = None  # the ("pp", "dp_replicate", "dp_shard", "tp") DeviceMesh
@@ -200,7 +114,8 @@ class PipelineStrategy:
 
     def wrap(self, model: nn.Module, ctx: DistContext) -> nn.Module:
         self.ctx, dims = ctx, ctx.dims
-        stage = GPTStage(model, dims.pp_rank(ctx.rank), dims.pp)
+        self.spec.require("pipeline_stage", "parallel.pp > 1")
+        stage = self.spec.pipeline_stage(model, dims.pp_rank(ctx.rank), dims.pp)
         if dims.ep > 1:  # experts split over this stage's data-parallel ranks
             self.experts = ExpertShards(stage, ctx)
         stage = self.stage_module = stage.to(ctx.device)
@@ -331,7 +246,7 @@ class PipelineStrategy:
         model_sd, optim_sd = get_state_dict(wrapped, optimizer)
         if self.experts is not None:  # first the stage's whole lists over its EP group
             model_sd, optim_sd = self.experts.state_dicts(model_sd, optim_sd)
-        keys = getattr(model_sd, "whole_model_keys", None) or list(model_sd)
+        keys = list(whole_model_keys(model_sd))
         own = ([list(group["params"]) for group in optim_sd["param_groups"]], list(keys))
         stages: List[tuple] = [None] * self.ctx.dims.pp  # type: ignore[list-item]
         dist.all_gather_object(stages, own, group=self.pp_group)

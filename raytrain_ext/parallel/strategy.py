@@ -1,20 +1,29 @@
-"""The small interface every distribution strategy implements.
+"""The interface every distribution strategy implements, and where each rank sits.
 
-The trainer loop only talks to a ``Strategy``: wrap the model, accumulate
-gradients without communication until the last micro-batch, clip, and hand
-back the full (unsharded) parameters for hashing and export.  FSDP, ZeRO, TP
-and PP plug in behind the same methods.
+The trainer loop and the checkpoint code only talk to a ``Strategy``: wrap the
+model, accumulate gradients without communication until the last micro-batch,
+clip, step, hand back the full (unsharded) parameters for hashing and export, and
+give and take FQN-keyed state dicts.  DDP, FSDP, ZeRO, TP, PP and EP plug in behind
+the same members; the base class declares all of them, with defaults.
 """
 
 from __future__ import annotations
 
+import abc
 import contextlib
 from dataclasses import dataclass
-from typing import Any, ContextManager, Dict, Optional, Protocol
+from pathlib import Path
+from typing import Any, Callable, ContextManager, Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import (
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
+from raytrain_ext.models.spec import ModelSpec
 from raytrain_ext.parallel.dims import ParallelDims
 
 
@@ -64,53 +73,112 @@ class DistContext:
         return self.dims.tp_rank(self.rank) == 0 and self.dims.is_last_stage(self.rank)
 
 
-class Strategy(Protocol):
-    name: str
+class Strategy(abc.ABC):
+    """Every member the training loop and the checkpoint code use, with the DDP/FSDP default.
 
-    def wrap(self, model: nn.Module, ctx: DistContext) -> nn.Module: ...
+    A strategy subclasses this and overrides what it does differently; nothing is
+    probed with ``getattr``.  The abstract methods are what every layout must say;
+    the rest default to "torch's optimizer, torch's autograd, torch's state dicts":
 
-    def accumulate(self, wrapped: nn.Module, sync: bool) -> ContextManager: ...
+    - ``prepare``: after the optimizer exists (DeepSpeed builds its engine here);
+    - ``backward`` / ``step`` / ``zero_grad``: the optimizer step (ZeRO owns it);
+    - ``runs_microbatches`` + ``forward_backward``: a strategy that runs a step's
+      micro-batches itself (a pipeline schedule) instead of the loop's own loop;
+    - ``take_kept_tokens``: MoE tokens kept per expert, when the strategy counted them;
+    - ``optimizer_foreach``: whether the multi-tensor optimizer step suits the
+      parameters (not when plain tensors sit beside DTensors);
+    - ``state_dicts`` / ``load_state_dicts``: FQN-keyed (model, optimizer) state in
+      ``get_state_dict``'s format; ``owns_optimizer_state`` when the optimizer's
+      state lives outside the torch optimizer (DeepSpeed's partitions);
+    - ``native_checkpoint`` + ``native_*``: a strategy's own checkpoint files.
+    """
 
-    def clip_grad_norm(self, wrapped: nn.Module, max_norm: float) -> torch.Tensor: ...
+    name: str = ""
+    optimizer_foreach: bool = True
+    runs_microbatches: bool = False
+    owns_optimizer_state: bool = False
+    native_checkpoint: bool = False
 
-    def unwrap(self, wrapped: nn.Module) -> nn.Module: ...
+    def __init__(self, parallel_cfg: Any, spec: ModelSpec):
+        self.cfg = parallel_cfg  # the ``parallel`` config section
+        self.spec = spec  # what this strategy may know about the model
 
-    def full_parameters(self, wrapped: nn.Module) -> Dict[str, torch.Tensor]: ...
+    @abc.abstractmethod
+    def wrap(self, model: nn.Module, ctx: DistContext) -> nn.Module:
+        """Place and distribute the model; returns what the loop trains."""
+
+    @abc.abstractmethod
+    def accumulate(self, wrapped: nn.Module, sync: bool) -> ContextManager:
+        """The context of one micro-batch; gradients are reduced only when ``sync``."""
+
+    @abc.abstractmethod
+    def clip_grad_norm(self, wrapped: nn.Module, max_norm: float) -> torch.Tensor:
+        """The global gradient norm (before clipping); clips when ``max_norm > 0``."""
+
+    @abc.abstractmethod
+    def unwrap(self, wrapped: nn.Module) -> nn.Module:
+        """The user's module inside the wrapper."""
+
+    @abc.abstractmethod
+    def full_parameters(self, wrapped: nn.Module) -> Dict[str, torch.Tensor]:
+        """Whole parameters under their canonical names (a collective: all ranks call it)."""
+
+    def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer, cfg: Any) -> nn.Module:
+        return model
+
+    def backward(self, wrapped: nn.Module, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self, wrapped: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.step()
+
+    def zero_grad(self, wrapped: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.zero_grad(set_to_none=True)
+
+    def forward_backward(
+        self,
+        wrapped: nn.Module,
+        batches: Sequence[Tuple[torch.Tensor, torch.Tensor]],
+        loss_scale: float,
+        autocast: Callable[[], ContextManager],
+        aux_weight: float = 0.0,
+    ) -> torch.Tensor:
+        """All of a step's micro-batches; the token-loss sum (``runs_microbatches`` only)."""
+        raise NotImplementedError(f"strategy {self.name!r} does not run micro-batches itself")
+
+    def take_kept_tokens(self) -> Optional[torch.Tensor]:
+        """MoE tokens each expert kept since the last call, when ``forward_backward`` counted
+        them; None leaves the counting to the loop."""
+        return None
+
+    def state_dicts(self, wrapped: nn.Module, optimizer: torch.optim.Optimizer) -> Tuple[Any, Any]:
+        """(model, optimizer) state dicts, FQN-keyed; tensors are the live ones."""
+        return get_state_dict(wrapped, optimizer)
+
+    def load_state_dicts(
+        self,
+        wrapped: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        model_sd: Dict[str, Any],
+        optim_sd: Dict[str, Any],
+        timed: Callable[[str], ContextManager] = lambda _phase: contextlib.nullcontext(),
+    ) -> None:
+        """Install loaded state; ``timed(phase)`` times the ``model`` and ``optim`` parts."""
+        with timed("model"):
+            set_model_state_dict(wrapped, model_sd)
+        with timed("optim"):
+            set_optimizer_state_dict(wrapped, optimizer, optim_sd)
+
+    def native_info(self) -> Dict[str, Any]:
+        """What a native checkpoint must match to be loaded (``native_checkpoint`` only)."""
+        raise NotImplementedError(f"strategy {self.name!r} has no checkpoint format of its own")
+
+    def native_save(self, wrapped: nn.Module, save_dir: Path, tag: str) -> None:
+        raise NotImplementedError(f"strategy {self.name!r} has no checkpoint format of its own")
+
+    def native_load(self, wrapped: nn.Module, load_dir: Path, tag: str) -> None:
+        raise NotImplementedError(f"strategy {self.name!r} has no checkpoint format of its own")
 
 
 def null_context() -> ContextManager:
     return contextlib.nullcontext()
-
-
-def _prepare(model: nn.Module, optimizer: torch.optim.Optimizer, cfg: Any) -> nn.Module:
-    return model
-
-
-def _backward(wrapped: nn.Module, loss: torch.Tensor) -> None:
-    loss.backward()
-
-
-def _step(wrapped: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    optimizer.step()
-
-
-def _zero_grad(wrapped: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    optimizer.zero_grad(set_to_none=True)
-
-
-# Optional Strategy methods and the default (DDP/FSDP) behaviour of each.  A strategy
-# that owns the optimizer step (DeepSpeed ZeRO) overrides them; ``state_dicts`` /
-# ``load_state_dicts`` replace ``get_state_dict`` / ``set_state_dict`` in checkpoints.
-# ``forward_backward(wrapped, batches, loss_scale, autocast) -> token-loss sum`` replaces
-# the loop's own micro-batch loop (a pipeline schedule runs all micro-batches at once).
-OPTIONAL_HOOKS = {
-    "prepare": _prepare,
-    "backward": _backward,
-    "step": _step,
-    "zero_grad": _zero_grad,
-}
-
-
-def hook(strategy: Any, name: str):
-    """``strategy.<name>`` when the strategy defines it, else the default behaviour."""
-    return getattr(strategy, name, None) or OPTIONAL_HOOKS[name]

@@ -31,15 +31,14 @@ import contextlib
 import copy
 import os
 from pathlib import Path
-from typing import Any, Dict, Iterable, Iterator, List, Optional
+from typing import Any, Callable, ContextManager, Dict, Iterable, Iterator, List, Optional
 
 import torch
 import torch.nn as nn
 
+from raytrain_ext.models.spec import ModelSpec
 from raytrain_ext.parallel.dims import microbatch_counts
-from raytrain_ext.parallel.strategy import DistContext
-
-OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+from raytrain_ext.parallel.strategy import DistContext, Strategy
 
 
 def check_zero_config(
@@ -52,12 +51,6 @@ def check_zero_config(
             f"parallel.zero.stage: {z.stage} is not a ZeRO stage. Set it to 1 "
             "(optimizer state sharded), 2 (+ gradients) or 3 (+ parameters)."
         )
-    for key in ("offload_optimizer", "offload_param"):
-        if getattr(z, key) not in OFFLOAD_DEVICES:
-            raise ValueError(
-                f"parallel.zero.{key}: {getattr(z, key)!r} is not one of "
-                f"{', '.join(OFFLOAD_DEVICES)}."
-            )
     if z.offload_param != "none" and z.stage != 3:
         raise ValueError(
             f"parallel.zero.offload_param: offloading parameters needs ZeRO stage 3 "
@@ -192,13 +185,14 @@ def init_deepspeed_comm() -> None:
     deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
 
 
-class ZeroStrategy:
+class ZeroStrategy(Strategy):
     """DeepSpeed ZeRO; ``prepare`` builds the engine once the loop has our optimizer."""
 
     name = "zero"
+    owns_optimizer_state = True  # fp32 partitions and moments live in DeepSpeed's optimizer
 
-    def __init__(self, parallel_cfg):
-        self.parallel_cfg = parallel_cfg
+    def __init__(self, parallel_cfg, spec: ModelSpec):
+        super().__init__(parallel_cfg, spec)
         self.zero_cfg = parallel_cfg.zero
         self.ctx: Optional[DistContext] = None
         self._coalescing: Optional[contextlib.ExitStack] = None
@@ -307,10 +301,13 @@ class ZeroStrategy:
         optimizer: torch.optim.Optimizer,
         model_sd: Dict[str, Any],
         optim_sd: Dict[str, Any],
+        timed: Callable[[str], ContextManager] = lambda _phase: contextlib.nullcontext(),
     ) -> None:
+        """Model and optimizer at once (DeepSpeed's partitions), timed as ``model``."""
         from raytrain_ext.parallel.zero_checkpoint import load_zero_state_dicts
 
-        load_zero_state_dicts(wrapped, self.group_names, model_sd, optim_sd)
+        with timed("model"):
+            load_zero_state_dicts(wrapped, self.group_names, model_sd, optim_sd)
 
     # ---- DeepSpeed's own checkpoint files (parallel.zero.native_checkpoint) --------------
     @property

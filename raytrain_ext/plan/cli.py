@@ -9,6 +9,7 @@ import json
 import sys
 from typing import Optional, Tuple
 
+from raytrain_ext.config.choices import Precision
 from raytrain_ext.plan.cluster import Cluster, Settings
 from raytrain_ext.plan.layout import Plan, make_plan
 from raytrain_ext.plan.shape import ModelShape, PlanError, infer_shape, shape_from_config
@@ -45,7 +46,7 @@ def add_parser(commands) -> None:
         "--micro-batch", type=int, help="sequences per GPU per forward (default: config's, else 1)"
     )
     work.add_argument(
-        "--precision", choices=("bf16", "fp32"), help="bf16 mixed precision (default) or fp32"
+        "--precision", choices=Precision.values(), help="bf16 mixed precision (default) or fp32"
     )
     work.add_argument(
         "--no-flash-attention",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from raytrain_ext.plan.memory import PRECISIONS
+from raytrain_ext.config.choices import Precision
 from raytrain_ext.plan.shape import PlanError
 
 GIB = 2**30
@@ -77,8 +77,10 @@ def validate_settings(settings: Settings, model_seq_len: int, seq_from_config: b
             f"--seq {settings.seq_len} exceeds model.seq_len {model_seq_len} of the config "
             "(learned positions cap the sequence length); lower --seq or raise model.seq_len"
         )
-    if settings.precision not in PRECISIONS:
-        raise PlanError(f"--precision must be one of {PRECISIONS}, got {settings.precision!r}")
+    if settings.precision not in Precision.values():
+        raise PlanError(
+            f"--precision must be one of {Precision.values()}, got {settings.precision!r}"
+        )
     if not 0 <= settings.headroom < 0.9:
         raise PlanError(
             f"--headroom is a fraction of memory kept free, in [0, 0.9), got {settings.headroom}"

@@ -61,7 +61,6 @@ from dataclasses import dataclass
 
 from raytrain_ext.plan.shape import ModelShape, ParamCounts
 
-PRECISIONS = ("bf16", "fp32")
 ENGINES = ("pytorch", "deepspeed")
 
 

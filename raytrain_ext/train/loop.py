@@ -34,7 +34,8 @@ from raytrain_ext.config import config_digest
 from raytrain_ext.data import GlobalSampler, open_token_dataset, rank_slice
 from raytrain_ext.faults import FaultInjector
 from raytrain_ext.metrics.flops import mfu, model_flops_per_token, peak_flops_for
-from raytrain_ext.models import build_model
+from raytrain_ext.models import model_spec
+from raytrain_ext.models.moe import moe_aux_loss, moe_expert_load
 from raytrain_ext.ops.guards import (
     NonFiniteDecision,
     NonFiniteLossError,
@@ -45,7 +46,6 @@ from raytrain_ext.ops.guards import (
 from raytrain_ext.ops.profiler import StepProfiler
 from raytrain_ext.parallel import DistContext, dims_for_run
 from raytrain_ext.parallel.registry import build_strategy
-from raytrain_ext.parallel.strategy import hook
 from raytrain_ext.train.ledger import SampleLedger, params_sha256
 from raytrain_ext.train.optim import build_optimizer, build_scheduler
 
@@ -114,13 +114,14 @@ class TrainLoop:
         self.sampler = GlobalSampler(
             self.dataset.num_samples, cfg.data.global_batch_size, cfg.data.seed, cfg.data.shuffle
         )
-        self.strategy = build_strategy(cfg.parallel)
-        self.model = self.strategy.wrap(build_model(cfg.model, cfg.run.seed), self.ctx)
+        self.spec = model_spec(cfg.model)
+        self.strategy = build_strategy(cfg.parallel, self.spec)
+        self.model = self.strategy.wrap(self.spec.build(cfg.model, cfg.run.seed), self.ctx)
         self.optimizer = build_optimizer(
-            self.model, cfg.optim, foreach=getattr(self.strategy, "optimizer_foreach", True)
+            self.model, cfg.optim, foreach=self.strategy.optimizer_foreach
         )
         self.scheduler = build_scheduler(self.optimizer, cfg.optim)
-        self.model = hook(self.strategy, "prepare")(self.model, self.optimizer, cfg)
+        self.model = self.strategy.prepare(self.model, self.optimizer, cfg)
         self.ledger = SampleLedger()
         self.step = 0
         self.global_tokens = cfg.data.global_batch_size * cfg.model.seq_len
@@ -213,9 +214,9 @@ class TrainLoop:
         loss = exchanged.loss_sum / self.global_tokens
         decision = self._nonfinite_decision(step, loss, float(grad_norm), exchanged.consumed)
         if not skip_batch and decision.action == StepAction.OK:
-            hook(self.strategy, "step")(self.model, self.optimizer)
+            self.strategy.step(self.model, self.optimizer)
         self.scheduler.step()
-        hook(self.strategy, "zero_grad")(self.model, self.optimizer)
+        self.strategy.zero_grad(self.model, self.optimizer)
         self.ledger.record(step, exchanged.consumed)
         self.step += 1
         if decision.action == StepAction.ROLLBACK and self._rollback(step):
@@ -322,7 +323,7 @@ class TrainLoop:
         return {"rank_compute_s": [round(s, 6) for s in compute_s], "stragglers": flagged}
 
     def _count_expert_load(self) -> None:
-        load = self.strategy.unwrap(self.model).expert_load()
+        load = moe_expert_load(self.strategy.unwrap(self.model))
         self._expert_tokens = load if self._expert_tokens is None else self._expert_tokens + load
 
     def _take_expert_tokens(self) -> List[float]:
@@ -354,10 +355,9 @@ class TrainLoop:
         ctx, micro = self.ctx, self.cfg.data.micro_batch_size
         chunks = [local[i : i + micro] for i in range(0, len(local), micro)]
         scale = ctx.dp_size / self.global_tokens
-        own = getattr(self.strategy, "forward_backward", None)
-        if own is not None:  # a pipeline schedule: compute_s includes waiting for other stages
+        if self.strategy.runs_microbatches:  # a pipeline schedule: compute_s includes waiting
             batches = [tuple(t.to(ctx.device) for t in self.dataset.batch(i)) for i in chunks]
-            loss_sum = own(
+            loss_sum = self.strategy.forward_backward(
                 self.model,
                 batches,
                 scale,
@@ -382,7 +382,7 @@ class TrainLoop:
                     logits.float().flatten(0, 1), targets.flatten(), reduction="sum"
                 )
                 loss = token_loss * scale
-                aux = self.strategy.unwrap(self.model).aux_loss()
+                aux = moe_aux_loss(self.strategy.unwrap(self.model))
                 if aux is not None:
                     loss = loss + aux_weight * aux * (targets.numel() * scale)
                     self._count_expert_load()
@@ -390,7 +390,7 @@ class TrainLoop:
                 if sync:  # the gradient all-reduce: from here on this rank waits for its peers
                     self._compute_s = time.perf_counter() - start
                     self.mark("exchange")
-                hook(self.strategy, "backward")(self.model, loss)
+                self.strategy.backward(self.model, loss)
             loss_sum += token_loss.detach()
         return loss_sum
 

@@ -1,0 +1,113 @@
+"""The closed sets of values config keys accept: one enum per set, the single source.
+
+Why enums: a field of ``schema.py`` annotated with one of them is checked by OmegaConf
+while YAML files and ``key=value`` overrides are merged, so a typo fails before Ray
+starts, and the allowed values are written once, here, instead of in comments, tables
+and dicts that drift apart.
+
+Why ``StrEnum`` members named by their own value: code everywhere compares config
+values with plain strings (``cfg.parallel.strategy == "fsdp"``), looks them up in
+dicts keyed by strings and formats them into messages.  A ``StrEnum`` member equals,
+hashes and formats as its value, and :class:`Choice` makes its ``repr`` the value's
+too.  OmegaConf accepts a member's name or its value and writes the *name* when a
+config becomes YAML or a plain dict (``enum_to_str``), so name and value must be the
+same string; :func:`_choice` builds every enum from its values to guarantee it, which
+also admits values that are not identifiers (``1f1b``).
+
+Imports nothing from the package, so any module can import it without a cycle.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Tuple, Type
+
+
+class Choice(StrEnum):
+    """Base of the choice enums: a member reads, compares and prints as its plain value."""
+
+    def __repr__(self) -> str:
+        """Messages format values with ``!r`` (``got 'zero'``); keep them free of enum noise."""
+        return repr(self.value)
+
+    @classmethod
+    def values(cls) -> Tuple[str, ...]:
+        """The allowed spellings, in declaration order (for messages and CLI choices)."""
+        return tuple(member.value for member in cls)
+
+
+def _choice(name: str, doc: str, *values: str) -> Type[Choice]:
+    """An enum whose members are named by their values (see the module docstring)."""
+    enum = Choice(name, [(value, value) for value in values], module=__name__, qualname=name)
+    enum.__doc__ = doc
+    return enum
+
+
+Device = _choice(
+    "Device",
+    "``run.device``: auto is cuda when the worker has a GPU, else cpu.",
+    "auto",
+    "cpu",
+    "cuda",
+)
+PlacementStrategy = _choice(
+    "PlacementStrategy",
+    "``scaling.placement_strategy``: Ray placement-group strategies, spelled as Ray does.",
+    "PACK",
+    "SPREAD",
+    "STRICT_PACK",
+    "STRICT_SPREAD",
+)
+StrategyName = _choice(
+    "StrategyName",
+    "``parallel.strategy``: DDP, FSDP2, or DeepSpeed ZeRO (configured by ``parallel.zero``).",
+    "ddp",
+    "fsdp",
+    "zero",
+)
+Backend = _choice(
+    "Backend",
+    "``parallel.backend``: the process-group backend; auto is nccl on GPU, gloo on CPU.",
+    "auto",
+    "nccl",
+    "gloo",
+)
+Precision = _choice(
+    "Precision", "A concrete training precision (the planner's ``--precision``).", "bf16", "fp32"
+)
+MixedPrecision = _choice(
+    "MixedPrecision",
+    "``parallel.mixed_precision``: auto is bf16 on GPU, fp32 on CPU.",
+    "auto",
+    *Precision.values(),
+)
+PipelineSchedule = _choice(
+    "PipelineSchedule",
+    "``parallel.pp_schedule``: all forwards then all backwards (gpipe), or one forward "
+    "one backward once the pipeline is full (1f1b, less activation memory).",
+    "gpipe",
+    "1f1b",
+)
+Offload = _choice(
+    "Offload",
+    "``parallel.zero.offload_optimizer``/``offload_param``: where ZeRO offloads to "
+    "(nvme and any parameter offload need stage 3).",
+    "none",
+    "cpu",
+    "nvme",
+)
+OnBusy = _choice(
+    "OnBusy",
+    "``checkpoint.on_busy``: a save due while the previous one still persists is "
+    "skipped, or waits for it.",
+    "skip",
+    "wait",
+)
+NanPolicy = _choice(
+    "NanPolicy",
+    "``guards.nan_policy``: a non-finite step is skipped (no update, batch consumed), "
+    "rolled back to the last checkpoint (the batch skipped), or fails the run.",
+    "skip_step",
+    "rollback",
+    "fail",
+)

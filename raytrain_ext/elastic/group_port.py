@@ -1,0 +1,103 @@
+"""The worker group as the controller drives it: an interface without Ray in it.
+
+The controller never handles a Ray future: starting ``fit`` on every rank,
+waiting on it, polling heartbeats and per-step records, and asking ranks to
+checkpoint all go through ``GroupPort``.  ``ray_group.RayGroup`` implements it
+over ``worker.group.WorkerGroup``; the controller's unit tests step the state
+machine with a fake.  Ranks are the group's current ranks: every ``start`` and
+``reform`` renumbers them, and ``infos[rank]`` names each rank's node and process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Protocol, Sequence, Set, Tuple
+
+
+@dataclass(frozen=True)
+class FitStatus:
+    """One wait on the ranks' ``fit`` calls.  ``error``: (rank, error) where a failure
+    started, when a rank raised; ``finished``: every rank has returned."""
+
+    finished: bool
+    error: Optional[Tuple[int, BaseException]] = None
+
+
+class GroupPort(Protocol):
+    @property
+    def avoid_nodes(self) -> Set[str]:
+        """Node ids the next ``start`` must not use (the controller adds to this set)."""
+        ...
+
+    @property
+    def backend(self) -> Optional[str]:
+        """The formed process group's backend (gloo, nccl)."""
+        ...
+
+    @property
+    def infos(self) -> List[Dict[str, Any]]:
+        """Per rank: node_id, node_ip, pid, gpu_ids."""
+        ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    def start(
+        self,
+        num_workers: int,
+        *,
+        backend: str,
+        timeout_s: float,
+        placement_timeout_s: float,
+        spares: int,
+    ) -> None:
+        """Place and form a new group (raises when it cannot be placed or formed)."""
+        ...
+
+    def reform(
+        self, keep_ranks: List[int], *, backend: str, timeout_s: float, placement_timeout_s: float
+    ) -> Dict[str, int]:
+        """Re-form at the same size keeping ``keep_ranks``' processes; how slots were filled."""
+        ...
+
+    def start_fit(self, cfg_dict: Dict[str, Any], attempt: int) -> None:
+        """Start ``fit`` on every rank; ``attempt`` counts re-forms."""
+        ...
+
+    def wait_fit(self, timeout_s: float) -> FitStatus:
+        """Wait up to ``timeout_s`` for the ``fit`` calls not finished yet."""
+        ...
+
+    def fit_results(self) -> List[Dict[str, Any]]:
+        """Every rank's ``fit`` result, in rank order, once all have finished."""
+        ...
+
+    def heartbeats(self, timeout_s: float) -> Dict[int, Dict[str, Any]]:
+        """rank -> its last step and phase; a rank that does not answer is left out."""
+        ...
+
+    def poll(self, ranks: Sequence[int], timeout_s: float) -> Dict[int, Dict[str, Any]]:
+        """rank -> its last step and the records not taken yet; one that does not answer
+        (or no longer exists) is left out."""
+        ...
+
+    def preempt(self, ranks: Sequence[int], grace_s: float) -> None:
+        """Ask ``ranks`` to checkpoint within ``grace_s`` and stop (``fit`` then returns)."""
+        ...
+
+    def request_checkpoint(self) -> None: ...
+
+    def keepable_ranks(self, hung_ranks: List[int], wait_s: float) -> Optional[List[int]]:
+        """The ranks whose processes can join a re-form in place; None to restart all."""
+        ...
+
+    def replenish_spares(self, spares: int) -> None: ...
+
+    def dump_stacks(self, out: Path, attempt: int) -> None:
+        """Every rank's Python stacks into files under ``out``."""
+        ...
+
+    def shutdown(self) -> None:
+        """Stop every process of the group; safe to call more than once."""
+        ...

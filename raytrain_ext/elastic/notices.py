@@ -1,0 +1,114 @@
+"""What the running group tells the controller besides finishing: drain notices, heartbeats
+(hangs), stragglers, and the worker stacks dumped on a hang.
+
+Each check is throttled on the controller's clock and reports what it found (a
+hang's reason, a rank to evict); the controller chooses the transition.  Drain
+notices are forwarded to the ranks once per run: the preemption that follows
+re-forms the group away from the drained nodes.  ``watch`` starts afresh for
+each group, since hang detection compares the heartbeats of one group's ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Set
+
+from raytrain_ext.elastic.cluster_probe import Cluster
+from raytrain_ext.elastic.diagnostics import newly_flagged_stragglers
+from raytrain_ext.elastic.group_port import GroupPort
+from raytrain_ext.elastic.records import StepRecord
+from raytrain_ext.elastic.watchdog import HangWatchdog
+
+log = logging.getLogger(__name__)
+
+
+class Notices:
+    def __init__(self, cfg, group: GroupPort, cluster: Cluster, clock: Callable[[], float]):
+        self.cfg, self.group, self.cluster, self.clock = cfg, group, cluster, clock
+        self.watchdog = HangWatchdog(cfg.elastic.hang_factor, cfg.elastic.hang_floor_s)
+        self.hung_ranks: List[int] = []  # named by the watchdog's last verdict
+        self.drained_nodes: Set[str] = set()
+        self.eviction: Optional[int] = None  # a straggler's rank, for guards.evict_stragglers
+        self._stragglers_named: Set[int] = set()
+        self._last_heartbeat_check = 0.0
+        self._last_drain_check = 0.0
+        self._drain_forwarded = False
+
+    def new_group(self) -> None:
+        """Ranks are renumbered by every re-form: stragglers are named afresh."""
+        self._stragglers_named = set()
+
+    def watch(self) -> None:
+        """Start watching a group that just began ``fit``."""
+        self.hung_ranks = []
+        self.watchdog = HangWatchdog(self.cfg.elastic.hang_factor, self.cfg.elastic.hang_floor_s)
+
+    def forward_drains(self, every_s: float = 1.0) -> None:
+        """A node being drained (spot reclaim, autoscaler) preempts the run like SIGTERM:
+        its ranks are asked to checkpoint before the drain's deadline and stop."""
+        now = self.clock()
+        if self._drain_forwarded or now - self._last_drain_check < every_s:
+            return
+        self._last_drain_check = now
+        draining = self.cluster.draining_nodes()
+        infos = self.group.infos
+        ranks = [r for r, info in enumerate(infos) if info["node_id"] in draining]
+        if not ranks:
+            return
+        left_s = min(draining[infos[r]["node_id"]] for r in ranks)
+        grace = max(1.0, min(self.cfg.checkpoint.preemption_grace_s, left_s))
+        self.drained_nodes.update(infos[r]["node_id"] for r in ranks)
+        log.warning(
+            "controller: node(s) of ranks %s are draining (deadline in %.0f s); "
+            "emergency checkpoint within %.0f s",
+            ranks,
+            left_s,
+            grace,
+        )
+        self.group.preempt(ranks, grace)
+        self._drain_forwarded = True
+
+    def check_heartbeats(self, every_s: float = 1.0) -> Optional[str]:
+        """Feed every rank's heartbeat to the watchdog; a reason string when the group hangs."""
+        now = self.clock()
+        if now - self._last_heartbeat_check < every_s:
+            return None
+        self._last_heartbeat_check = now
+        for rank, beat in self.group.heartbeats(timeout_s=5).items():
+            self.watchdog.observe(rank, beat["step"], beat["phase"], now)
+        verdict = self.watchdog.check(now)
+        if verdict is None:
+            return None
+        self.hung_ranks = list(verdict.ranks)
+        infos = self.group.infos
+        names = ", ".join(
+            f"rank {r} (node {infos[r]['node_ip']}, pid {infos[r]['pid']})" for r in verdict.ranks
+        )
+        reason = (
+            f"hang: {names} made no progress for {verdict.stalled_s:.1f} s (deadline "
+            f"{verdict.deadline_s:.1f} s = max(elastic.hang_factor x median step, "
+            f"elastic.hang_floor_s))"
+        )
+        log.error("controller: %s", reason)
+        return reason
+
+    def observe_step(self, record: StepRecord) -> List[Dict[str, Any]]:
+        """Time the step for the watchdog; name newly flagged stragglers once (returned) and
+        mark the first for eviction when ``guards.evict_stragglers``."""
+        self.watchdog.record_step_time(record.step_time_s)
+        if not record.stragglers:
+            return []
+        g = self.cfg.guards
+        entries = newly_flagged_stragglers(
+            record.fields, self.group.infos, self._stragglers_named, g.straggler_window
+        )
+        if entries and g.evict_stragglers and self.eviction is None:
+            self.eviction = entries[0]["rank"]
+        return entries
+
+    def dump_stacks(self, attempt: int) -> None:
+        """Python stacks of every worker into ``<run_dir>/hang-stacks/`` (guards.hang_stacks)."""
+        if self.cfg.guards.hang_stacks:
+            run = self.cfg.run
+            self.group.dump_stacks(Path(run.output_dir) / run.name / "hang-stacks", attempt)

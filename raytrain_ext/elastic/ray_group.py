@@ -1,0 +1,139 @@
+"""``GroupPort`` over ``worker.group.WorkerGroup``: the controller's Ray futures live here.
+
+Each method resolves its own futures with a timeout and leaves out a rank that
+does not answer (a dead rank's ``fit`` future reports its error instead), so the
+controller sees only data.  The ``fit`` futures of the current group are held
+here from ``start_fit`` until the next ``start`` or ``reform``.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set
+
+import ray
+
+from raytrain_ext.elastic.diagnostics import dump_worker_stacks
+from raytrain_ext.elastic.group_port import FitStatus
+from raytrain_ext.elastic.survivors import first_error, keepable_ranks
+from raytrain_ext.worker.group import WorkerGroup
+
+NO_ANSWER = (ray.exceptions.RayError, ray.exceptions.GetTimeoutError)
+
+
+class RayGroup:
+    def __init__(self, group: WorkerGroup, clock: Callable[[], float] = time.time):
+        self._group = group
+        self._clock = clock
+        self._fit_refs: List[ray.ObjectRef] = []
+        self._pending: List[ray.ObjectRef] = []
+
+    @classmethod
+    def for_config(cls, cfg) -> RayGroup:
+        s = cfg.scaling
+        return cls(WorkerGroup(dict(s.resources_per_worker), s.placement_strategy))
+
+    @property
+    def avoid_nodes(self) -> Set[str]:
+        return self._group.avoid_nodes
+
+    @property
+    def backend(self) -> Optional[str]:
+        return self._group.backend
+
+    @property
+    def infos(self) -> List[Dict[str, Any]]:
+        return self._group.infos
+
+    @property
+    def world_size(self) -> int:
+        return self._group.world_size
+
+    def start(
+        self,
+        num_workers: int,
+        *,
+        backend: str,
+        timeout_s: float,
+        placement_timeout_s: float,
+        spares: int,
+    ) -> None:
+        self._fit_refs, self._pending = [], []  # a group that fails to form ran nothing
+        self._group.start(
+            num_workers,
+            backend=backend,
+            timeout_s=timeout_s,
+            placement_timeout_s=placement_timeout_s,
+            spares=spares,
+        )
+
+    def reform(
+        self, keep_ranks: List[int], *, backend: str, timeout_s: float, placement_timeout_s: float
+    ) -> Dict[str, int]:
+        self._fit_refs, self._pending = [], []
+        return self._group.reform(
+            keep_ranks,
+            backend=backend,
+            timeout_s=timeout_s,
+            placement_timeout_s=placement_timeout_s,
+        )
+
+    def start_fit(self, cfg_dict: Dict[str, Any], attempt: int) -> None:
+        self._fit_refs = self._group.call_async("fit", cfg_dict, attempt)
+        self._pending = list(self._fit_refs)
+
+    def wait_fit(self, timeout_s: float) -> FitStatus:
+        done: List[ray.ObjectRef] = []
+        if self._pending:
+            done, self._pending = ray.wait(
+                self._pending, num_returns=len(self._pending), timeout=timeout_s
+            )
+        failed = first_error(self._fit_refs, done, self._clock)
+        return FitStatus(finished=not self._pending, error=failed)
+
+    def fit_results(self) -> List[Dict[str, Any]]:
+        return ray.get(self._fit_refs)
+
+    def heartbeats(self, timeout_s: float) -> Dict[int, Dict[str, Any]]:
+        return self._ask(range(self.world_size), lambda a: a.heartbeat.remote(), timeout_s)
+
+    def poll(self, ranks: Sequence[int], timeout_s: float) -> Dict[int, Dict[str, Any]]:
+        return self._ask(ranks, lambda a: a.poll.remote(), timeout_s)
+
+    def _ask(
+        self, ranks: Sequence[int], call: Callable[[Any], ray.ObjectRef], timeout_s: float
+    ) -> Dict[int, Any]:
+        """``call`` every rank of ``ranks`` at once, then collect each answer within
+        ``timeout_s`` (a rank the group no longer has is left out, like a dead one)."""
+        actors = self._group.actors
+        refs = {r: call(actors[r]) for r in ranks if r < len(actors)}
+        answers = {}
+        for rank, ref in refs.items():
+            try:
+                answers[rank] = ray.get(ref, timeout=timeout_s)
+            except NO_ANSWER:
+                continue  # a dead rank: its fit() future reports it
+        return answers
+
+    def preempt(self, ranks: Sequence[int], grace_s: float) -> None:
+        for rank in ranks:
+            self._group.actors[rank].preempt.remote(grace_s)
+
+    def request_checkpoint(self) -> None:
+        if self._group.actors:
+            self._group.actors[0].request_checkpoint.remote()
+
+    def keepable_ranks(self, hung_ranks: List[int], wait_s: float) -> Optional[List[int]]:
+        if not self._fit_refs:
+            return None  # nothing ran: no survivor to keep
+        return keepable_ranks(self._group, self._fit_refs, hung_ranks, wait_s)
+
+    def replenish_spares(self, spares: int) -> None:
+        self._group.replenish_spares(spares)
+
+    def dump_stacks(self, out: Path, attempt: int) -> None:
+        dump_worker_stacks(self._group.actors, self._group.infos, out, attempt)
+
+    def shutdown(self) -> None:
+        self._group.shutdown()

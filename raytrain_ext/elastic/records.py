@@ -1,0 +1,191 @@
+"""What the controller writes down: run states, transitions, recovery and resize records,
+and the typed view of rank 0's per-step records.
+
+Records are dataclasses, so each field is named and typed once; ``to_dict`` gives
+the plain form that summary.json, the report and the benchmarks read, with the
+keys and values they have always had.  A recovery's later stages add their keys
+only once reached, so a reader tells from the keys how far a recovery got.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Mapping, Optional
+
+from raytrain_ext.elastic.policy import Action
+
+
+class RunState(enum.Enum):
+    SCHEDULING = "SCHEDULING"
+    RUNNING = "RUNNING"
+    RECOVERING = "RECOVERING"
+    RESIZING = "RESIZING"
+    FINISHED = "FINISHED"
+    PREEMPTED = "PREEMPTED"
+    FAILED = "FAILED"
+
+
+TERMINAL = (RunState.FINISHED, RunState.PREEMPTED, RunState.FAILED)
+
+
+@dataclass
+class Transition:
+    source: str
+    target: str
+    reason: str
+    at: float
+
+
+class RecoveryKind(enum.StrEnum):
+    FAILURE = "failure"  # a worker raised, died or hung: spends elastic.max_failures
+    EVICTION = "eviction"  # a straggler's node is left out: spends no budget
+    PREEMPTION = "preemption"  # SIGTERM or a node drain: spends elastic.max_preemptions
+
+
+_DECIDED = ("decided_s", "decision", "world_size")
+_ACCOUNTED = (
+    "restore_s",
+    "restored_from",
+    "restored_step",
+    "restore_phases",
+    "steps_redone",
+    "first_step_after_s",
+)
+
+
+@dataclass
+class Recovery:
+    """One recovery, from its detection to the first step of the re-formed group.
+
+    Filled in stages: opened when detected (the first five fields), decided when
+    RECOVERING ends (``decide``; ``reformed`` as well after a re-form in place),
+    and accounted by the first step of the new group (``account``).  Times are
+    the controller's clock, except ``first_step_after_s``, which ends at the
+    worker's timestamp of that step.
+    """
+
+    kind: RecoveryKind
+    failure: int  # failures counted so far, this one included when it counts
+    reason: str
+    detected_at: float
+    last_step: int  # the furthest step any rank completed before the recovery
+    decided_s: Optional[float] = None  # detection -> decision
+    decision: Optional[Action] = None
+    world_size: Optional[int] = None  # of the next group
+    reformed: Optional[Dict[str, int]] = None  # how a re-form in place filled the slots
+    restore_s: Optional[float] = None
+    restored_from: Optional[str] = None  # the checkpoint tier
+    restored_step: Optional[int] = None
+    restore_phases: Optional[Dict[str, float]] = None
+    steps_redone: Optional[int] = None
+    first_step_after_s: Optional[float] = None  # detection -> end of the first step after
+
+    def decide(self, now: float, decision: Action, world_size: Optional[int]) -> None:
+        self.decided_s = now - self.detected_at
+        self.decision = decision
+        self.world_size = world_size
+
+    def account(self, restored: Optional[Mapping[str, Any]], step_end: float) -> None:
+        """Close the books from the new group's first step (``restored``: what it resumed
+        from, None when it started afresh)."""
+        restored = restored or {}
+        self.restored_step = restored.get("step", 0)
+        self.restore_s = restored.get("total_s", 0.0)
+        self.restored_from = restored.get("tier")
+        self.restore_phases = restored.get("phases")
+        self.steps_redone = max(0, self.last_step - self.restored_step)
+        self.first_step_after_s = step_end - self.detected_at
+
+    def to_dict(self) -> Dict[str, Any]:
+        out = asdict(self)
+        out["kind"] = self.kind.value
+        if self.decision is None:
+            for key in _DECIDED:
+                del out[key]
+        else:
+            out["decision"] = self.decision.value
+        if self.reformed is None:
+            del out["reformed"]
+        if self.first_step_after_s is None:
+            for key in _ACCOUNTED:
+                del out[key]
+        return out
+
+
+@dataclass(frozen=True)
+class Resize:
+    """A planned re-form at a checkpoint boundary (growing toward ``scaling.max_workers``)."""
+
+    step: int
+    from_size: int
+    to_size: int
+    wanted: int  # the size the grow policy asked for; ``to_size`` is what fit
+    decided_s: float
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {
+            "step": self.step,
+            "from": self.from_size,
+            "to": self.to_size,
+            "wanted": self.wanted,
+            "decided_s": self.decided_s,
+        }
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """Rank 0's record of one step: the fields the controller acts on, typed, and the
+    whole record as the worker sent it (``fields``), which goes on to the sinks."""
+
+    step: int
+    time: float  # the step's end, on the worker's clock
+    step_time_s: float
+    stragglers: List[int]
+    rank_compute_s: List[float]
+    first_of_group: bool  # the new group's first step: it says where the group resumed from
+    restored: Optional[Dict[str, Any]]  # that restore (None: started afresh)
+    fields: Dict[str, Any]
+
+    @classmethod
+    def from_worker(cls, record: Dict[str, Any]) -> StepRecord:
+        return cls(
+            step=record["step"],
+            time=record["time"],
+            step_time_s=record["step_time_s"],
+            stragglers=list(record.get("stragglers", [])),
+            rank_compute_s=list(record.get("rank_compute_s", [])),
+            first_of_group="restored" in record,
+            restored=record.get("restored"),
+            fields=record,
+        )
+
+    def for_sinks(self, recoveries: int) -> Dict[str, Any]:
+        """The worker's record plus the number of recoveries so far."""
+        return {**self.fields, "recoveries": recoveries}
+
+
+@dataclass
+class ControllerResult:
+    """What a run did.  ``recoveries`` and ``resizes`` are the records in their plain
+    form (summary.json); the typed records are in ``recovery_log`` and ``resize_log``."""
+
+    state: RunState
+    records: List[Dict[str, Any]] = field(default_factory=list)
+    worker_results: List[Dict[str, Any]] = field(default_factory=list)
+    world_size_history: List[Dict[str, int]] = field(default_factory=list)
+    transitions: List[Transition] = field(default_factory=list)
+    workers: List[Dict[str, Any]] = field(default_factory=list)
+    recovery_log: List[Recovery] = field(default_factory=list)
+    resize_log: List[Resize] = field(default_factory=list)
+    stragglers: List[Dict[str, Any]] = field(default_factory=list)
+    backend: Optional[str] = None
+    error: Optional[BaseException] = None
+
+    @property
+    def recoveries(self) -> List[Dict[str, Any]]:
+        return [r.to_dict() for r in self.recovery_log]
+
+    @property
+    def resizes(self) -> List[Dict[str, Any]]:
+        return [r.to_dict() for r in self.resize_log]

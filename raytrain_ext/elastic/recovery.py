@@ -1,0 +1,86 @@
+"""Recovery records and the budgets they spend: open, choose survivors, close the books.
+
+A failure (a worker raised, died or hung) spends ``elastic.max_failures``, a
+preemption (SIGTERM, a node drain) ``elastic.max_preemptions``; an eviction of a
+straggler's node spends neither.  Each recovery the budgets allow gets one
+``Recovery`` record: opened when detected, decided by the controller when
+RECOVERING ends, accounted by the first step of the re-formed group.  Records
+are appended, never removed: the last one is the recovery under way.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, List, Optional
+
+from raytrain_ext.elastic.group_port import GroupPort
+from raytrain_ext.elastic.policy import Budget
+from raytrain_ext.elastic.records import Recovery, RecoveryKind, StepRecord
+
+log = logging.getLogger(__name__)
+
+
+class Recoveries:
+    def __init__(self, cfg, group: GroupPort, clock: Callable[[], float], records: List[Recovery]):
+        e = cfg.elastic
+        self.cfg, self.group, self.clock = cfg, group, clock
+        self.records = records
+        self.failures = 0
+        self.preemptions = 0
+        self.failure_budget = Budget(e.max_failures, "elastic.max_failures")
+        self.preemption_budget = Budget(e.max_preemptions, "elastic.max_preemptions")
+
+    @property
+    def current(self) -> Recovery:
+        return self.records[-1]
+
+    def count_failure(self, counted: bool) -> bool:
+        """Count a failure (an eviction is not counted); False once the budget is spent."""
+        self.failures += counted
+        return not counted or self.failure_budget.allows(self.failures)
+
+    def open_failure(self, reason: str, counted: bool, detected_at: float, last_step: int) -> None:
+        kind = RecoveryKind.FAILURE if counted else RecoveryKind.EVICTION
+        self.records.append(Recovery(kind, self.failures, reason, detected_at, last_step))
+
+    def open_preemption(self, reason: str, step: int) -> Optional[str]:
+        """Count a preemption whose emergency checkpoint is at ``step``; why the run must
+        stop when the budget is spent, else None (and the record is opened)."""
+        self.preemptions += 1
+        if not self.preemption_budget.allows(self.preemptions):
+            return self.preemption_budget.spent(self.preemptions, "preemption")
+        kind = RecoveryKind.PREEMPTION
+        self.records.append(Recovery(kind, self.failures, reason, self.clock(), step))
+        return None
+
+    def survivors_to_keep(self, hung_ranks: List[int]) -> Optional[List[int]]:
+        """The ranks whose processes join the next group when it can be re-formed in place at
+        its size (see ``survivors.keepable_ranks``); None to restart every process.
+
+        Only after a failure on gloo: a preemption or eviction leaves nodes out, and an
+        NCCL communicator whose peer vanished needs an abort, not reuse.
+        """
+        e = self.cfg.elastic
+        if (
+            not e.reuse_survivors
+            or self.current.kind is not RecoveryKind.FAILURE
+            or self.group.backend != "gloo"
+        ):
+            return None
+        return self.group.keepable_ranks(hung_ranks, e.reuse_wait_s)
+
+    def account(self, record: StepRecord) -> None:
+        """The first step after a re-form closes the books on the last recovery; spares used
+        up are replaced now, off the recovery's path."""
+        recovery = self.current
+        recovery.account(record.restored, record.time)
+        log.info(
+            "controller: recovered from failure %d in %.2f s (restored step %d from %s, "
+            "%d steps redone)",
+            recovery.failure,
+            recovery.first_step_after_s,
+            recovery.restored_step,
+            recovery.restored_from,
+            recovery.steps_redone,
+        )
+        self.group.replenish_spares(self.cfg.elastic.spare_workers)
