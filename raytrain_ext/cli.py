@@ -12,7 +12,7 @@ from typing import List, Optional
 
 
 def _train(args: argparse.Namespace) -> int:
-    from raytrain_ext.checkpoint.tier import TierError
+    from raytrain_ext.checkpoint.tiers.base import TierError
     from raytrain_ext.config import ConfigError, load_config
     from raytrain_ext.elastic.controller import TrainingFailed
     from raytrain_ext.trainer import Trainer
@@ -115,13 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.add_argument("--s3-endpoint-url", default=None)
     export.set_defaults(func=_ckpt_export)
-    from raytrain_ext.ops.doctor import add_parser as add_doctor
+    from raytrain_ext.doctor.diagnosis import add_parser as add_doctor
 
     add_doctor(commands)
     from raytrain_ext.plan.cli import add_parser as add_plan
 
     add_plan(commands)
-    from raytrain_ext.ops.report import add_parser as add_report
+    from raytrain_ext.metrics.report import add_parser as add_report
 
     add_report(commands)
     return parser

@@ -18,7 +18,7 @@ from typing import Any, Dict, Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
-from raytrain_ext.checkpoint.memory import start_memory_tier, stop_memory_tier
+from raytrain_ext.checkpoint.tiers.memory import start_memory_tier, stop_memory_tier
 from raytrain_ext.config import config_digest, load_config, to_yaml
 from raytrain_ext.elastic.controller import Controller, ControllerResult, RunState
 from raytrain_ext.inputs.preflight import preflight
@@ -46,6 +46,12 @@ class Trainer:
         self._controller: Optional[Controller] = None
         self._stop_reason: Optional[str] = None
         self.run_dir = Path(self.cfg.run.output_dir) / self.cfg.run.name
+
+    @property
+    def controller(self) -> Optional[Controller]:
+        """The controller of the attempt in progress (its state, world size and group can be
+        watched from another thread); None before ``fit`` starts one."""
+        return self._controller
 
     def fit(self) -> Dict[str, Any]:
         """Train to completion; returns the summary (also written to summary.json).

@@ -1,11 +1,6 @@
 """Shared fixtures. Ray, gloo and servers stay on loopback (see FIELD_NOTES)."""
 
-import faulthandler
 import os
-import sys
-import threading
-import time
-from pathlib import Path
 
 # Must be set before ray is imported: Ray then resolves its own address to 127.0.0.1.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -100,23 +95,6 @@ def _tear_down(cluster, saved_env: dict) -> None:
         raise RuntimeError(f"tearing the cluster down: {errors!r}")
 
 
-# The packaged default's model at half its width and sequence length, for tests that need
-# many steps but no time between them (chaos tests on Ray keep the default model: their
-# faults are injected between steps, which must not be over before the fault lands).
-FAST_MODEL = ["model.n_layers=2", "model.d_model=64", "model.n_heads=2", "model.seq_len=64"]
-
-
-def tiny_overrides(tmp_path, *extra):
-    """The packaged default, shortened for tests, writing under tmp_path."""
-    return [
-        f"run.output_dir={tmp_path}",
-        "run.max_steps=6",
-        "run.log_every=2",
-        "run.tensorboard=false",
-        *extra,
-    ]
-
-
 @pytest.fixture(scope="session")
 def aws_env():
     """Dummy credentials for the local S3 server (never real ones)."""
@@ -144,79 +122,7 @@ def s3_endpoint(aws_env):
 def ddp_layout_reference(tmp_path_factory):
     """The 2-rank DDP run (with its checkpoints) that test_fsdp_tp and test_pp compare every
     parallel layout with: trained once per session."""
-    from tests.test_fsdp_tp import train
+    from tests.helpers.layouts import train
 
     tmp = tmp_path_factory.mktemp("ddp-layout-reference")
     return {"ranks": train(2, tmp), "ckpt": tmp / "ckpt"}
-
-
-def wait_for_checkpoint(
-    directory: Path, min_step: int, timeout_s: float = 120.0, while_running=None
-) -> int:
-    """Block until a committed checkpoint of step >= ``min_step`` is in ``directory``; its step.
-
-    Not one exact step: with ``checkpoint.on_busy=skip`` (the default) a save that falls
-    due while the previous one is still persisting is skipped, which a loaded machine does
-    now and then.  ``while_running``: a ``Popen`` that must still run (to be interrupted).
-    """
-    from raytrain_ext.checkpoint.disk import DiskTier
-
-    tier = DiskTier(directory)
-    deadline = time.time() + timeout_s
-    while time.time() < deadline and (while_running is None or while_running.poll() is None):
-        steps = tier.committed_steps()
-        if steps and steps[-1] >= min_step:
-            return steps[-1]
-        time.sleep(0.02)
-    raise AssertionError(
-        f"no checkpoint of step >= {min_step} in {directory} within "
-        f"{timeout_s:.0f} s" + (" while the run ran" if while_running else "")
-    )
-
-
-class FitThread:
-    """``trainer.fit()`` in a thread, for tests that inject faults while it runs.
-
-    A test cannot leave the run behind: leaving the ``with`` block (an assertion
-    failed, or the run outlived the timeout of ``join``/``summary``) stops the
-    trainer and joins its thread, so a cluster fixture never tears Ray down under
-    a live run.
-    """
-
-    def __init__(self, trainer):
-        self.trainer = trainer
-        self.outcome: list = []
-        self.thread = threading.Thread(target=self._fit, daemon=True, name="fit")
-
-    def _fit(self) -> None:
-        try:
-            self.outcome.append(self.trainer.fit())
-        except Exception as e:
-            self.outcome.append(e)
-
-    def __enter__(self) -> "FitThread":
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        if self.thread.is_alive():
-            self.trainer.stop("the test ended before the run")
-            self.thread.join(timeout=120)
-
-    def join(self, timeout_s: float):
-        """The run's summary, or the exception that ended it."""
-        self.thread.join(timeout=timeout_s)
-        if self.thread.is_alive():
-            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-            raise AssertionError(
-                f"the run was still going after {timeout_s:.0f} s "
-                "(every thread's stack is on stderr)"
-            )
-        (outcome,) = self.outcome
-        return outcome
-
-    def summary(self, timeout_s: float) -> dict:
-        """The summary of a run that must finish."""
-        outcome = self.join(timeout_s)
-        assert isinstance(outcome, dict), f"the run failed: {outcome!r}"
-        return outcome

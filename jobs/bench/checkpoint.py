@@ -191,7 +191,7 @@ def run_framework(args, endpoint, bucket, workdir, nbytes):
     import ray
 
     from raytrain_ext import Trainer
-    from raytrain_ext.checkpoint.memory import start_memory_tier, stop_memory_tier
+    from raytrain_ext.checkpoint.tiers.memory import start_memory_tier, stop_memory_tier
     from raytrain_ext.trainer import connect_ray
 
     connect_ray(None)

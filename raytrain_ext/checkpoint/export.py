@@ -15,16 +15,16 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from raytrain_ext.checkpoint.disk import DiskTier
 from raytrain_ext.checkpoint.manifest import MANIFEST, Manifest, parse_step_dir
-from raytrain_ext.checkpoint.ranged import PlannedS3Fetch
 from raytrain_ext.checkpoint.reader import (
     VerifiedReader,
     map_files,
 )
 from raytrain_ext.checkpoint.resolve import Resolution, newest_usable
-from raytrain_ext.checkpoint.s3 import S3Tier
-from raytrain_ext.checkpoint.tier import Tier, TierError
+from raytrain_ext.checkpoint.tiers.base import Tier, TierError
+from raytrain_ext.checkpoint.tiers.disk import DiskTier
+from raytrain_ext.checkpoint.tiers.s3 import S3Tier
+from raytrain_ext.checkpoint.tiers.s3_ranged import PlannedS3Fetch
 from raytrain_ext.inputs.paths import writable_file_problem
 from raytrain_ext.inputs.s3_errors import EXPORT_KEYS, endpoint_problem
 

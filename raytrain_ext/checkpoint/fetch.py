@@ -20,17 +20,17 @@ from typing import Any, Callable, Dict, List, Optional
 import torch.distributed.checkpoint as dcp
 
 from raytrain_ext.checkpoint.manifest import Manifest, step_dir_name, verify_dir
-from raytrain_ext.checkpoint.memory import MemoryTier
 from raytrain_ext.checkpoint.phases import RestorePhases
-from raytrain_ext.checkpoint.ranged import PlannedS3Fetch
 from raytrain_ext.checkpoint.reader import (
     METADATA,
     VerifiedReader,
     map_files,
     plan_files,
 )
-from raytrain_ext.checkpoint.s3 import S3Tier
-from raytrain_ext.checkpoint.tier import Tier
+from raytrain_ext.checkpoint.tiers.base import Tier
+from raytrain_ext.checkpoint.tiers.memory import MemoryTier
+from raytrain_ext.checkpoint.tiers.s3 import S3Tier
+from raytrain_ext.checkpoint.tiers.s3_ranged import PlannedS3Fetch
 
 ShapeCheck = Callable[[Any, Dict[str, Any], str], None]  # (metadata, targets, where): raises
 ReadViews = Callable[[List[str]], Dict[str, memoryview]]  # file names -> their bytes

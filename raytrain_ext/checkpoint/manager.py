@@ -46,8 +46,8 @@ from raytrain_ext.checkpoint.manifest import (
 )
 from raytrain_ext.checkpoint.recycle import POOL
 from raytrain_ext.checkpoint.restore import Restorer
-from raytrain_ext.checkpoint.tier import Tier, prune
 from raytrain_ext.checkpoint.tiers import build_tiers
+from raytrain_ext.checkpoint.tiers.base import Tier, prune
 from raytrain_ext.checkpoint.writer import ChecksummingWriter
 from raytrain_ext.version import __version__
 
@@ -369,7 +369,7 @@ class CheckpointManager:
     def close(self) -> None:
         """Wait for the save in flight; record per-tier retry counts in ``stats``."""
         self.wait()
-        self.stats["retries"] = {t.name: getattr(t, "retries", 0) for t in self.tiers}
+        self.stats["retries"] = {t.name: t.retries for t in self.tiers}
 
 
 def _versions() -> Dict[str, str]:

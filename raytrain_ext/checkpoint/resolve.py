@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 from raytrain_ext.checkpoint.manifest import MANIFEST, Manifest, step_dir_name
-from raytrain_ext.checkpoint.tier import Tier, TierError
+from raytrain_ext.checkpoint.tiers.base import Tier, TierError
 
 
 @dataclass

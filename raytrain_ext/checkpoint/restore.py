@@ -31,11 +31,11 @@ from raytrain_ext.checkpoint.agreement import gather_from_all
 from raytrain_ext.checkpoint.fetch import Fetched, StepLoad, fetch_step
 from raytrain_ext.checkpoint.manifest import Manifest, parse_step_dir
 from raytrain_ext.checkpoint.phases import MemoryWatch, RestorePhases
-from raytrain_ext.checkpoint.ranged import ChunkReader
 from raytrain_ext.checkpoint.reader import VerifiedReader
 from raytrain_ext.checkpoint.resolve import check_step, describe
-from raytrain_ext.checkpoint.tier import Tier
 from raytrain_ext.checkpoint.tiers import tier_for_location
+from raytrain_ext.checkpoint.tiers.base import Tier
+from raytrain_ext.checkpoint.tiers.s3_ranged import ChunkReader
 
 log = logging.getLogger(__name__)
 

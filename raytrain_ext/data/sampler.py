@@ -36,7 +36,7 @@ class GlobalSampler:
         self.cursor = 0
 
     def epoch_order(self, epoch: int) -> np.ndarray:
-        return _epoch_order(self.num_samples, self.seed, epoch, self.shuffle)
+        return epoch_order(self.num_samples, self.seed, epoch, self.shuffle)
 
     def next_global_batch(self) -> np.ndarray:
         """Advance by one step and return its ``global_batch_size`` sample indices."""
@@ -83,7 +83,7 @@ def rank_slice(global_batch: np.ndarray, rank: int, world_size: int) -> np.ndarr
 
 
 @lru_cache(maxsize=4)
-def _epoch_order(num_samples: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
+def epoch_order(num_samples: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
     if not shuffle:
         return np.arange(num_samples, dtype=np.int64)
     rng = np.random.Generator(np.random.PCG64([seed, epoch]))

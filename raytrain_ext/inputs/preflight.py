@@ -14,7 +14,7 @@ import socket
 from pathlib import Path
 
 from raytrain_ext.checkpoint.resolve import newest_usable
-from raytrain_ext.checkpoint.tier import TierError
+from raytrain_ext.checkpoint.tiers.base import TierError
 from raytrain_ext.config.validate import schedule_warnings
 from raytrain_ext.inputs.data_check import check_token_data
 from raytrain_ext.inputs.errors import InputError

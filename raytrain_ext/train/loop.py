@@ -36,18 +36,18 @@ from raytrain_ext.faults import FaultInjector
 from raytrain_ext.metrics.flops import mfu, model_flops_per_token, peak_flops_for
 from raytrain_ext.models import model_spec
 from raytrain_ext.models.moe import moe_aux_loss, moe_expert_load
-from raytrain_ext.ops.guards import (
+from raytrain_ext.parallel import DistContext, dims_for_run
+from raytrain_ext.parallel.registry import build_strategy
+from raytrain_ext.train.guards import (
     NonFiniteDecision,
     NonFiniteLossError,
     StepAction,
     StragglerDetector,
     nonfinite_decision,
 )
-from raytrain_ext.ops.profiler import StepProfiler
-from raytrain_ext.parallel import DistContext, dims_for_run
-from raytrain_ext.parallel.registry import build_strategy
 from raytrain_ext.train.ledger import SampleLedger, params_sha256
 from raytrain_ext.train.optim import build_optimizer, build_scheduler
+from raytrain_ext.train.profiler import StepProfiler
 
 Report = Callable[[Dict[str, Any]], None]
 log = logging.getLogger(__name__)

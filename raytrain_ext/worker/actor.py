@@ -227,7 +227,7 @@ WARM_MODULES = (
     "pydantic",
     "raytrain_ext.train.loop",
     "raytrain_ext.checkpoint.manager",
-    "raytrain_ext.checkpoint.memory",
+    "raytrain_ext.checkpoint.tiers.memory",
 )
 
 

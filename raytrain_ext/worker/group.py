@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -41,9 +41,18 @@ class Spare:
 
 
 class WorkerGroup:
-    def __init__(self, resources_per_worker: Dict[str, float], placement_strategy: str = "PACK"):
+    """The gang (module doc); ``worker_class`` makes the remote actor class, a
+    :class:`TrainWorker` or a subclass of it (the doctor's bandwidth workers)."""
+
+    def __init__(
+        self,
+        resources_per_worker: Dict[str, float],
+        placement_strategy: str = "PACK",
+        worker_class: Callable[[], Any] = remote_worker_class,
+    ):
         self.resources = {k: float(v) for k, v in resources_per_worker.items() if v}
         self.placement_strategy = placement_strategy
+        self.worker_class = worker_class
         self.pg = None
         self.actors: List[Any] = []  # in rank order once started
         self.bundles: List[int] = []  # each rank's bundle in ``pg``
@@ -159,7 +168,7 @@ class WorkerGroup:
         gpus = self.resources.get("GPU", 0.0)
         custom = {k: v for k, v in self.resources.items() if k not in ("CPU", "GPU")}
         return (
-            remote_worker_class()
+            self.worker_class()
             .options(
                 num_cpus=self.resources.get("CPU", 0.0),
                 num_gpus=gpus,

@@ -1,0 +1,78 @@
+"""The interface of a checkpoint tier: a place that holds ``step-<N>/`` file sets.
+
+A tier stores files and manifests; it knows nothing about tensors.  ``upload``
+is called by every rank for the files it wrote, ``commit`` once all ranks'
+files have landed (the manifest goes in last), and ``materialize`` returns a
+local directory holding a committed checkpoint's files for DCP to read.
+"""
+
+from __future__ import annotations
+
+import abc
+from pathlib import Path
+from typing import List, Optional
+
+from raytrain_ext.checkpoint.manifest import Manifest
+
+
+class TierError(RuntimeError):
+    """A tier is unusable (missing bucket, bad credentials, unreachable endpoint...)."""
+
+
+class Tier(abc.ABC):
+    """A place that holds ``step-<N>/`` file sets (module doc); ``retries`` counts failed
+    requests that were retried (a flaky store shows up here; 0 where nothing retries)."""
+
+    name: str = ""
+    retries: int = 0
+
+    @abc.abstractmethod
+    def probe(self) -> None:
+        """Write, read back and delete a small object; raise ``TierError`` naming the fix."""
+
+    @abc.abstractmethod
+    def upload(self, step: int, src_dir: Path, names: List[str]) -> None:
+        """Store these files of ``src_dir`` under the step (called by every rank)."""
+
+    @abc.abstractmethod
+    def commit(self, manifest: Manifest) -> None:
+        """Store the manifest last: the step is committed once it is readable."""
+
+    @abc.abstractmethod
+    def committed_steps(self) -> List[int]:
+        """Steps whose manifest is stored, oldest first."""
+
+    @abc.abstractmethod
+    def manifest_text(self, step: int) -> Optional[str]:
+        """The manifest as stored, or None when the step has none (never committed)."""
+
+    @abc.abstractmethod
+    def materialize(self, step: int, names: List[str], cache_dir: Path) -> Path:
+        """A local directory holding these files of a committed step."""
+
+    @abc.abstractmethod
+    def all_steps(self) -> List[int]:
+        """Every step with anything stored, committed or not (for retention)."""
+
+    @abc.abstractmethod
+    def delete(self, step: int) -> None:
+        """Remove everything stored under the step."""
+
+
+def prune(tier: Tier, keep_last: int) -> List[int]:
+    """Keep the newest ``keep_last`` committed steps; delete older ones and stale partial ones.
+
+    The newest committed checkpoint is never deleted, and neither is a partial
+    step newer than it (it may be a save in progress).  Returns the deleted steps.
+    """
+    committed = sorted(tier.committed_steps())
+    keep = set(committed[-keep_last:]) if committed else set()
+    newest = committed[-1] if committed else -1
+    doomed = []
+    for step in tier.all_steps():
+        if step in keep:
+            continue
+        if step in committed or step < newest:  # old committed, or a partial one left behind
+            tier.delete(step)
+            doomed.append(step)
+    return doomed

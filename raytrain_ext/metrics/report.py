@@ -1,0 +1,457 @@
+"""``raytrain-ext report RUN_DIR``: a plot and a Markdown summary of a finished (or failed) run.
+
+Reads ``summary.json`` (written by ``Trainer.fit``, also for failed runs) and,
+when present, the resolved ``config.yaml`` next to it, and writes
+``report.png`` (loss and throughput over wall time, world size, recoveries)
+and ``report.md`` (status, loss, throughput, goodput, MFU, and the time to
+recover from each failure, split into phases).
+
+Every figure comes from the summary; nothing is re-measured.  Times on the
+plot are seconds since ``started_at``.  The records of steps that a recovery
+redid stay in the series: the plot shows what the cluster did, the loss
+dropping back to the checkpoint and training again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from raytrain_ext.metrics.flops import mfu, model_flops_per_token, peak_flops_for
+
+PHASES = ("detect_s", "decide_s", "reform_s", "restore_s", "first_step_s", "mttr_s")
+PHASE_TITLES = ("detect", "stop + decide", "re-form", "restore", "first step", "MTTR")
+
+
+@dataclass
+class RunSeries:
+    """Per-record series on the wall-time axis (all records, redone steps included)."""
+
+    time_s: List[float]
+    steps: List[int]
+    loss: List[float]
+    throughput: List[float]
+    throughput_unit: str  # "tokens/s" with the config's batch shape, else "steps/s"
+
+
+def load_summary(run_dir: Path) -> Dict[str, Any]:
+    path = Path(run_dir) / "summary.json"
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"RUN_DIR {run_dir}: no summary.json there; pass the run "
+            "directory <run.output_dir>/<run.name> of a run that "
+            "`raytrain-ext train` started"
+        )
+    return json.loads(path.read_text())
+
+
+def load_run_config(run_dir: Path):
+    """The run's resolved config, or None when config.yaml is missing or no longer loads."""
+    from raytrain_ext.config import ConfigError, load_config
+
+    path = Path(run_dir) / "config.yaml"
+    if not path.is_file():
+        return None
+    try:
+        return load_config(path)
+    except ConfigError:
+        return None
+
+
+def run_series(summary: Dict[str, Any], tokens_per_step: Optional[int]) -> RunSeries:
+    start = summary["started_at"]
+    ends = summary["step_end_times"]
+    step_times = summary["step_times"]
+    work = tokens_per_step or 1
+    return RunSeries(
+        time_s=[t - start for _, t in ends],
+        steps=[s for s, _ in ends],
+        loss=[loss for _, loss in summary["loss_history"]],
+        throughput=[work / dt for dt in step_times],
+        throughput_unit="tokens/s" if tokens_per_step else "steps/s",
+    )
+
+
+def recovery_phases(summary: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """Split each recovery into phases (seconds; None where the run never got that far).
+
+    detect: end of the last step before the failure -> the controller noticing it;
+    stop + decide: -> leaving RECOVERING (survivors stopped, capacity settled);
+    re-form: -> the new group RUNNING (placement, rendezvous); restore: loading the
+    checkpoint on the workers; first step: the rest until the first step after the
+    re-form ended (worker setup and the step itself).  MTTR, the sum, runs from the
+    last good step to the first new one.
+    """
+    start = summary["started_at"]
+    ends = [t for _, t in summary.get("step_end_times", [])]
+    transitions = summary.get("transitions", [])
+    phases = []
+    for recovery in summary.get("recoveries", []):
+        detected = recovery["detected_at"]
+        before = [t for t in ends if t <= detected]
+        left = _next_transition(transitions, "RECOVERING", "SCHEDULING", detected)
+        running = _next_transition(transitions, "SCHEDULING", "RUNNING", left)
+        row = {
+            "at_s": detected - start,
+            "reason": recovery["reason"],
+            "detect_s": detected - before[-1] if before else None,
+            "decide_s": _minus(left, detected),
+            "reform_s": _minus(running, left),
+            "restore_s": recovery.get("restore_s"),
+            "first_step_s": None,
+            "mttr_s": None,
+            "restored_from": recovery.get("restored_from"),
+            "restored_step": recovery.get("restored_step"),
+            "steps_redone": recovery.get("steps_redone"),
+        }
+        after = recovery.get("first_step_after_s")
+        if after is not None and running is not None:
+            row["first_step_s"] = after - (running - detected) - (row["restore_s"] or 0.0)
+            row["mttr_s"] = after + (row["detect_s"] or 0.0)
+        phases.append(row)
+    return phases
+
+
+def _next_transition(transitions, source: str, target: str, after: Optional[float]):
+    if after is None:
+        return None
+    for t in transitions:
+        if t["source"] == source and t["target"] == target and t["at"] >= after:
+            return t["at"]
+    return None
+
+
+def _minus(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    return None if a is None or b is None else a - b
+
+
+def world_size_changes(summary: Dict[str, Any]) -> List[tuple]:
+    """(seconds since start, world size) each time a group started RUNNING.
+
+    ``world_size_history`` gets one entry per successful group formation, in the
+    same order as the SCHEDULING -> RUNNING transitions.
+    """
+    start = summary["started_at"]
+    formed = [
+        t["at"] - start
+        for t in summary.get("transitions", [])
+        if t["source"] == "SCHEDULING" and t["target"] == "RUNNING"
+    ]
+    return [
+        (at, entry["world_size"])
+        for at, entry in zip(formed, summary.get("world_size_history", []))
+    ]
+
+
+def run_mfu(summary: Dict[str, Any], cfg) -> tuple:
+    """(MFU or None, why it is n/a).  Peak from summary ``peak_flops`` or ``device_name``."""
+    if summary.get("mfu") is not None:
+        return summary["mfu"], ""
+    peak = summary.get("peak_flops") or peak_flops_for(summary.get("device_name"))
+    if peak is None:
+        return None, "no accelerator peak in summary.json: a CPU run or an unknown device"
+    if cfg is None:
+        return None, "config.yaml missing: model shape unknown"
+    history = summary.get("world_size_history") or [{"world_size": 1}]
+    value = mfu(
+        summary.get("tokens_per_s"),
+        model_flops_per_token(cfg.model),
+        peak,
+        num_devices=history[-1]["world_size"],
+    )
+    return value, "" if value is not None else "no throughput in summary.json"
+
+
+def plot_run(summary: Dict[str, Any], tokens_per_step: Optional[int] = None):
+    """The report figure: loss (top) and throughput with world size (bottom) over wall time.
+
+    Each recovery is a red span from the last good step to the first step after
+    it, with a dashed line where the controller detected the failure; the legend
+    below the plots names its reason.  A line breaks (NaN) wherever the step
+    count goes back, so no segment is drawn across a recovery.  Returns the
+    matplotlib ``Figure`` (no pyplot, so no global state).
+    """
+    from matplotlib.figure import Figure
+
+    series = run_series(summary, tokens_per_step)
+    time_s = _break_where_steps_go_back(series.time_s, series.steps)
+    fig = Figure(figsize=(10, 7), layout="constrained")
+    ax_loss, ax_rate = fig.subplots(2, 1, sharex=True)
+    ax_loss.plot(
+        time_s, _break_where_steps_go_back(series.loss, series.steps), marker=".", label="loss"
+    )
+    ax_loss.set_ylabel("loss")
+    ax_rate.plot(
+        time_s,
+        _break_where_steps_go_back(series.throughput, series.steps),
+        marker=".",
+        color="tab:green",
+        label=series.throughput_unit,
+    )
+    ax_rate.set_ylabel(series.throughput_unit)
+    ax_rate.set_xlabel("wall time since start (s)")
+    twin = _plot_world_size(ax_rate, summary, series)
+    for number, phase in enumerate(recovery_phases(summary), 1):
+        _mark_recovery(ax_loss, ax_rate, number, phase)
+    fig.suptitle(
+        f"{summary.get('run_name', 'run')}: {summary.get('status', '?')}, "
+        f"{summary.get('steps_completed', 0)} steps, "
+        f"recoveries: {len(summary.get('recoveries', []))}"
+    )
+    handles = [
+        h
+        for ax in (ax_loss, ax_rate, twin)
+        if ax is not None
+        for h in ax.get_legend_handles_labels()[0]
+    ]
+    fig.legend(handles=handles, loc="outside lower center", ncols=2, fontsize="small")
+    ax_loss.grid(alpha=0.3)
+    ax_rate.grid(alpha=0.3)
+    return fig
+
+
+def _break_where_steps_go_back(values: List[float], steps: List[int]) -> List[float]:
+    """``values`` with a NaN inserted before each record whose step is not after the previous."""
+    out: List[float] = []
+    for i, value in enumerate(values):
+        if i and steps[i] <= steps[i - 1]:
+            out.append(float("nan"))
+        out.append(value)
+    return out
+
+
+def _plot_world_size(ax, summary: Dict[str, Any], series: RunSeries):
+    changes = world_size_changes(summary)
+    if not changes:
+        return None
+    twin = ax.twinx()
+    end = max([summary.get("wall_time_s", 0.0), *series.time_s, changes[-1][0]])
+    times = [at for at, _ in changes] + [end]
+    sizes = [size for _, size in changes] + [changes[-1][1]]
+    twin.step(times, sizes, where="post", color="tab:gray", linestyle=":", label="world size")
+    twin.set_ylabel("world size")
+    twin.set_ylim(0, max(sizes) + 1)
+    twin.yaxis.get_major_locator().set_params(integer=True)
+    return twin
+
+
+def _mark_recovery(ax_loss, ax_rate, number: int, phase: Dict[str, Any]) -> None:
+    detected = phase["at_s"]
+    begin = detected - (phase["detect_s"] or 0.0)
+    reason = phase["reason"] if len(phase["reason"]) <= 70 else phase["reason"][:67] + "..."
+    label = f"recovery {number} at {detected:.1f} s: {reason}"
+    for ax in (ax_loss, ax_rate):
+        if phase["mttr_s"] is not None:
+            ax.axvspan(
+                begin,
+                begin + phase["mttr_s"],
+                color="tab:red",
+                alpha=0.12,
+                gid=f"recovery-{number}-span",
+            )
+        ax.axvline(
+            detected,
+            color="tab:red",
+            linestyle="--",
+            linewidth=1,
+            gid=f"recovery-{number}",
+            label=label if ax is ax_loss else None,
+        )
+
+
+def render_markdown(summary: Dict[str, Any], cfg=None, image: Optional[str] = "report.png") -> str:
+    """The Markdown report; every number is read from (or derived from) ``summary``."""
+    lines = [f"# Run report: {summary.get('run_name', '?')}", ""]
+    if image:
+        lines += [f"![loss and throughput over wall time]({image})", ""]
+    lines += ["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in _overview(summary, cfg))]
+    if summary.get("error"):
+        lines += ["", "Error:", "", "```", summary["error"].strip(), "```"]
+    lines += ["", *_recovery_section(recovery_phases(summary))]
+    lines += ["", *_restore_section(summary)]
+    lines += [
+        "",
+        "## State transitions",
+        "",
+        "| at (s) | from | to | reason |",
+        "|---|---|---|---|",
+    ]
+    start = summary["started_at"]
+    lines += [
+        f"| {t['at'] - start:.2f} | {t['source']} | {t['target']} | {_cell(t['reason'])} |"
+        for t in summary.get("transitions", [])
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _overview(summary: Dict[str, Any], cfg) -> List[tuple]:
+    history = summary.get("loss_history", [])
+    redone = len(history) - len({step for step, _ in history})
+    mfu_value, why = run_mfu(summary, cfg)
+    sizes = " -> ".join(str(e["world_size"]) for e in summary.get("world_size_history", []))
+    goodput = summary.get("goodput")
+    return [
+        ("status", summary.get("status")),
+        (
+            "steps",
+            f"{summary.get('steps_completed', 0)} ({len(history)} step records, {redone} redone)",
+        ),
+        (
+            "wall time",
+            f"{summary['wall_time_s']:.2f} s (first step after "
+            f"{_num(summary.get('time_to_first_step_s'))} s)",
+        ),
+        ("loss", f"{_num(summary.get('first_loss'), 4)} -> {_num(summary.get('final_loss'), 4)}"),
+        (
+            "throughput",
+            f"{_num(summary.get('tokens_per_s'), 0)} tokens/s (steady state, all "
+            f"ranks); median step {_num(summary.get('median_step_time_s'), 4)} s",
+        ),
+        (
+            "goodput",
+            f"{_num(goodput, 3)} (time in kept steps / wall time: the last run of "
+            "each step counts, redone steps and all setup, checkpoint and recovery "
+            "time do not)",
+        ),
+        ("MFU", f"{mfu_value:.1%}" if mfu_value is not None else f"n/a: {why}"),
+        ("world size", sizes or "n/a"),
+        ("checkpoint stall", f"{_num(summary.get('checkpoint_stall_s'), 3)} s"),
+        (
+            "backend",
+            f"{summary.get('backend')}, torch {summary.get('versions', {}).get('torch')}, "
+            f"ray {summary.get('versions', {}).get('ray')}",
+        ),
+        ("newest usable checkpoint", newest_local_checkpoint(cfg)),
+    ]
+
+
+def newest_local_checkpoint(cfg) -> str:
+    """The step a resume would load from local disk now, by the same routine the restore
+    and ``ckpt export`` use, with the newer steps it would skip and why."""
+    if cfg is None or not (cfg.checkpoint.enabled and cfg.checkpoint.local):
+        return "n/a (no local checkpoint tier in config.yaml)"
+    from raytrain_ext.checkpoint.resolve import newest_usable
+    from raytrain_ext.checkpoint.tiers.disk import DiskTier
+
+    found = newest_usable(DiskTier(cfg.checkpoint.dir))
+    text = (
+        f"step {found.step} in {cfg.checkpoint.dir}"
+        if found.step is not None
+        else f"none in {cfg.checkpoint.dir}"
+    )
+    return text + "".join(f"; skipped {problem}" for problem in found.skipped)
+
+
+def _restore_section(summary: Dict[str, Any]) -> List[str]:
+    """Where each restore spent its time (rank 0's ``checkpoint/phases.py`` record)."""
+    rows = [("start", (summary.get("restored") or {}).get("phases"))]
+    rows += [
+        (f"recovery {i}", r.get("restore_phases"))
+        for i, r in enumerate(summary.get("recoveries", []), 1)
+    ]
+    rows = [(name, phases) for name, phases in rows if phases]
+    if not rows:
+        return ["## Restores", "", "No checkpoint was restored."]
+    names = list(rows[0][1])
+    lines = [
+        "## Restores",
+        "",
+        "Seconds on rank 0, by phase.",
+        "",
+        "| restore | " + " | ".join(n.removesuffix("_s") for n in names) + " |",
+        "|---|" + "---|" * len(names),
+    ]
+    lines += [
+        f"| {name} | " + " | ".join(_num(phases.get(n), 3) for n in names) + " |"
+        for name, phases in rows
+    ]
+    return lines
+
+
+def _recovery_section(phases: List[Dict[str, Any]]) -> List[str]:
+    lines = ["## Recoveries (MTTR)", ""]
+    if not phases:
+        return lines + ["No failures."]
+    lines += [
+        "Seconds. detect: last good step -> failure detected; stop + decide: survivors "
+        "stopped and capacity settled; re-form: new group placed and rendezvoused; "
+        "restore: checkpoint loaded; first step: worker setup and the first step after "
+        "the re-form; MTTR: the sum, last good step -> first new step.",
+        "",
+        "| # | at (s) | reason | " + " | ".join(PHASE_TITLES) + " | restored | redone |",
+        "|---|---|---|" + "---|" * len(PHASES) + "---|---|",
+    ]
+    for i, p in enumerate(phases, 1):
+        restored = (
+            f"{p['restored_from']} @ step {p['restored_step']}"
+            if p["restored_from"]
+            else "from scratch"
+            if p["restored_step"] == 0
+            else "n/a"
+        )
+        lines.append(
+            f"| {i} | {p['at_s']:.2f} | {_cell(p['reason'])} | "
+            + " | ".join(_num(p[k]) for k in PHASES)
+            + f" | {restored} | {_num(p['steps_redone'], 0)} |"
+        )
+    means = [_mean([p[k] for p in phases]) for k in PHASES]
+    lines.append("| mean | | | " + " | ".join(_num(m) for m in means) + " | | |")
+    return lines
+
+
+def _mean(values: List[Optional[float]]) -> Optional[float]:
+    known = [v for v in values if v is not None]
+    return statistics.fmean(known) if known else None
+
+
+def _num(value: Optional[float], digits: int = 2) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def _cell(text: str) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def write_report(run_dir: Path, out_dir: Optional[Path] = None) -> Dict[str, Path]:
+    """Write report.png and report.md into ``out_dir`` (default: the run directory)."""
+    run_dir = Path(run_dir)
+    out_dir = Path(out_dir) if out_dir else run_dir
+    summary = load_summary(run_dir)
+    cfg = load_run_config(run_dir)
+    tokens_per_step = cfg.data.global_batch_size * cfg.model.seq_len if cfg is not None else None
+    out_dir.mkdir(parents=True, exist_ok=True)
+    png, md = out_dir / "report.png", out_dir / "report.md"
+    plot_run(summary, tokens_per_step).savefig(png, dpi=110)
+    md.write_text(render_markdown(summary, cfg, image=png.name))
+    return {"png": png, "markdown": md}
+
+
+def _report_command(args: argparse.Namespace) -> int:
+    from raytrain_ext.inputs.paths import writable_dir_problem
+
+    problem = writable_dir_problem(
+        Path(args.out or args.run_dir), "--out" if args.out else "RUN_DIR"
+    )
+    if problem and Path(args.run_dir).is_dir():
+        print(f"report failed: {problem}", file=sys.stderr)
+        return 2
+    try:
+        paths = write_report(Path(args.run_dir), Path(args.out) if args.out else None)
+    except (FileNotFoundError, json.JSONDecodeError, KeyError) as e:
+        print(f"report failed: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {paths['markdown']} and {paths['png']}")
+    return 0
+
+
+def add_parser(commands) -> None:
+    """``raytrain-ext report RUN_DIR [--out DIR]``."""
+    report = commands.add_parser("report", help="plot and summarise a run from its summary.json")
+    report.add_argument("run_dir", metavar="RUN_DIR", help="<run.output_dir>/<run.name>")
+    report.add_argument("--out", default=None, help="output directory (default: RUN_DIR)")
+    report.set_defaults(func=_report_command)

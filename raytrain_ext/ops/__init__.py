@@ -1,1 +1,0 @@
-"""Operations tooling: cluster diagnosis (``raytrain-ext doctor``) and run-time guards."""

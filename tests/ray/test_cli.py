@@ -1,0 +1,153 @@
+"""End to end through the real entrypoints, each in its own process with its own local Ray."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.helpers.cli import clean_env, raytrain_ext_cmd, run
+from tests.helpers.reference import uninterrupted
+from tests.helpers.runs import FAST_MODEL, wait_for_checkpoint
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS = 60
+PROGRESS = re.compile(
+    r"^step +\d+/\d+  loss [\d.]+  lr [\d.e+-]+  grad_norm [\d.]+  "
+    r"tokens/s +\d+  step_time [\d.]+ ms  world 2$",
+    re.M,
+)
+
+
+@pytest.mark.slow
+def test_cli_trains_logs_from_rank0_and_writes_the_run_dir(tmp_path):
+    common = [
+        f"run.max_steps={STEPS}",
+        f"optim.decay_steps={STEPS}",
+        "run.log_every=30",
+        f"run.output_dir={tmp_path}",
+        *FAST_MODEL,
+    ]
+    cli = run([*raytrain_ext_cmd(), "train", *common, "run.name=cli"], cwd=tmp_path)
+    assert cli.returncode == 0, cli.stderr[-3000:]
+    assert len(PROGRESS.findall(cli.stdout)) == 2, cli.stdout  # steps 30 and 60, rank 0 only
+    summary = json.loads((tmp_path / "cli" / "summary.json").read_text())
+    assert summary["steps_completed"] == STEPS
+    assert summary["params_sha256"] == uninterrupted(STEPS, *FAST_MODEL)["result"]["params_sha256"]
+    assert (tmp_path / "cli" / "config.yaml").read_text().count(f"max_steps: {STEPS}") == 1
+    assert list((tmp_path / "cli" / "tensorboard").glob("events.out.tfevents.*"))
+    assert '"params_sha256"' in cli.stdout  # the summary is printed
+
+
+def test_cli_config_error_exits_2_before_starting_ray(tmp_path):
+    result = run([*raytrain_ext_cmd(), "train", "data.global_batch_sise=4"], cwd=tmp_path)
+    assert result.returncode == 2
+    assert "data.global_batch_sise: unknown key" in result.stderr
+    assert "Did you mean 'data.global_batch_size'" in result.stderr
+    assert "Ray" not in result.stdout + result.stderr and not (tmp_path / "runs").exists()
+
+
+def test_positional_config_and_overrides(tmp_path):
+    from raytrain_ext.cli import split_config_and_overrides
+
+    assert split_config_and_overrides(None, ["c.yaml", "a=1"]) == ("c.yaml", ["a=1"])
+    assert split_config_and_overrides("d.yaml", ["a=1"]) == ("d.yaml", ["a=1"])
+    assert split_config_and_overrides(None, ["a=1"]) == (None, ["a=1"])
+
+
+@pytest.mark.slow
+def test_killed_cli_run_resumed_by_the_job_entrypoint_ends_as_if_uninterrupted(tmp_path):
+    """SIGKILL the whole `raytrain-ext train` process group mid-run, then resume it with
+    `python jobs/train.py --config configs/tiny_cpu.yaml` (the `ray job submit` entrypoint,
+    whose config file equals the packaged default): same parameters, same samples."""
+    common = [
+        f"run.max_steps={STEPS}",
+        "run.log_every=10",
+        f"optim.decay_steps={STEPS}",
+        "checkpoint.every_steps=5",
+        f"run.output_dir={tmp_path}",
+        "run.tensorboard=false",
+        "run.name=victim",
+        *FAST_MODEL,
+    ]
+    proc = subprocess.Popen(
+        [*raytrain_ext_cmd(), "train", *common],
+        cwd=tmp_path,
+        env=clean_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    wait_for_checkpoint(tmp_path / "victim" / "checkpoints", 10, while_running=proc)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    resumed = run(
+        [
+            sys.executable,
+            str(REPO / "jobs" / "train.py"),
+            "--config",
+            str(REPO / "configs" / "tiny_cpu.yaml"),
+            *common,
+        ],
+        cwd=tmp_path,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    b = json.loads((tmp_path / "victim" / "summary.json").read_text())
+    a = uninterrupted(STEPS, *FAST_MODEL)["result"]
+    assert b["restored"]["step"] >= 10 and b["steps_completed"] == STEPS
+    assert b["params_sha256"] == a["params_sha256"] and b["samples_digest"] == a["samples_digest"]
+
+
+def _worker_pids(root_pid):
+    return [
+        p.pid
+        for p in psutil.Process(root_pid).children(recursive=True)
+        if " ".join(p.cmdline()).startswith("ray::TrainWorker")
+    ]
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_worker_checkpoints_then_resumes_with_zero_steps_redone(tmp_path):
+    common = [
+        f"run.max_steps={STEPS}",
+        "run.log_every=10",
+        f"optim.decay_steps={STEPS}",
+        "checkpoint.every_steps=5",
+        "checkpoint.every_seconds=null",
+        # two tiers: the ranks without the notice must join the deadline checks too
+        "checkpoint.memory=true",
+        f"run.output_dir={tmp_path}",
+        "run.tensorboard=false",
+        "run.name=spot",
+        *FAST_MODEL,
+    ]
+    cmd = [*raytrain_ext_cmd(), "train", *common]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=tmp_path,
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    wait_for_checkpoint(tmp_path / "spot" / "checkpoints", 5, while_running=proc)
+    os.kill(_worker_pids(proc.pid)[1], signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 3, stderr[-3000:]
+    assert "preempted: emergency checkpoint at step" in stderr
+    summary = json.loads((tmp_path / "spot" / "summary.json").read_text())
+    stopped = summary["steps_completed"]
+    assert summary["status"] == "preempted" and 5 <= stopped < STEPS
+    assert (tmp_path / "spot" / "checkpoints" / f"step-{stopped:08d}" / "manifest.json").exists()
+    resumed = run(cmd, cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    after = json.loads((tmp_path / "spot" / "summary.json").read_text())
+    assert after["restored"]["step"] == stopped  # zero steps redone
+    reference = uninterrupted(STEPS, *FAST_MODEL)["result"]
+    assert after["params_sha256"] == reference["params_sha256"]
+    assert after["samples_digest"] == reference["samples_digest"]

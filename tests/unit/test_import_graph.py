@@ -1,0 +1,106 @@
+"""The package has no import cycle, counting imports inside functions (which hide one).
+
+Unit rung: reads the source with ``ast``, imports nothing.  Imports under
+``if TYPE_CHECKING:`` are left out: they never run.
+"""
+
+import ast
+from pathlib import Path
+from typing import Dict, List, Set
+
+PACKAGE = Path(__file__).resolve().parents[2] / "raytrain_ext"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _type_checking_only(tree: ast.AST) -> Set[int]:
+    """ids of import nodes under ``if TYPE_CHECKING:``."""
+    skipped: Set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skipped |= {id(n) for child in node.body for n in ast.walk(child)}
+    return skipped
+
+
+def imported_modules(path: Path, known: Set[str]) -> Set[str]:
+    """The package's modules that ``path`` imports, anywhere in the file."""
+    tree = ast.parse(path.read_text())
+    skipped, found = _type_checking_only(tree), set()
+    here = module_name(path).split(".")
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names if alias.name in known}
+        elif isinstance(node, ast.ImportFrom):
+            package = here if path.name == "__init__.py" else here[:-1]
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package[: len(package) - node.level + 1] + [base]).strip(".")
+            for alias in node.names:
+                target = f"{base}.{alias.name}"
+                found.add(target if target in known else base)
+    return {name for name in found if name in known} - {module_name(path)}
+
+
+def import_graph() -> Dict[str, Set[str]]:
+    paths = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    return {name: imported_modules(path, set(paths)) for name, path in paths.items()}
+
+
+def cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
+    """Strongly connected components with more than one module (Tarjan, iterative)."""
+    index: Dict[str, int] = {}
+    low: Dict[str, int] = {}
+    stack: List[str] = []
+    on_stack: Set[str] = set()
+    found: List[List[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        found.append(sorted(component))
+            elif child not in index:
+                index[child] = low[child] = len(index)
+                stack.append(child)
+                on_stack.add(child)
+                work.append((child, iter(sorted(graph[child]))))
+            elif child in on_stack:
+                low[node] = min(low[node], index[child])
+    return found
+
+
+def test_cycle_finder_finds_a_hidden_cycle_and_ignores_a_chain():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+
+
+def test_the_package_has_no_import_cycle():
+    graph = import_graph()
+    assert "raytrain_ext.parallel.registry" in graph["raytrain_ext.train.loop"]
+    found = cycles(graph)
+    assert not found, "import cycles (break them; see docs/architecture.md):\n" + "\n".join(
+        " -> ".join(cycle) for cycle in found
+    )
