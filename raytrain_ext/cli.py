@@ -63,9 +63,19 @@ def _newest_error_log(run_dir: Path) -> Optional[Path]:
 
 def _ckpt_export(args: argparse.Namespace) -> int:
     from raytrain_ext.checkpoint.export import ExportError, export_safetensors
+    from raytrain_ext.checkpoint.export_hf import export_hf
 
     try:
-        info = export_safetensors(args.location, Path(args.to), args.s3_endpoint_url)
+        if args.to_hf:
+            info = export_hf(
+                args.location,
+                Path(args.to_hf),
+                args.s3_endpoint_url,
+                args.run_config,
+                args.max_shard_size,
+            )
+        else:
+            info = export_safetensors(args.location, Path(args.to), args.s3_endpoint_url)
     except ExportError as e:
         print(f"export failed: {e}", file=sys.stderr)
         return 2
@@ -91,7 +101,10 @@ def split_config_and_overrides(config: Optional[str], items: List[str]):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="raytrain-ext", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    train = commands.add_parser("train", help="train the reference GPT on a Ray cluster")
+    train = commands.add_parser(
+        "train",
+        help="train a model (model.source: the reference GPT, Hugging Face, your own) on Ray",
+    )
     train.add_argument("--config", help="YAML config (default: the packaged tiny_cpu config)")
     train.add_argument(
         "items",
@@ -110,9 +123,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="a run directory, a checkpoints directory, a step-<N> directory, "
         "or an s3:// prefix or step URI (newest committed step if not given)",
     )
-    export.add_argument(
-        "--to", required=True, help="output .safetensors file (its directory is created if need be)"
+    target = export.add_mutually_exclusive_group(required=True)
+    target.add_argument(
+        "--to", help="output .safetensors file (its directory is created if need be)"
     )
+    target.add_argument(
+        "--to-hf",
+        metavar="DIR",
+        help="a Hugging Face model directory (model.source=hf runs): config.json, sharded "
+        "safetensors with an index, tokenizer files; loads with from_pretrained",
+    )
+    export.add_argument(
+        "--run-config", help="the run's config.yaml (--to-hf; found beside the checkpoints)"
+    )
+    export.add_argument("--max-shard-size", default="5GB", help="--to-hf: per safetensors file")
     export.add_argument("--s3-endpoint-url", default=None)
     export.set_defaults(func=_ckpt_export)
     from raytrain_ext.doctor.diagnosis import add_parser as add_doctor

@@ -58,6 +58,14 @@ PlacementStrategy = _choice(
     "STRICT_PACK",
     "STRICT_SPREAD",
 )
+ModelSource = _choice(
+    "ModelSource",
+    "``model.source``: the built-in reference GPT, a Hugging Face causal LM "
+    "(``model.hf``), or the user's own ``nn.Module`` (``model.factory``).",
+    "gpt",
+    "hf",
+    "python",
+)
 StrategyName = _choice(
     "StrategyName",
     "``parallel.strategy``: DDP, FSDP2, or DeepSpeed ZeRO (configured by ``parallel.zero``).",

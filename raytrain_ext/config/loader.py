@@ -22,6 +22,7 @@ from omegaconf.errors import (
     ValidationError,
 )
 
+from raytrain_ext.config.choices import ModelSource
 from raytrain_ext.config.errors import ConfigError
 from raytrain_ext.config.fields import choice_of
 from raytrain_ext.config.schema import TrainConfig
@@ -56,9 +57,23 @@ def load_config(
             f"{_full_key(e)}: cannot resolve interpolation ({_first_line(e)}). "
             "Fix the ${...} reference or set the value directly."
         ) from None
+    _resolve_model(cfg)
     validate(cfg)
     OmegaConf.set_readonly(cfg, True)
     return cfg
+
+
+def _resolve_model(cfg: DictConfig) -> None:
+    """A Hugging Face model's shape into ``model.*``; the user's factory imported and checked
+    (both before Ray starts; :mod:`raytrain_ext.models.hf_config`, ``user_model``)."""
+    if cfg.model.source == ModelSource.hf:
+        from raytrain_ext.models.hf_config import resolve_hf_shape
+
+        resolve_hf_shape(cfg)
+    elif cfg.model.source == ModelSource.python:
+        from raytrain_ext.models.user_model import check_python_model
+
+        check_python_model(cfg)
 
 
 def config_from_dict(data: dict) -> DictConfig:

@@ -18,6 +18,7 @@ from raytrain_ext.config.choices import (
     Backend,
     Device,
     MixedPrecision,
+    ModelSource,
     NanPolicy,
     Offload,
     OnBusy,
@@ -52,9 +53,35 @@ class MoEConfig:
 
 
 @dataclass
-class ModelConfig:
-    """Reference GPT shape; ``vocab_size: 256`` matches the byte-level corpus."""
+class HFModelConfig:
+    """``model.source: hf``: a Hugging Face causal LM of a family with a shipped spec.
 
+    ``path`` is a local directory holding ``config.json`` (and, for pretrained
+    weights, safetensors), or a model id already in the local HF cache; ``config`` is
+    an inline architecture (``{model_type: llama, hidden_size: 64, ...}``) for a
+    randomly initialised model, merged over ``path``'s when both are given.
+    """
+
+    path: Optional[str] = None
+    config: Dict[str, Any] = field(default_factory=dict)
+    pretrained: bool = True  # load path's safetensors; false: random init of the architecture
+
+
+@dataclass
+class ModelConfig:
+    """The model: by default the reference GPT, whose shape the fields below set
+    (``vocab_size: 256`` matches the byte-level corpus).  For ``source: hf`` the shape
+    fields are read from the Hugging Face config (``model.hf``) when the config loads,
+    so every check and the planner see the real model; ``source: python`` builds the
+    user's module from ``factory`` (``"pkg.module:build"``, called with this section and
+    the seed; it returns an ``nn.Module``, or ``(module, ModelSpec)`` for layouts beyond
+    DDP/FSDP), and FSDP wraps each module of class ``block_class``.
+    """
+
+    source: ModelSource = ModelSource.gpt
+    hf: HFModelConfig = field(default_factory=HFModelConfig)
+    factory: Optional[str] = None
+    block_class: Optional[str] = None
     n_layers: int = positive(2)
     d_model: int = positive(128)
     n_heads: int = positive(4)

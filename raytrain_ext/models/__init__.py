@@ -1,9 +1,10 @@
-"""Models and their specs: the reference GPT (dense or mixture-of-experts).
+"""Models and their specs: the reference GPT, Hugging Face causal LMs, the user's module.
 
 ``model_spec`` is the one place that maps a ``model`` config section to the spec the
-strategies and the loop use; further model families register theirs there.
+strategies and the loop use (``model.source``).
 """
 
+from raytrain_ext.config.choices import ModelSource
 from raytrain_ext.models.gpt import GPT, Block, build_model
 from raytrain_ext.models.gpt_spec import GPT_SPEC
 from raytrain_ext.models.moe import MoEFeedForward
@@ -11,7 +12,15 @@ from raytrain_ext.models.spec import ModelSpec
 
 
 def model_spec(model_cfg) -> ModelSpec:
-    """The spec of the configured model (today: the reference GPT)."""
+    """The spec of the configured model."""
+    if model_cfg.source == ModelSource.hf:
+        from raytrain_ext.models.hf_spec import hf_spec
+
+        return hf_spec(model_cfg)
+    if model_cfg.source == ModelSource.python:
+        from raytrain_ext.models.user_model import python_spec
+
+        return python_spec(model_cfg)
     return GPT_SPEC
 
 

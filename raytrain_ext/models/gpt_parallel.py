@@ -42,7 +42,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from raytrain_ext.models.moe import MoEFeedForward
-from raytrain_ext.models.spec import PipelineStageModule, stage_layers
+from raytrain_ext.models.spec import PipelineStageModule, StageBlocks, stage_layers
 
 
 def block_plan(moe: bool = False) -> Dict[str, object]:
@@ -94,26 +94,6 @@ def tp_block_plan(block: nn.Module, sequence_parallel: bool) -> Dict[str, object
     if sequence_parallel:
         return sequence_parallel_block_plan()
     return block_plan(isinstance(block.ffn, MoEFeedForward))
-
-
-class StageBlocks(nn.Module):
-    """This stage's blocks, registered under their global layer index.
-
-    Iterates over the blocks in order, like the ``ModuleList`` it replaces, so
-    code that loops over ``model.blocks`` (FSDP, TP, activation checkpointing)
-    works on a stage unchanged, while names stay ``blocks.<global index>``.
-    """
-
-    def __init__(self, blocks: Dict[int, nn.Module]):
-        super().__init__()
-        for index, block in blocks.items():
-            self.add_module(str(index), block)
-
-    def __iter__(self):
-        return iter(self._modules.values())
-
-    def __len__(self) -> int:
-        return len(self._modules)
 
 
 class AttachAuxLoss(torch.autograd.Function):

@@ -1,6 +1,8 @@
 """What the strategies know about a model: one ``ModelSpec`` per model family.
 
-Strategies never name a model's attributes.  DDP needs nothing from the spec; FSDP
+Strategies never name a model's attributes.  The loop gets logits from ``logits`` and,
+for a model that starts from saved weights, calls ``load_pretrained`` once the strategy
+has placed (and sharded) the model.  DDP needs nothing else from the spec; FSDP
 wraps each of ``blocks`` (also the activation-checkpoint and compile units); tensor
 parallelism applies the spec's plans; pipeline parallelism asks the spec for a stage.
 A spec that leaves a member out does not support that layout, and ``require`` says
@@ -42,6 +44,31 @@ class PipelineStageModule(nn.Module):
         return None
 
 
+class StageBlocks(nn.Module):
+    """This stage's blocks, registered under their global layer index.
+
+    Iterates over the blocks in order, like the ``ModuleList`` it replaces, so
+    code that loops over a model's blocks (FSDP, TP, activation checkpointing)
+    works on a stage unchanged, while names stay ``blocks.<global index>``.
+    """
+
+    def __init__(self, blocks: Dict[int, nn.Module]):
+        super().__init__()
+        for index, block in blocks.items():
+            self.add_module(str(index), block)
+
+    def __iter__(self):
+        return iter(self._modules.values())
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+
+def call_model(module: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
+    """Token ids -> logits, for a module whose forward takes the ids and returns the logits."""
+    return module(inputs)
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """How to build a model family and how each parallel layout cuts it (module doc)."""
@@ -52,6 +79,8 @@ class ModelSpec:
     tp_block_plan: Optional[Callable[[nn.Module, bool], TPPlan]] = None
     tp_model_plan: Optional[Callable[[], TPPlan]] = None
     pipeline_stage: Optional[Callable[[nn.Module, int, int], PipelineStageModule]] = None
+    logits: Callable[[nn.Module, torch.Tensor], torch.Tensor] = call_model
+    load_pretrained: Optional[Callable[[nn.Module, Any], None]] = None  # (placed model, model cfg)
 
     def require(self, member: str, layout: str) -> None:
         """Refuse a layout whose spec member is missing, naming the member to add."""

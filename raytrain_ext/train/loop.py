@@ -117,6 +117,8 @@ class TrainLoop:
         self.spec = model_spec(cfg.model)
         self.strategy = build_strategy(cfg.parallel, self.spec)
         self.model = self.strategy.wrap(self.spec.build(cfg.model, cfg.run.seed), self.ctx)
+        if self.spec.load_pretrained is not None:  # each rank reads what it holds
+            self.spec.load_pretrained(self.model, cfg.model)
         self.optimizer = build_optimizer(
             self.model, cfg.optim, foreach=self.strategy.optimizer_foreach
         )
@@ -377,7 +379,7 @@ class TrainLoop:
             sync = j == len(chunks) - 1
             with self.strategy.accumulate(self.model, sync=sync):
                 with self._autocast():
-                    logits = self.model(inputs)
+                    logits = self.spec.logits(self.model, inputs)
                 token_loss = F.cross_entropy(
                     logits.float().flatten(0, 1), targets.flatten(), reduction="sum"
                 )

@@ -1,0 +1,108 @@
+"""``ckpt export RUN --to-hf DIR``: a checkpoint of a Hugging Face model, in any layout, as a
+directory ``transformers.AutoModelForCausalLM.from_pretrained`` loads.
+
+The checkpoint's ``model.*`` tensors are whole-model tensors under the model's own names
+whatever layout saved them (DCP reshards on load; pipeline stages and expert shards save
+under global names), so the export reads them as :mod:`.export` does and hands them to
+``save_pretrained`` on the run's architecture: ``config.json``, safetensors sharded with an
+index above ``max_shard_size``, and the tokenizer files the model directory had.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Dict, Optional
+
+from omegaconf import OmegaConf
+
+from raytrain_ext.checkpoint.export import ExportError, load_model_state, resolve
+from raytrain_ext.checkpoint.tiers.base import TierError
+from raytrain_ext.config import config_from_dict
+from raytrain_ext.config.choices import ModelSource
+from raytrain_ext.config.errors import ConfigError
+from raytrain_ext.run_dir import CONFIG
+
+
+def run_config_path(location: str, given: Optional[str]) -> Path:
+    """The run's ``config.yaml``: ``--run-config``, or found beside the checkpoints."""
+    if given:
+        return Path(given)
+    path = Path(location.rstrip("/"))
+    for candidate in (path, path.parent, path.parent.parent):
+        if (candidate / CONFIG).is_file():
+            return candidate / CONFIG
+    raise ExportError(
+        f"--to-hf: no {CONFIG} of the run found at or above {location}; the export needs the "
+        "run's model config. Pass --run-config RUN_DIR/config.yaml."
+    )
+
+
+def _hf_model(config_path: Path):
+    """An empty model of the run's architecture (random weights, replaced by the export)."""
+    from transformers import AutoModelForCausalLM
+
+    from raytrain_ext.models.hf_config import hf_config
+
+    cfg = config_from_dict(OmegaConf.to_container(OmegaConf.load(config_path)))
+    if cfg.model.source != ModelSource.hf:
+        raise ExportError(
+            f"--to-hf: the run trained model.source={cfg.model.source}, which has no Hugging "
+            "Face architecture. Export its tensors with --to FILE.safetensors instead."
+        )
+    try:
+        config = hf_config(cfg.model)
+    except ConfigError as e:
+        raise ExportError(f"--to-hf: the run's {e}") from None
+    return AutoModelForCausalLM.from_config(config), cfg.model.hf.path
+
+
+def _install(model, tensors: Dict) -> None:
+    """Every parameter from the checkpoint; only a tied ``lm_head`` may be absent."""
+    result = model.load_state_dict(tensors, strict=False)
+    tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
+    missing = sorted(set(result.missing_keys) - tied)
+    if missing or result.unexpected_keys:
+        raise ExportError(
+            "RUN_OR_PATH: the checkpoint does not match the run's architecture "
+            f"(missing {missing[:5]}, unexpected {sorted(result.unexpected_keys)[:5]})."
+        )
+
+
+def export_hf(
+    location: str,
+    out_dir: Path,
+    s3_endpoint_url: Optional[str] = None,
+    run_config: Optional[str] = None,
+    max_shard_size: str = "5GB",
+) -> Dict:
+    """Write the newest usable checkpoint at ``location`` as a Hugging Face model directory."""
+    config_path = run_config_path(location, run_config)
+    model, source_dir = _hf_model(config_path)
+    tier, found = resolve(location, s3_endpoint_url)
+    try:
+        with tempfile.TemporaryDirectory(prefix="raytrain-ext-export-") as cache:
+            tensors, fetched = load_model_state(tier, found.step, found.manifest, Path(cache))
+    except TierError as e:
+        raise ExportError(str(e)) from None
+    _install(model, tensors)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(out_dir, max_shard_size=max_shard_size)
+    except OSError as e:
+        raise ExportError(f"--to-hf: cannot write {out_dir}: {e}. Give a writable directory.")
+    from raytrain_ext.models.hf_spec import hf_files
+
+    carried = hf_files(Path(source_dir)) if source_dir and Path(source_dir).is_dir() else []
+    for path in carried:
+        shutil.copy2(path, out_dir / path.name)
+    return {
+        "step": found.step,
+        "tensors": len(tensors),
+        "out": str(out_dir),
+        "parameters": sum(t.numel() for t in tensors.values()),
+        "skipped": found.skipped,
+        "carried": [p.name for p in carried],
+        **fetched,
+    }

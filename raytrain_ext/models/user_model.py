@@ -1,0 +1,81 @@
+"""``model.source: python``: the user's own ``nn.Module``, named by ``model.factory``.
+
+``model.factory`` is ``"pkg.module:name"``.  ``name`` is either a callable
+``(model_cfg, seed) -> nn.Module`` whose forward maps token ids to logits, or a
+``ModelSpec`` (whose ``build`` is that callable) for layouts that need more than the
+module: tensor parallelism (``tp_block_plan``), pipeline stages (``pipeline_stage``).
+Without a spec, DDP and FSDP2 run it; FSDP wraps every module of class
+``model.block_class`` (e.g. ``TransformerBlock``) as one unit, or only the root when it
+is unset.  Both are checked on the driver, before Ray starts.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, List
+
+import torch.nn as nn
+
+from raytrain_ext.config.errors import ConfigError
+from raytrain_ext.models.spec import ModelSpec
+
+
+def load_factory(path: str | None) -> Any:
+    """The object ``model.factory`` names; a ConfigError naming the key when it is not there."""
+    module_name, _, attr = (path or "").partition(":")
+    if not module_name or not attr:
+        raise ConfigError(
+            f"model.factory: {path!r} is not 'pkg.module:name'. With model.source=python, "
+            "name the function that builds your model (model_cfg, seed) -> nn.Module."
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(
+            f"model.factory: cannot import {module_name} ({e}). Install your package on "
+            "every node (or ship it with the job's working_dir) and check the name."
+        ) from None
+    if not hasattr(module, attr):
+        raise ConfigError(f"model.factory: {module_name} has no {attr!r}.")
+    target = getattr(module, attr)
+    if not (isinstance(target, ModelSpec) or callable(target)):
+        raise ConfigError(f"model.factory: {path} is neither a callable nor a ModelSpec.")
+    return target
+
+
+def blocks_of_class(class_name: str | None):
+    """``ModelSpec.blocks`` for a spec-less module: every submodule of that class."""
+
+    def blocks(module: nn.Module) -> List[nn.Module]:
+        if not class_name:
+            return []
+        return [m for m in module.modules() if type(m).__name__ == class_name]
+
+    return blocks
+
+
+def python_spec(model_cfg) -> ModelSpec:
+    """The user's spec, or one built around their factory (DDP and FSDP only)."""
+    target = load_factory(model_cfg.factory)
+    if isinstance(target, ModelSpec):
+        return target
+    return ModelSpec(
+        name=model_cfg.factory, build=target, blocks=blocks_of_class(model_cfg.block_class)
+    )
+
+
+def check_python_model(cfg) -> None:
+    """Before Ray: the factory imports, and a layout that needs a spec member has it."""
+    spec = python_spec(cfg.model)
+    needs = (
+        (cfg.parallel.tp > 1, "tp_block_plan", "parallel.tp"),
+        (cfg.parallel.sequence_parallel, "tp_model_plan", "parallel.sequence_parallel"),
+        (cfg.parallel.pp > 1, "pipeline_stage", "parallel.pp"),
+    )
+    for wanted, member, key in needs:
+        if wanted and getattr(spec, member) is None:
+            raise ConfigError(
+                f"{key}: {cfg.model.factory} gives no ModelSpec.{member}, which this layout "
+                f"needs. Point model.factory at a ModelSpec that defines {member} "
+                "(raytrain_ext.models.spec), or train with DDP/FSDP only."
+            )
