@@ -48,6 +48,7 @@ from raytrain_ext.checkpoint.recycle import POOL
 from raytrain_ext.checkpoint.restore import Restorer
 from raytrain_ext.checkpoint.tiers import build_tiers
 from raytrain_ext.checkpoint.tiers.base import Tier, prune
+from raytrain_ext.checkpoint.train_state import TrainState
 from raytrain_ext.checkpoint.writer import ChecksummingWriter
 from raytrain_ext.version import __version__
 
@@ -137,7 +138,7 @@ class CheckpointManager:
 
     def after_step(
         self,
-        loop,
+        state: TrainState,
         step: int,
         request: float,
         any_busy: bool,
@@ -163,10 +164,10 @@ class CheckpointManager:
             return 0.0
         start = time.perf_counter()
         self.wait()  # the previous snapshot's buffers are free again
-        native_files = self._save_native(loop, step)
-        snap = ckpt_state.snapshot(ckpt_state.capture(loop), reuse=self._buffers)
+        native_files = self._save_native(state, step)
+        snap = ckpt_state.snapshot(ckpt_state.capture(state), reuse=self._buffers)
         self._buffers = snap
-        if torch.cuda.is_available() and loop.ctx.device.type == "cuda":
+        if torch.cuda.is_available() and state.ctx.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
         stall = time.perf_counter() - start
         self.stats["saves"] += 1
@@ -193,20 +194,20 @@ class CheckpointManager:
             )
         return stall
 
-    def _save_native(self, loop, step: int) -> native.NativeFiles:
+    def _save_native(self, state: TrainState, step: int) -> native.NativeFiles:
         """The strategy's own checkpoint files of this step, moved into its staging dir.
 
         A failed native save leaves the step with its DCP files only (which any
         restore can load); like a failed persist, it never stops training.
         """
-        strategy = loop.strategy
+        strategy = state.strategy
         if not strategy.native_checkpoint:
             return native.NativeFiles()
         step_dir = self.staging / step_dir_name(step)
         saved_root = native.private_dir(step_dir, self.rank)
         try:
             shutil.rmtree(saved_root, ignore_errors=True)
-            strategy.native_save(loop.model, saved_root, step_dir_name(step))
+            strategy.native_save(state.model, saved_root, step_dir_name(step))
             return native.NativeFiles(
                 native.collect(saved_root, step_dir),
                 {**strategy.native_info(), "tag": step_dir_name(step)},
@@ -358,10 +359,10 @@ class CheckpointManager:
         return self.local_rank == 0 if tier.name == "local" else self.rank == 0
 
     # ---- restoring ------------------------------------------------------------------------
-    def restore(self, loop, newest: bool = False) -> Optional[Dict[str, Any]]:
+    def restore(self, state: TrainState, newest: bool = False) -> Optional[Dict[str, Any]]:
         """Load the newest committed checkpoint that verifies (``checkpoint.restore``); the
         time-based save clock restarts from a restore."""
-        loaded = self.restorer.restore(loop, newest)
+        loaded = self.restorer.restore(state, newest)
         if loaded is not None:
             self._last_save_time = time.time()
         return loaded

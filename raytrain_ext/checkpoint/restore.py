@@ -36,6 +36,7 @@ from raytrain_ext.checkpoint.resolve import check_step, describe
 from raytrain_ext.checkpoint.tiers import tier_for_location
 from raytrain_ext.checkpoint.tiers.base import Tier
 from raytrain_ext.checkpoint.tiers.s3_ranged import ChunkReader
+from raytrain_ext.checkpoint.train_state import TrainState
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ class Restorer:
         self.cfg, self.tiers, self.group, self.cache = ckpt_cfg, tiers, group, cache
         self.rank, self.world_size = rank, world_size
 
-    def restore(self, loop, newest: bool = False) -> Optional[Dict[str, Any]]:
+    def restore(self, state: TrainState, newest: bool = False) -> Optional[Dict[str, Any]]:
         """Load the newest committed checkpoint that verifies; None when there is none.
 
         ``newest`` ignores ``checkpoint.resume`` (a NaN rollback goes back to this
@@ -65,7 +66,7 @@ class Restorer:
             return None
         started = time.perf_counter()
         with collection_paused(), MemoryWatch() as memory:
-            loaded = self._restore(loop, newest)
+            loaded = self._restore(state, newest)
         if loaded is not None:
             loaded["total_s"] = time.perf_counter() - started
             loaded["memory"] = memory.record(loaded.pop("state_bytes"))
@@ -81,7 +82,7 @@ class Restorer:
                 )
         return loaded
 
-    def _restore(self, loop, newest: bool) -> Optional[Dict[str, Any]]:
+    def _restore(self, state: TrainState, newest: bool) -> Optional[Dict[str, Any]]:
         phases = RestorePhases()
         with phases.time("plan"):
             plan: List[Any] = [self._plan(newest) if self.rank == 0 else None]
@@ -90,7 +91,7 @@ class Restorer:
         tiers = [tier_for_location(self.cfg, location)] if location else self.tiers
         problems_seen: List[str] = []
         for step, index in candidates:
-            loaded = self._try_load(loop, tiers[index], step, problems_seen, phases)
+            loaded = self._try_load(state, tiers[index], step, problems_seen, phases)
             if loaded is not None:
                 loaded["skipped"] = problems_seen
                 loaded["phases"] = phases.as_dict()
@@ -117,7 +118,12 @@ class Restorer:
         return None, sorted(found, key=lambda c: (-c[0], c[1]))
 
     def _try_load(
-        self, loop, tier: Tier, step: int, problems_seen: List[str], phases: RestorePhases
+        self,
+        state: TrainState,
+        tier: Tier,
+        step: int,
+        problems_seen: List[str],
+        phases: RestorePhases,
     ):
         started = time.perf_counter()
         with phases.time("plan"):
@@ -126,8 +132,8 @@ class Restorer:
         fetched, targets, use_native = Fetched(None), None, False
         if manifest is not None:
             with phases.time("targets"):
-                targets = ckpt_state.load_targets(loop, manifest.world_size)
-            use_native = self._native_loadable(loop, manifest)
+                targets = ckpt_state.load_targets(state, manifest.world_size)
+            use_native = self._native_loadable(state, manifest)
             try:
                 load = StepLoad(
                     step,
@@ -156,7 +162,9 @@ class Restorer:
         late = fetched.reader.problem if isinstance(fetched.reader, VerifiedReader) else None
         if self._unusable(_of_step(tier, step, late), problems_seen):
             return None
-        info = self._install(loop, manifest, fetched.reader, targets, tier.name, phases, use_native)
+        info = self._install(
+            state, manifest, fetched.reader, targets, tier.name, phases, use_native
+        )
         info["state_bytes"] = 0 if use_native else ckpt_state.tensor_bytes(targets)
         info["fetch_verify_s"] = fetched_s
         info["seconds"] = time.perf_counter() - start
@@ -174,10 +182,10 @@ class Restorer:
                 )
         return bool(problems)
 
-    def _native_loadable(self, loop, manifest: Manifest) -> bool:
+    def _native_loadable(self, state: TrainState, manifest: Manifest) -> bool:
         """Whether the strategy's own loader can take this checkpoint: it holds native
         files of the same format and stage, saved at this world size (same on every rank)."""
-        strategy = loop.strategy
+        strategy = state.strategy
         if not (manifest.native and strategy.native_checkpoint):
             return False
         wanted = strategy.native_info()
@@ -198,7 +206,7 @@ class Restorer:
 
     def _install(
         self,
-        loop,
+        state: TrainState,
         manifest: Manifest,
         reader,
         targets: Dict[str, Any],
@@ -209,11 +217,11 @@ class Restorer:
         """Install what DCP loaded (and a native load's model and optimizer)."""
         if use_native:
             with phases.time("model"):
-                self._load_native(loop, manifest, Path(reader.path))
+                self._load_native(state, manifest, Path(reader.path))
         else:
-            ckpt_state.apply_model_and_optim(loop, targets, phases)
+            ckpt_state.apply_model_and_optim(state, targets, phases)
         with phases.time("train"):
-            items = ckpt_state.apply_train(loop, targets)
+            items = ckpt_state.apply_train(state, targets)
         info = {
             "step": items["step"],
             "tier": tier_name,
@@ -224,10 +232,10 @@ class Restorer:
         }
         return info
 
-    def _load_native(self, loop, manifest: Manifest, directory: Path) -> None:
+    def _load_native(self, state: TrainState, manifest: Manifest, directory: Path) -> None:
         names = [name for name in manifest.files if native.is_native(name)]
         tree = native.rebuild(directory, names, self.cache / f"native-{manifest.step}")
-        loop.strategy.native_load(loop.model, tree, manifest.native["tag"])
+        state.strategy.native_load(state.model, tree, manifest.native["tag"])
 
 
 def _of_step(tier: Tier, step: int, problem: Optional[str]) -> Optional[str]:

@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import _get_scalar_dtype
 
 from raytrain_ext.checkpoint.phases import RestorePhases
+from raytrain_ext.checkpoint.train_state import TrainState
 from raytrain_ext.parallel.stage_state import whole_model_keys
 
 TRAIN_KEY = "train"
@@ -59,33 +60,33 @@ def restore_rng(blob: bytes) -> None:
         )
 
 
-def train_items(loop) -> Dict[str, Any]:
+def train_items(state: TrainState) -> Dict[str, Any]:
     return {
-        "step": loop.step,
-        "world_size": loop.ctx.world_size,
-        "sampler": loop.sampler.state_dict(),
-        "scheduler": loop.scheduler.state_dict(),
-        "ledger": loop.ledger.state_dict(),
-        "config_digest": loop.config_digest,
-        "skip_steps": sorted(loop.skip_steps),
-        "nonfinite_steps": loop.nonfinite_steps,
+        "step": state.progress.step,
+        "world_size": state.ctx.world_size,
+        "sampler": state.sampler.state_dict(),
+        "scheduler": state.scheduler.state_dict(),
+        "ledger": state.ledger.state_dict(),
+        "config_digest": state.config_digest,
+        "skip_steps": sorted(state.progress.skip_steps),
+        "nonfinite_steps": state.progress.nonfinite_steps,
     }
 
 
-def model_and_optim(loop):
+def model_and_optim(state: TrainState):
     """(model, optimizer) state dicts, FQN-keyed, in ``get_state_dict``'s format (ZeRO
     assembles its partitions into the same format)."""
-    return loop.strategy.state_dicts(loop.model, loop.optimizer)
+    return state.strategy.state_dicts(state.model, state.optimizer)
 
 
-def capture(loop) -> Dict[str, Any]:
+def capture(state: TrainState) -> Dict[str, Any]:
     """The live state dict (tensors are references to the training tensors)."""
-    model_sd, optim_sd = model_and_optim(loop)
+    model_sd, optim_sd = model_and_optim(state)
     return {
         "model": model_sd,
         "optim": optim_sd,
-        TRAIN_KEY: io.BytesIO(json.dumps(train_items(loop)).encode()),
-        rng_key(loop.ctx.rank): io.BytesIO(capture_rng()),
+        TRAIN_KEY: io.BytesIO(json.dumps(train_items(state)).encode()),
+        rng_key(state.ctx.rank): io.BytesIO(capture_rng()),
     }
 
 
@@ -137,14 +138,14 @@ def _same_layout(host: Any, tensor: torch.Tensor) -> bool:
     )
 
 
-def load_targets(loop, saved_world_size: int) -> Dict[str, Any]:
+def load_targets(state: TrainState, saved_world_size: int) -> Dict[str, Any]:
     """The state dict DCP loads into: live model/optimizer tensors plus byte buffers."""
-    if not loop.strategy.owns_optimizer_state:
-        preallocate_adam_state(loop.optimizer)
-    model_sd, optim_sd = model_and_optim(loop)
+    if not state.strategy.owns_optimizer_state:
+        preallocate_adam_state(state.optimizer)
+    model_sd, optim_sd = model_and_optim(state)
     targets: Dict[str, Any] = {"model": model_sd, "optim": optim_sd, TRAIN_KEY: io.BytesIO()}
-    if loop.ctx.rank < saved_world_size:
-        targets[rng_key(loop.ctx.rank)] = io.BytesIO()
+    if state.ctx.rank < saved_world_size:
+        targets[rng_key(state.ctx.rank)] = io.BytesIO()
     return targets
 
 
@@ -198,24 +199,28 @@ def without_model(targets: Dict[str, Any]) -> Dict[str, Any]:
     return {key: value for key, value in targets.items() if key not in ("model", "optim")}
 
 
-def apply_model_and_optim(loop, loaded: Dict[str, Any], phases: RestorePhases) -> None:
+def apply_model_and_optim(state: TrainState, loaded: Dict[str, Any], phases: RestorePhases) -> None:
     """Install the model, then the optimizer, timing each (ZeRO installs both at once,
     timed as ``model``)."""
-    loop.strategy.load_state_dicts(
-        loop.model, loop.optimizer, loaded["model"], loaded["optim"], phases.time
+    state.strategy.load_state_dicts(
+        state.model, state.optimizer, loaded["model"], loaded["optim"], phases.time
     )
 
 
-def apply_train(loop, loaded: Dict[str, Any]) -> Dict[str, Any]:
+def apply_train(state: TrainState, loaded: Dict[str, Any]) -> Dict[str, Any]:
     """Install the ``train`` items and this rank's RNG; returns the items."""
     items = json.loads(loaded[TRAIN_KEY].getvalue())
-    loop.step = items["step"]
-    loop.sampler.load_state_dict(items["sampler"])
-    loop.scheduler.load_state_dict(items["scheduler"])
-    loop.ledger.load_state_dict(items["ledger"])
-    loop.skip_steps |= set(items.get("skip_steps", []))  # a rollback's skips outlive the restore
-    loop.nonfinite_steps = max(loop.nonfinite_steps, items.get("nonfinite_steps", 0))
-    key = rng_key(loop.ctx.rank)
+    state.progress.step = items["step"]
+    state.sampler.load_state_dict(items["sampler"])
+    state.scheduler.load_state_dict(items["scheduler"])
+    state.ledger.load_state_dict(items["ledger"])
+    state.progress.skip_steps |= set(
+        items.get("skip_steps", [])
+    )  # a rollback's skips outlive the restore
+    state.progress.nonfinite_steps = max(
+        state.progress.nonfinite_steps, items.get("nonfinite_steps", 0)
+    )
+    key = rng_key(state.ctx.rank)
     if key in loaded:
         restore_rng(loaded[key].getvalue())
     return items

@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from raytrain_ext.checkpoint.manager import REQUEST_EMERGENCY, CheckpointManager, SaveRequests
+from raytrain_ext.checkpoint.train_state import Progress, TrainState
 from raytrain_ext.config import config_digest
 from raytrain_ext.data import GlobalSampler, open_token_dataset, rank_slice
 from raytrain_ext.faults import FaultInjector
@@ -125,16 +126,25 @@ class TrainLoop:
         self.scheduler = build_scheduler(self.optimizer, cfg.optim)
         self.model = self.strategy.prepare(self.model, self.optimizer, cfg)
         self.ledger = SampleLedger()
-        self.step = 0
+        self.progress = Progress()
         self.global_tokens = cfg.data.global_batch_size * cfg.model.seq_len
         self.max_local = math.ceil(cfg.data.global_batch_size / self.ctx.dp_size)
         self.config_digest = config_digest(cfg)
+        self.state = TrainState(
+            self.strategy,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            self.sampler,
+            self.ledger,
+            self.ctx,
+            self.config_digest,
+            self.progress,
+        )
         self.requests = requests or SaveRequests()
         self.preempted_at: Optional[int] = None
         self.faults = faults or FaultInjector.disarmed(cfg.chaos, rank)
         self._first_report = True
-        self.skip_steps: set = set()  # steps whose batch is consumed without an update
-        self.nonfinite_steps = 0
         self._compute_s = 0.0
         self._expert_tokens: Optional[torch.Tensor] = None  # MoE: kept tokens per expert
         self._rollback_note: Optional[Dict[str, int]] = None
@@ -160,16 +170,16 @@ class TrainLoop:
             )
             for tier in self.ckpt.tiers:
                 tier.probe()
-            self.restored = self.ckpt.restore(self)
+            self.restored = self.ckpt.restore(self.state)
 
     def fit(self) -> Dict[str, Any]:
         """Train until ``run.max_steps``; return this rank's final digests."""
         last_loss = float("nan")
         try:
-            while self.step < self.cfg.run.max_steps and self.preempted_at is None:
-                self.profiler.step_begin(self.step + 1)
+            while self.progress.step < self.cfg.run.max_steps and self.preempted_at is None:
+                self.profiler.step_begin(self.progress.step + 1)
                 last_loss = self.train_step()
-                self.profiler.step_end(self.step)
+                self.profiler.step_end(self.progress.step)
         finally:
             self.profiler.close()
             if self.ckpt is not None:
@@ -177,7 +187,7 @@ class TrainLoop:
         params = self.strategy.full_parameters(self.model)
         return {
             "rank": self.ctx.rank,
-            "steps": self.step,
+            "steps": self.progress.step,
             "final_loss": last_loss,
             "params_sha256": params_sha256(params),
             "samples_digest": self.ledger.digest,
@@ -189,11 +199,11 @@ class TrainLoop:
 
     def train_step(self) -> float:
         start = time.perf_counter()
-        step, ctx = self.step, self.ctx
+        step, ctx = self.progress.step, self.ctx
         self.mark("compute")
         local = rank_slice(self.sampler.next_global_batch(), ctx.dp_rank, ctx.dp_size)
         lr = self.scheduler.get_last_lr()[0]
-        skip_batch = step in self.skip_steps  # rolled back past it: consume, do not train
+        skip_batch = step in self.progress.skip_steps  # rolled back past it: consume, do not train
         if skip_batch:
             loss_sum, grad_norm, self._compute_s = (
                 torch.zeros((), dtype=torch.float64),
@@ -220,24 +230,24 @@ class TrainLoop:
         self.scheduler.step()
         self.strategy.zero_grad(self.model, self.optimizer)
         self.ledger.record(step, exchanged.consumed)
-        self.step += 1
+        self.progress.step += 1
         if decision.action == StepAction.ROLLBACK and self._rollback(step):
             return loss
         stall = 0.0
         if self.ckpt is not None:
             stall = self.ckpt.after_step(
-                self,
-                self.step,
+                self.state,
+                self.progress.step,
                 exchanged.request,
                 exchanged.busy > 0,
-                final=self.step == self.cfg.run.max_steps,
+                final=self.progress.step == self.cfg.run.max_steps,
                 deadline=self.requests.deadline,
             )
         if exchanged.request >= REQUEST_EMERGENCY:
-            self.preempted_at = self.step
+            self.preempted_at = self.progress.step
         step_time = time.perf_counter() - start
         record = {
-            "step": self.step,
+            "step": self.progress.step,
             "loss": loss,
             "lr": lr,
             "grad_norm": float(grad_norm),
@@ -265,7 +275,7 @@ class TrainLoop:
         if self._first_report:  # tells the controller where this group resumed from
             record["restored"], self._first_report = self.restored, False
         self.report(record)
-        self.faults.after_step(self.step, self.mark)
+        self.faults.after_step(self.progress.step, self.mark)
         return loss
 
     def _nonfinite_decision(
@@ -277,13 +287,13 @@ class TrainLoop:
             g.nan_policy,
             loss,
             grad_norm,
-            self.nonfinite_steps,
+            self.progress.nonfinite_steps,
             g.max_nan_steps,
             can_rollback=self.ckpt is not None,
         )
         if decision.action == StepAction.OK:
             return decision
-        self.nonfinite_steps += 1
+        self.progress.nonfinite_steps += 1
         batch = ", ".join(str(i) for i in sorted(consumed.tolist())[:32])
         message = f"non-finite step {step + 1}: {decision.reason}; batch sample indices [{batch}]"
         if decision.action == StepAction.FAIL:
@@ -299,8 +309,8 @@ class TrainLoop:
         no committed checkpoint to go back to.
         """
         self.ckpt.wait()
-        self.skip_steps.add(step)
-        restored = self.ckpt.restore(self, newest=True)
+        self.progress.skip_steps.add(step)
+        restored = self.ckpt.restore(self.state, newest=True)
         if restored is None:
             if self.ctx.rank == 0:
                 log.warning(
@@ -388,7 +398,7 @@ class TrainLoop:
                 if aux is not None:
                     loss = loss + aux_weight * aux * (targets.numel() * scale)
                     self._count_expert_load()
-                loss = self.faults.on_loss(self.step + 1, loss)
+                loss = self.faults.on_loss(self.progress.step + 1, loss)
                 if sync:  # the gradient all-reduce: from here on this rank waits for its peers
                     self._compute_s = time.perf_counter() - start
                     self.mark("exchange")

@@ -1,0 +1,48 @@
+"""What a checkpoint saves and a restore installs, named explicitly.
+
+The checkpoint code works on a ``TrainState``, never on the training loop: the loop
+builds one once its components exist and hands it to the checkpoint manager.  The
+components are the loop's own objects (shared, not copied), so a restore changes the
+loop's model, optimizer, scheduler, sampler and ledger in place; ``progress`` is where
+training stands (the loop reads and advances it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Set
+
+if TYPE_CHECKING:
+    import torch
+
+    from raytrain_ext.data.sampler import GlobalSampler
+    from raytrain_ext.parallel.strategy import DistContext, Strategy
+    from raytrain_ext.train.ledger import SampleLedger
+
+
+@dataclass
+class Progress:
+    """Where training stands; saved with every checkpoint and restored with it.
+
+    ``skip_steps``: batches a rollback decided to skip (they outlive a restore);
+    ``nonfinite_steps``: how many non-finite steps the guards have seen so far.
+    """
+
+    step: int = 0
+    skip_steps: Set[int] = field(default_factory=set)
+    nonfinite_steps: int = 0
+
+
+@dataclass
+class TrainState:
+    """Everything that must survive a restart, and where this rank sits (``ctx``)."""
+
+    strategy: "Strategy"
+    model: "torch.nn.Module"
+    optimizer: "torch.optim.Optimizer"
+    scheduler: "torch.optim.lr_scheduler.LRScheduler"
+    sampler: "GlobalSampler"
+    ledger: "SampleLedger"
+    ctx: "DistContext"
+    config_digest: str
+    progress: Progress
