@@ -100,31 +100,8 @@ class TrainLoop:
             dims=dims_for_run(cfg, world_size),
         )
         seed_everything(cfg.run.seed + rank)
-        self.dataset = open_token_dataset(
-            cfg.data.path,
-            cfg.model.seq_len,
-            s3_endpoint_url=cfg.data.s3_endpoint_url,
-            s3_region=cfg.data.s3_region,
-        )
-        max_token = self.dataset.max_token()
-        if max_token >= cfg.model.vocab_size:
-            raise ValueError(
-                f"data.path {cfg.data.path} holds token id {max_token}, but "
-                f"model.vocab_size is {cfg.model.vocab_size}; raise model.vocab_size"
-            )
-        self.sampler = GlobalSampler(
-            self.dataset.num_samples, cfg.data.global_batch_size, cfg.data.seed, cfg.data.shuffle
-        )
-        self.spec = model_spec(cfg.model)
-        self.strategy = build_strategy(cfg.parallel, self.spec)
-        self.model = self.strategy.wrap(self.spec.build(cfg.model, cfg.run.seed), self.ctx)
-        if self.spec.load_pretrained is not None:  # each rank reads what it holds
-            self.spec.load_pretrained(self.model, cfg.model)
-        self.optimizer = build_optimizer(
-            self.model, cfg.optim, foreach=self.strategy.optimizer_foreach
-        )
-        self.scheduler = build_scheduler(self.optimizer, cfg.optim)
-        self.model = self.strategy.prepare(self.model, self.optimizer, cfg)
+        self._open_data(cfg)
+        self._build_model(cfg)
         self.ledger = SampleLedger()
         self.progress = Progress()
         self.global_tokens = cfg.data.global_batch_size * cfg.model.seq_len
@@ -159,18 +136,56 @@ class TrainLoop:
         self.ckpt: Optional[CheckpointManager] = None
         self.restored: Optional[Dict[str, Any]] = None
         if cfg.checkpoint.enabled:
-            self.ckpt = CheckpointManager(
-                cfg.checkpoint,
-                cfg.run.name,
-                rank,
-                world_size,
-                local_rank,
-                self.config_digest,
-                stall_s=self.faults.save_stall_s,
+            self._open_checkpoints(cfg)
+
+    def _open_data(self, cfg) -> None:
+        """The token dataset (its ids checked against the model's vocabulary) and the
+        global sampler over it."""
+        self.dataset = open_token_dataset(
+            cfg.data.path,
+            cfg.model.seq_len,
+            s3_endpoint_url=cfg.data.s3_endpoint_url,
+            s3_region=cfg.data.s3_region,
+        )
+        max_token = self.dataset.max_token()
+        if max_token >= cfg.model.vocab_size:
+            raise ValueError(
+                f"data.path {cfg.data.path} holds token id {max_token}, but "
+                f"model.vocab_size is {cfg.model.vocab_size}; raise model.vocab_size"
             )
-            for tier in self.ckpt.tiers:
-                tier.probe()
-            self.restored = self.ckpt.restore(self.state)
+        self.sampler = GlobalSampler(
+            self.dataset.num_samples, cfg.data.global_batch_size, cfg.data.seed, cfg.data.shuffle
+        )
+
+    def _build_model(self, cfg) -> None:
+        """Spec -> strategy -> placed model (pretrained weights in) -> optimizer, scheduler;
+        ``prepare`` last, for a strategy that builds its engine around our optimizer."""
+        self.spec = model_spec(cfg.model)
+        self.strategy = build_strategy(cfg.parallel, self.spec)
+        self.model = self.strategy.wrap(self.spec.build(cfg.model, cfg.run.seed), self.ctx)
+        if self.spec.load_pretrained is not None:  # each rank reads what it holds
+            self.spec.load_pretrained(self.model, cfg.model)
+        self.optimizer = build_optimizer(
+            self.model, cfg.optim, foreach=self.strategy.optimizer_foreach
+        )
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim)
+        self.model = self.strategy.prepare(self.model, self.optimizer, cfg)
+
+    def _open_checkpoints(self, cfg) -> None:
+        """The checkpoint manager, its tiers probed, and the newest usable checkpoint restored."""
+        ctx = self.ctx
+        self.ckpt = CheckpointManager(
+            cfg.checkpoint,
+            cfg.run.name,
+            ctx.rank,
+            ctx.world_size,
+            ctx.local_rank,
+            self.config_digest,
+            stall_s=self.faults.save_stall_s,
+        )
+        for tier in self.ckpt.tiers:
+            tier.probe()
+        self.restored = self.ckpt.restore(self.state)
 
     def fit(self) -> Dict[str, Any]:
         """Train until ``run.max_steps``; return this rank's final digests."""
