@@ -13,6 +13,7 @@ import copy
 import logging
 import os
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any, Dict, Optional, Sequence
 
@@ -20,7 +21,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from raytrain_ext.checkpoint.tiers.memory import start_memory_tier, stop_memory_tier
 from raytrain_ext.config import config_digest, load_config, to_yaml
+from raytrain_ext.config.choices import ModelSource
+from raytrain_ext.config.errors import ConfigError
 from raytrain_ext.elastic.controller import Controller, ControllerResult, RunState
+from raytrain_ext.elastic.ray_group import RayGroup
 from raytrain_ext.inputs.preflight import preflight
 from raytrain_ext.metrics import FanOut, StdoutSink, TensorBoardSink, summarize_records
 from raytrain_ext.run_dir import RunDirectory
@@ -30,9 +34,18 @@ log = logging.getLogger(__name__)
 
 class Trainer:
     def __init__(
-        self, config: DictConfig | str | Path | None = None, overrides: Sequence[str] = ()
+        self,
+        config: DictConfig | str | Path | None = None,
+        overrides: Sequence[str] = (),
+        model: Any = None,
     ):
-        """``config`` is a loaded config, a YAML path, or None for the packaged default."""
+        """``config`` is a loaded config, a YAML path, or None for the packaged default.
+
+        ``model``: with ``model.source=python``, your model from Python instead of
+        ``model.factory``: a callable ``(model_cfg, seed) -> nn.Module`` or a ``ModelSpec``.
+        It is pickled to every worker (cloudpickle: a closure or a class defined in a
+        notebook works), so it must build the same model on every rank.
+        """
         if isinstance(config, DictConfig):
             if overrides:
                 raise ValueError(
@@ -43,6 +56,8 @@ class Trainer:
         else:
             self.cfg = load_config(config, overrides)
         self.cfg = absolute_paths(self.cfg)
+        self._model = model
+        _check_model_argument(self.cfg, model)
         self._controller: Optional[Controller] = None
         self._stop_reason: Optional[str] = None
         self.run_dir = Path(self.cfg.run.output_dir) / self.cfg.run.name
@@ -83,7 +98,11 @@ class Trainer:
             self.cfg = resolve_cluster_defaults(self.cfg)
             memory_actors = self._start_memory_tier()
             sink = FanOut(self._sinks())
-            self._controller = Controller(self.cfg, sink)
+            self._controller = Controller(
+                self.cfg,
+                sink,
+                group_factory=partial(RayGroup.for_config, model_factory=self._model),
+            )
             if self._stop_reason is not None:  # stop() came before the controller existed
                 self._controller.stop(self._stop_reason)
             return self._controller.run()
@@ -243,3 +262,17 @@ def build_summary(cfg, result: Optional[ControllerResult], start: float) -> Dict
         "step_end_times": [[r["step"], r["time"]] for r in records],
     }
     return summary
+
+
+def _check_model_argument(cfg, model: Any) -> None:
+    """``Trainer(cfg, model=...)`` goes with ``model.source=python``; the model (or
+    ``model.factory``) is checked before Ray, as a config key would be."""
+    if model is not None and cfg.model.source != ModelSource.python:
+        raise ConfigError(
+            f"model.source: Trainer(cfg, model=...) trains your model, but model.source is "
+            f"{cfg.model.source}. Set model.source=python."
+        )
+    if cfg.model.source == ModelSource.python:
+        from raytrain_ext.models.user_model import check_python_model
+
+        check_python_model(cfg, model)

@@ -70,10 +70,10 @@ def _resolve_model(cfg: DictConfig) -> None:
         from raytrain_ext.models.hf_config import resolve_hf_shape
 
         resolve_hf_shape(cfg)
-    elif cfg.model.source == ModelSource.python:
+    elif cfg.model.source == ModelSource.python and cfg.model.factory is not None:
         from raytrain_ext.models.user_model import check_python_model
 
-        check_python_model(cfg)
+        check_python_model(cfg)  # without one, the Trainer checks the model given to it
 
 
 def config_from_dict(data: dict) -> DictConfig:

@@ -23,16 +23,20 @@ NO_ANSWER = (ray.exceptions.RayError, ray.exceptions.GetTimeoutError)
 
 
 class RayGroup:
-    def __init__(self, group: WorkerGroup, clock: Callable[[], float] = time.time):
+    def __init__(
+        self, group: WorkerGroup, clock: Callable[[], float] = time.time, model_factory: Any = None
+    ):
         self._group = group
+        self._model_factory = model_factory  # the model given from Python, shipped with fit
         self._clock = clock
         self._fit_refs: List[ray.ObjectRef] = []
         self._pending: List[ray.ObjectRef] = []
 
     @classmethod
-    def for_config(cls, cfg) -> RayGroup:
+    def for_config(cls, cfg, model_factory: Any = None) -> RayGroup:
         s = cfg.scaling
-        return cls(WorkerGroup(dict(s.resources_per_worker), s.placement_strategy))
+        group = WorkerGroup(dict(s.resources_per_worker), s.placement_strategy)
+        return cls(group, model_factory=model_factory)
 
     @property
     def avoid_nodes(self) -> Set[str]:
@@ -80,7 +84,7 @@ class RayGroup:
         )
 
     def start_fit(self, cfg_dict: Dict[str, Any], attempt: int) -> None:
-        self._fit_refs = self._group.call_async("fit", cfg_dict, attempt)
+        self._fit_refs = self._group.call_async("fit", cfg_dict, attempt, self._model_factory)
         self._pending = list(self._fit_refs)
 
     def wait_fit(self, timeout_s: float) -> FitStatus:

@@ -11,8 +11,9 @@ from raytrain_ext.models.moe import MoEFeedForward
 from raytrain_ext.models.spec import ModelSpec
 
 
-def model_spec(model_cfg) -> ModelSpec:
-    """The spec of the configured model."""
+def model_spec(model_cfg, model_factory=None) -> ModelSpec:
+    """The spec of the configured model; ``model_factory``: a callable or ``ModelSpec`` given
+    from Python for ``model.source=python`` (``Trainer(cfg, model=...)``)."""
     if model_cfg.source == ModelSource.hf:
         from raytrain_ext.models.hf_spec import hf_spec
 
@@ -20,7 +21,7 @@ def model_spec(model_cfg) -> ModelSpec:
     if model_cfg.source == ModelSource.python:
         from raytrain_ext.models.user_model import python_spec
 
-        return python_spec(model_cfg)
+        return python_spec(model_cfg, model_factory)
     return GPT_SPEC
 
 

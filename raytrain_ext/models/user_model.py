@@ -54,19 +54,29 @@ def blocks_of_class(class_name: str | None):
     return blocks
 
 
-def python_spec(model_cfg) -> ModelSpec:
-    """The user's spec, or one built around their factory (DDP and FSDP only)."""
-    target = load_factory(model_cfg.factory)
+def python_spec(model_cfg, target: Any = None) -> ModelSpec:
+    """The user's spec, or one built around their factory (DDP and FSDP only); ``target`` is
+    the factory or spec given from Python (``Trainer(cfg, model=...)``), else
+    ``model.factory``'s."""
+    if target is None:
+        target = load_factory(model_cfg.factory)
     if isinstance(target, ModelSpec):
         return target
-    return ModelSpec(
-        name=model_cfg.factory, build=target, blocks=blocks_of_class(model_cfg.block_class)
-    )
+    if not callable(target):
+        raise ConfigError(f"model: {target!r} is neither a callable nor a ModelSpec.")
+    name = model_cfg.factory or "the model given to Trainer"
+    return ModelSpec(name=name, build=target, blocks=blocks_of_class(model_cfg.block_class))
 
 
-def check_python_model(cfg) -> None:
-    """Before Ray: the factory imports, and a layout that needs a spec member has it."""
-    spec = python_spec(cfg.model)
+def check_python_model(cfg, target: Any = None) -> None:
+    """Before Ray: the factory imports (or was given), and a layout that needs a spec member
+    has it."""
+    if target is None and cfg.model.factory is None:
+        raise ConfigError(
+            "model.factory: model.source=python needs model.factory=pkg.module:build, or the "
+            "model passed from Python: Trainer(cfg, model=build)."
+        )
+    spec = python_spec(cfg.model, target)
     needs = (
         (cfg.parallel.tp > 1, "tp_block_plan", "parallel.tp"),
         (cfg.parallel.sequence_parallel, "tp_model_plan", "parallel.sequence_parallel"),
@@ -75,7 +85,7 @@ def check_python_model(cfg) -> None:
     for wanted, member, key in needs:
         if wanted and getattr(spec, member) is None:
             raise ConfigError(
-                f"{key}: {cfg.model.factory} gives no ModelSpec.{member}, which this layout "
+                f"{key}: {spec.name} gives no ModelSpec.{member}, which this layout "
                 f"needs. Point model.factory at a ModelSpec that defines {member} "
                 "(raytrain_ext.models.spec), or train with DDP/FSDP only."
             )

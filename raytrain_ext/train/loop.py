@@ -87,6 +87,7 @@ class TrainLoop:
         requests: Optional[SaveRequests] = None,
         faults: Optional[FaultInjector] = None,
         mark: Callable[[str], None] = lambda phase: None,
+        model_factory: Any = None,
     ):
         self.cfg = cfg
         self.report = report
@@ -101,7 +102,7 @@ class TrainLoop:
         )
         seed_everything(cfg.run.seed + rank)
         self._open_data(cfg)
-        self._build_model(cfg)
+        self._build_model(cfg, model_factory)
         self.ledger = SampleLedger()
         self.progress = Progress()
         self.global_tokens = cfg.data.global_batch_size * cfg.model.seq_len
@@ -157,10 +158,10 @@ class TrainLoop:
             self.dataset.num_samples, cfg.data.global_batch_size, cfg.data.seed, cfg.data.shuffle
         )
 
-    def _build_model(self, cfg) -> None:
+    def _build_model(self, cfg, model_factory: Any) -> None:
         """Spec -> strategy -> placed model (pretrained weights in) -> optimizer, scheduler;
         ``prepare`` last, for a strategy that builds its engine around our optimizer."""
-        self.spec = model_spec(cfg.model)
+        self.spec = model_spec(cfg.model, model_factory)
         self.strategy = build_strategy(cfg.parallel, self.spec)
         self.model = self.strategy.wrap(self.spec.build(cfg.model, cfg.run.seed), self.ctx)
         if self.spec.load_pretrained is not None:  # each rank reads what it holds

@@ -134,11 +134,13 @@ class TrainWorker:
         self.device = init_distributed(self.env, chosen, timeout_s, store)
         return chosen
 
-    def fit(self, cfg_dict: Dict[str, Any], attempt: int = 0) -> Dict[str, Any]:
+    def fit(
+        self, cfg_dict: Dict[str, Any], attempt: int = 0, model_factory: Any = None
+    ) -> Dict[str, Any]:
         """Run this rank's loop; ``attempt`` counts re-forms (chaos fires on the first
-        ``chaos.attempts`` of them)."""
+        ``chaos.attempts`` of them); ``model_factory``: the model given from Python."""
         try:
-            result = self._train(cfg_dict, attempt)
+            result = self._train(cfg_dict, attempt, model_factory)
         except BaseException as e:
             # the failed loop (and its DDP Reducer) must not outlive the groups it holds:
             # the traceback's frames keep it alive, so their locals go first (dist_env)
@@ -155,7 +157,7 @@ class TrainWorker:
         if dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() == "gloo":
             destroy_distributed()
 
-    def _train(self, cfg_dict: Dict[str, Any], attempt: int) -> Dict[str, Any]:
+    def _train(self, cfg_dict: Dict[str, Any], attempt: int, model_factory: Any) -> Dict[str, Any]:
         from raytrain_ext.config import config_from_dict
         from raytrain_ext.metrics.sinks import RayMetricsSink
         from raytrain_ext.train.loop import TrainLoop
@@ -183,6 +185,7 @@ class TrainWorker:
             self.requests,
             faults=faults,
             mark=self.events.mark,
+            model_factory=model_factory,
         )
         faults.after_restore()
         return loop.fit()

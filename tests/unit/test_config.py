@@ -152,6 +152,7 @@ CHOICE_KEYS = [
 def test_choice_keys_are_the_closed_sets_the_code_uses():
     assert {key: kind.values() for key, kind in CHOICE_KEYS} == {
         "run.device": ("auto", "cpu", "cuda"),
+        "model.source": ("gpt", "hf", "python"),
         "scaling.placement_strategy": ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
         "parallel.strategy": ("ddp", "fsdp", "zero"),
         "parallel.backend": ("auto", "nccl", "gloo"),

@@ -271,6 +271,10 @@ def make_run(slots: Dict[str, int], overrides=(), max_steps=8, faults=()) -> Run
 
 @pytest.fixture(autouse=True)
 def no_ray():
+    """The state machine runs without Ray: none is running (an earlier test's is stopped;
+    the next test that needs one starts it again) and none is started."""
+    if ray.is_initialized():
+        ray.shutdown()
     yield
     assert not ray.is_initialized()
 
