@@ -7,6 +7,7 @@ import torch
 import torch.nn as nn
 
 from raytrain_ext.models import ModelSpec
+from raytrain_ext.parallel.strategy import Strategy
 
 
 class Toy(nn.Module):
@@ -29,3 +30,28 @@ def build_toy(model_cfg, seed: int) -> Toy:
 
 
 TOY_SPEC = ModelSpec(name="toy", build=build_toy, blocks=lambda m: list(m.layers))
+
+
+class PlainStrategy(Strategy):
+    """One process, no wrapper, only the abstract members: the reference a distributed run
+    must match, and the smallest strategy the base class accepts."""
+
+    name = "plain"
+
+    def __init__(self):
+        super().__init__(None, TOY_SPEC)
+
+    def wrap(self, model, ctx):
+        return model
+
+    def accumulate(self, wrapped, sync):
+        return torch.enable_grad()
+
+    def clip_grad_norm(self, wrapped, max_norm):
+        return torch.zeros(())
+
+    def unwrap(self, wrapped):
+        return wrapped
+
+    def full_parameters(self, wrapped):
+        return {name: p.detach() for name, p in wrapped.named_parameters()}

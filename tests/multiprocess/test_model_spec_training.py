@@ -13,7 +13,7 @@ from raytrain_ext.parallel.fsdp import FSDPStrategy
 from raytrain_ext.parallel.strategy import DistContext, Strategy
 from raytrain_ext.worker.dist_env import destroy_distributed, free_port
 from tests.helpers.dist import init_local_rank, spawn_ranks
-from tests.helpers.toy import TOY_SPEC
+from tests.helpers.toy import TOY_SPEC, PlainStrategy
 
 FSDP_OPTIONS = SimpleNamespace(activation_checkpointing=False, compile=False, cpu_offload=False)
 
@@ -53,34 +53,10 @@ def test_ddp_and_fsdp_train_a_model_of_another_family_through_its_spec(tmp_path)
     training on whole batches (gradients averaged), under DDP and FSDP alike."""
     spawn_ranks(_rank, (2, free_port("127.0.0.1"), str(tmp_path)), 2)
     single = SimpleNamespace(rank=0, world_size=1)
-    reference = _train(_Plain(), single)
+    reference = _train(PlainStrategy(), single)
     for rank in range(2):
         results = torch.load(tmp_path / f"rank{rank}.pt")
         for name in ("ddp", "fsdp"):
             assert set(results[name]) == set(reference)
             for key, value in reference.items():
                 torch.testing.assert_close(results[name][key], value, msg=f"{name} {key}")
-
-
-class _Plain(Strategy):
-    """One process, no wrapper: the reference the two ranks must match."""
-
-    name = "plain"
-
-    def __init__(self):
-        super().__init__(None, TOY_SPEC)
-
-    def wrap(self, model, ctx):
-        return model
-
-    def accumulate(self, wrapped, sync):
-        return torch.enable_grad()
-
-    def clip_grad_norm(self, wrapped, max_norm):
-        return torch.zeros(())
-
-    def unwrap(self, wrapped):
-        return wrapped
-
-    def full_parameters(self, wrapped):
-        return {name: p.detach() for name, p in wrapped.named_parameters()}

@@ -18,7 +18,7 @@ from raytrain_ext.parallel.registry import STRATEGIES
 from raytrain_ext.parallel.strategy import DistContext, Strategy
 from raytrain_ext.parallel.tp import apply_tensor_parallel
 from raytrain_ext.parallel.zero import ZeroStrategy
-from tests.helpers.toy import TOY_SPEC, Toy
+from tests.helpers.toy import TOY_SPEC, PlainStrategy, Toy
 
 PARALLEL = Path(__file__).resolve().parents[2] / "raytrain_ext" / "parallel"
 GPT_MEMBERS = {"blocks", "tok_emb", "pos_emb", "ln_f", "lm_head", "attn", "ffn"}
@@ -52,25 +52,7 @@ def test_parallel_code_names_no_attribute_of_the_reference_gpt():
 
 
 def test_the_base_class_declares_every_member_the_loop_and_checkpoints_use():
-    class Minimal(Strategy):
-        name = "minimal"
-
-        def wrap(self, model, ctx):
-            return model
-
-        def accumulate(self, wrapped, sync):
-            return torch.no_grad()
-
-        def clip_grad_norm(self, wrapped, max_norm):
-            return torch.zeros(())
-
-        def unwrap(self, wrapped):
-            return wrapped
-
-        def full_parameters(self, wrapped):
-            return dict(wrapped.named_parameters())
-
-    strategy = Minimal(None, TOY_SPEC)
+    strategy = PlainStrategy()
     model = Toy()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     assert strategy.prepare(model, optimizer, None) is model
@@ -79,7 +61,7 @@ def test_the_base_class_declares_every_member_the_loop_and_checkpoints_use():
     assert strategy.take_kept_tokens() is None
     model_sd, optim_sd = strategy.state_dicts(model, optimizer)
     assert set(model_sd) == {name for name, _ in model.named_parameters()}
-    with pytest.raises(NotImplementedError, match="'minimal' does not run micro-batches"):
+    with pytest.raises(NotImplementedError, match="'plain' does not run micro-batches"):
         strategy.forward_backward(model, [], 1.0, torch.no_grad)
     with pytest.raises(NotImplementedError, match="no checkpoint format of its own"):
         strategy.native_info()
