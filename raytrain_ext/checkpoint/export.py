@@ -118,13 +118,11 @@ def _empty_model_state(metadata) -> Dict[str, torch.Tensor]:
     }
 
 
-def export_safetensors(location: str, out: Path, s3_endpoint_url: Optional[str] = None) -> Dict:
-    """Write the model of the newest usable checkpoint at ``location`` to ``out``."""
-    from safetensors.torch import save_file
-
-    problem = writable_file_problem(out, "--to")
-    if problem:
-        raise ExportError(problem)
+def read_newest_model(
+    location: str, s3_endpoint_url: Optional[str] = None
+) -> Tuple[Resolution, Dict[str, torch.Tensor], Dict]:
+    """The newest usable checkpoint at ``location``, its verified model tensors and what
+    was fetched for them (both export formats start here)."""
     tier, found = resolve(location, s3_endpoint_url)
     assert found.step is not None and found.manifest is not None
     try:
@@ -132,6 +130,31 @@ def export_safetensors(location: str, out: Path, s3_endpoint_url: Optional[str] 
             tensors, fetched = load_model_state(tier, found.step, found.manifest, Path(cache))
     except TierError as e:
         raise ExportError(str(e)) from None
+    return found, tensors, fetched
+
+
+def export_info(
+    found: Resolution, tensors: Dict[str, torch.Tensor], out: Path, fetched: Dict
+) -> Dict:
+    """What an export wrote, for the command's summary line."""
+    return {
+        "step": found.step,
+        "tensors": len(tensors),
+        "out": str(out),
+        "parameters": sum(t.numel() for t in tensors.values()),
+        "skipped": found.skipped,
+        **fetched,
+    }
+
+
+def export_safetensors(location: str, out: Path, s3_endpoint_url: Optional[str] = None) -> Dict:
+    """Write the model of the newest usable checkpoint at ``location`` to ``out``."""
+    from safetensors.torch import save_file
+
+    problem = writable_file_problem(out, "--to")
+    if problem:
+        raise ExportError(problem)
+    found, tensors, fetched = read_newest_model(location, s3_endpoint_url)
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
         save_file(
@@ -143,11 +166,4 @@ def export_safetensors(location: str, out: Path, s3_endpoint_url: Optional[str] 
         raise ExportError(
             f"--to: cannot write {out}: {e.strerror or e}. Point --to at a writable path."
         ) from None
-    return {
-        "step": found.step,
-        "tensors": len(tensors),
-        "out": str(out),
-        "parameters": sum(t.numel() for t in tensors.values()),
-        "skipped": found.skipped,
-        **fetched,
-    }
+    return export_info(found, tensors, out, fetched)

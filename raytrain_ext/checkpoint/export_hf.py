@@ -11,14 +11,12 @@ index above ``max_shard_size``, and the tokenizer files the model directory had.
 from __future__ import annotations
 
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Dict, Optional
 
 from omegaconf import OmegaConf
 
-from raytrain_ext.checkpoint.export import ExportError, load_model_state, resolve
-from raytrain_ext.checkpoint.tiers.base import TierError
+from raytrain_ext.checkpoint.export import ExportError, export_info, read_newest_model
 from raytrain_ext.config import config_from_dict
 from raytrain_ext.config.choices import ModelSource
 from raytrain_ext.config.errors import ConfigError
@@ -80,29 +78,19 @@ def export_hf(
     """Write the newest usable checkpoint at ``location`` as a Hugging Face model directory."""
     config_path = run_config_path(location, run_config)
     model, source_dir = _hf_model(config_path)
-    tier, found = resolve(location, s3_endpoint_url)
-    try:
-        with tempfile.TemporaryDirectory(prefix="raytrain-ext-export-") as cache:
-            tensors, fetched = load_model_state(tier, found.step, found.manifest, Path(cache))
-    except TierError as e:
-        raise ExportError(str(e)) from None
+    found, tensors, fetched = read_newest_model(location, s3_endpoint_url)
     _install(model, tensors)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(out_dir, max_shard_size=max_shard_size)
     except OSError as e:
-        raise ExportError(f"--to-hf: cannot write {out_dir}: {e}. Give a writable directory.")
+        raise ExportError(
+            f"--to-hf: cannot write {out_dir}: {e}. Give a writable directory."
+        ) from None
+    from raytrain_ext.models.hf_config import local_dir
     from raytrain_ext.models.hf_spec import hf_files
 
-    carried = hf_files(Path(source_dir)) if source_dir and Path(source_dir).is_dir() else []
+    carried = hf_files(local_dir(source_dir)) if source_dir else []
     for path in carried:
         shutil.copy2(path, out_dir / path.name)
-    return {
-        "step": found.step,
-        "tensors": len(tensors),
-        "out": str(out_dir),
-        "parameters": sum(t.numel() for t in tensors.values()),
-        "skipped": found.skipped,
-        "carried": [p.name for p in carried],
-        **fetched,
-    }
+    return {**export_info(found, tensors, out_dir, fetched), "carried": [p.name for p in carried]}

@@ -142,7 +142,6 @@ class StepRecord:
     time: float  # the step's end, on the worker's clock
     step_time_s: float
     stragglers: List[int]
-    rank_compute_s: List[float]
     first_of_group: bool  # the new group's first step: it says where the group resumed from
     restored: Optional[Dict[str, Any]]  # that restore (None: started afresh)
     fields: Dict[str, Any]
@@ -154,7 +153,6 @@ class StepRecord:
             time=record["time"],
             step_time_s=record["step_time_s"],
             stragglers=list(record.get("stragglers", [])),
-            rank_compute_s=list(record.get("rank_compute_s", [])),
             first_of_group="restored" in record,
             restored=record.get("restored"),
             fields=record,

@@ -36,7 +36,7 @@ def _transformers():
     return transformers
 
 
-def _local_dir(path: str) -> Path:
+def local_dir(path: str) -> Path:
     """``path`` as a local directory: itself, or a model id's snapshot in the local HF cache."""
     if Path(path).is_dir():
         return Path(path)
@@ -53,7 +53,7 @@ def _local_dir(path: str) -> Path:
 
 
 def _path_config(path: str) -> Dict[str, Any]:
-    config_json = _local_dir(path) / "config.json"
+    config_json = local_dir(path) / "config.json"
     if not config_json.is_file():
         raise ConfigError(
             f"model.hf.path: {path} has no config.json. Give the directory of a Hugging Face "
@@ -102,7 +102,7 @@ def pretrained_dir(model_cfg) -> Optional[Path]:
     hf = model_cfg.hf
     if not (hf.path and hf.pretrained):
         return None
-    directory = _local_dir(hf.path)
+    directory = local_dir(hf.path)
     if not any(directory.glob("*.safetensors")):
         raise ConfigError(
             f"model.hf.path: {hf.path} has no *.safetensors weights. Add them, or set "

@@ -17,7 +17,7 @@ so sharding the experts changes only where expert matmuls run, not the result.
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional
+from typing import Callable, List, Optional
 
 import torch
 import torch.nn as nn
@@ -95,22 +95,23 @@ class MoEFeedForward(nn.Module):
         return self.num_experts * (fraction * probs.mean(dim=0)).sum()
 
 
-def moe_layers(model: nn.Module) -> list:
-    """The model's MoE feed-forwards, in module order (empty for a dense model)."""
+def moe_layers(model: nn.Module) -> List[MoEFeedForward]:
+    """The model's MoE feed-forwards, in module order (empty for a dense model); found
+    once, since strategies wrap or shard modules in place without replacing them."""
     return [m for m in model.modules() if isinstance(m, MoEFeedForward)]
 
 
-def moe_aux_loss(model: nn.Module) -> Optional[torch.Tensor]:
-    """Sum of the MoE load-balancing losses of the last forward (None when dense)."""
-    losses = [moe.aux_loss for moe in moe_layers(model)]
+def moe_aux_loss(layers: List[MoEFeedForward]) -> Optional[torch.Tensor]:
+    """Sum of the layers' load-balancing losses of the last forward (None when dense)."""
+    losses = [moe.aux_loss for moe in layers]
     return torch.stack(losses).sum() if losses else None
 
 
-def moe_expert_load(model: nn.Module) -> Optional[torch.Tensor]:
+def moe_expert_load(layers: List[MoEFeedForward]) -> Optional[torch.Tensor]:
     """Tokens each expert kept in the last forward, summed over MoE layers (None when dense).
 
     Counts this rank's tokens for all experts, local or not (routing runs where the
     tokens are), so a sum over ranks is the global load.
     """
-    loads = [moe.expert_load for moe in moe_layers(model)]
+    loads = [moe.expert_load for moe in layers]
     return torch.stack(loads).sum(dim=0) if loads else None

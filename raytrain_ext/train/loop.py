@@ -36,7 +36,7 @@ from raytrain_ext.data import GlobalSampler, open_token_dataset, rank_slice
 from raytrain_ext.faults import FaultInjector
 from raytrain_ext.metrics.flops import mfu, model_flops_per_token, peak_flops_for
 from raytrain_ext.models import model_spec
-from raytrain_ext.models.moe import moe_aux_loss, moe_expert_load
+from raytrain_ext.models.moe import moe_aux_loss, moe_expert_load, moe_layers
 from raytrain_ext.parallel import DistContext, dims_for_run
 from raytrain_ext.parallel.registry import build_strategy
 from raytrain_ext.train.guards import (
@@ -171,6 +171,7 @@ class TrainLoop:
         )
         self.scheduler = build_scheduler(self.optimizer, cfg.optim)
         self.model = self.strategy.prepare(self.model, self.optimizer, cfg)
+        self.moe_layers = moe_layers(self.strategy.unwrap(self.model))  # empty when dense
 
     def _open_checkpoints(self, cfg) -> None:
         """The checkpoint manager, its tiers probed, and the newest usable checkpoint restored."""
@@ -351,7 +352,7 @@ class TrainLoop:
         return {"rank_compute_s": [round(s, 6) for s in compute_s], "stragglers": flagged}
 
     def _count_expert_load(self) -> None:
-        load = moe_expert_load(self.strategy.unwrap(self.model))
+        load = moe_expert_load(self.moe_layers)
         self._expert_tokens = load if self._expert_tokens is None else self._expert_tokens + load
 
     def _take_expert_tokens(self) -> List[float]:
@@ -410,7 +411,7 @@ class TrainLoop:
                     logits.float().flatten(0, 1), targets.flatten(), reduction="sum"
                 )
                 loss = token_loss * scale
-                aux = moe_aux_loss(self.strategy.unwrap(self.model))
+                aux = moe_aux_loss(self.moe_layers)
                 if aux is not None:
                     loss = loss + aux_weight * aux * (targets.numel() * scale)
                     self._count_expert_load()
