@@ -15,7 +15,7 @@ import os
 import time
 from functools import partial
 from pathlib import Path
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -27,7 +27,9 @@ from raytrain_ext.elastic.controller import Controller, ControllerResult, RunSta
 from raytrain_ext.elastic.ray_group import RayGroup
 from raytrain_ext.inputs.preflight import preflight
 from raytrain_ext.metrics import FanOut, StdoutSink, TensorBoardSink, summarize_records
+from raytrain_ext.metrics.sinks import eval_fields
 from raytrain_ext.run_dir import RunDirectory
+from raytrain_ext.user_code import UserCode
 
 log = logging.getLogger(__name__)
 
@@ -38,13 +40,23 @@ class Trainer:
         config: DictConfig | str | Path | None = None,
         overrides: Sequence[str] = (),
         model: Any = None,
+        loss_fn: Optional[Callable] = None,
+        dataset: Any = None,
     ):
         """``config`` is a loaded config, a YAML path, or None for the packaged default.
 
         ``model``: with ``model.source=python``, your model from Python instead of
         ``model.factory``: a callable ``(model_cfg, seed) -> nn.Module`` or a ``ModelSpec``.
-        It is pickled to every worker (cloudpickle: a closure or a class defined in a
-        notebook works), so it must build the same model on every rank.
+        ``loss_fn``: your objective instead of ``objective.fn``: ``(logits, batch) ->`` the
+        sum of its per-token losses.  Both are pickled to every worker (cloudpickle: a
+        closure or a class defined in a notebook works), so they must behave the same on
+        every rank.
+
+        ``dataset``: a ``ray.data.Dataset`` instead of ``data.path``, in ``data.format``
+        (a ``tokens`` column of id lists, or the text/chat/preference columns).  ``fit``
+        materialises it once, in order, into the run directory; it must be finite and
+        deterministic, and a resumed run whose dataset differs is refused
+        (:mod:`raytrain_ext.data.ray_input`).
         """
         if isinstance(config, DictConfig):
             if overrides:
@@ -56,8 +68,12 @@ class Trainer:
         else:
             self.cfg = load_config(config, overrides)
         self.cfg = absolute_paths(self.cfg)
-        self._model = model
+        self._user = UserCode(model=model, loss_fn=loss_fn)
+        self._dataset = dataset
         _check_model_argument(self.cfg, model)
+        from raytrain_ext.objectives import check_objective
+
+        check_objective(self.cfg, loss_fn)
         self._controller: Optional[Controller] = None
         self._stop_reason: Optional[str] = None
         self.run_dir = Path(self.cfg.run.output_dir) / self.cfg.run.name
@@ -76,6 +92,10 @@ class Trainer:
         directory's history (:class:`RunDirectory`).
         """
         start = time.time()
+        if self._dataset is not None:
+            from raytrain_ext.data.ray_input import materialise_dataset
+
+            self.cfg = materialise_dataset(self.cfg, self._dataset, self.run_dir)
         preflight(self.cfg)
         records = RunDirectory(self.run_dir)
         attempt = records.begin(to_yaml(self.cfg))
@@ -101,7 +121,7 @@ class Trainer:
             self._controller = Controller(
                 self.cfg,
                 sink,
-                group_factory=partial(RayGroup.for_config, model_factory=self._model),
+                group_factory=partial(RayGroup.for_config, user=self._user),
             )
             if self._stop_reason is not None:  # stop() came before the controller existed
                 self._controller.stop(self._stop_reason)
@@ -158,6 +178,10 @@ def absolute_paths(cfg: DictConfig, base: Optional[Path] = None) -> DictConfig:
         cfg.checkpoint.dir = str(base / cfg.checkpoint.dir)
     if cfg.data.path != "builtin:corpus" and not cfg.data.path.startswith("s3://"):
         cfg.data.path = str(base / cfg.data.path)
+    if cfg.data.eval_path and not cfg.data.eval_path.startswith("s3://"):
+        cfg.data.eval_path = str(base / cfg.data.eval_path)
+    if cfg.data.tokenizer and (base / cfg.data.tokenizer).exists():  # else a cached model id
+        cfg.data.tokenizer = str(base / cfg.data.tokenizer)
     OmegaConf.set_readonly(cfg, True)
     return cfg
 
@@ -258,6 +282,7 @@ def build_summary(cfg, result: Optional[ControllerResult], start: float) -> Dict
         "transitions": [t.__dict__ for t in result.transitions],
         "versions": {"torch": torch.__version__, "ray": ray.__version__},
         "loss_history": [[r["step"], r["loss"]] for r in records],
+        "eval_history": [{"step": r["step"], **eval_fields(r)} for r in records if eval_fields(r)],
         "step_times": [r["step_time_s"] for r in records],
         "step_end_times": [[r["step"], r["time"]] for r in records],
     }

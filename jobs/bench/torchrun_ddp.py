@@ -55,7 +55,8 @@ def main() -> None:
         chunks = [local[i : i + micro] for i in range(0, len(local), micro)]
         total = torch.zeros(())
         for j, idx in enumerate(chunks):
-            x, y = data.batch(idx)
+            batch = data.batch(idx)
+            x, y = batch.inputs, batch.targets
             ctx = model.no_sync() if j < len(chunks) - 1 else torch.enable_grad()
             with ctx:
                 loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="sum")

@@ -6,6 +6,7 @@
   world size, config digest) as JSON bytes; identical on every rank, so DCP
   keeps one copy.
 - ``rng/rank<r>``: each rank's Python, NumPy, torch CPU and CUDA RNG states.
+- ``reference`` (DPO only): the reference log-probs table, replicated like ``train``.
 
 ``snapshot`` copies the tensors to host memory (pinned on GPU) so training can
 continue while the copy is serialised in the background.  A sharded (FSDP/TP)
@@ -32,6 +33,7 @@ from raytrain_ext.checkpoint.train_state import TrainState
 from raytrain_ext.parallel.stage_state import whole_model_keys
 
 TRAIN_KEY = "train"
+REFERENCE_KEY = "reference"
 
 
 def rng_key(rank: int) -> str:
@@ -82,12 +84,15 @@ def model_and_optim(state: TrainState):
 def capture(state: TrainState) -> Dict[str, Any]:
     """The live state dict (tensors are references to the training tensors)."""
     model_sd, optim_sd = model_and_optim(state)
-    return {
+    captured = {
         "model": model_sd,
         "optim": optim_sd,
         TRAIN_KEY: io.BytesIO(json.dumps(train_items(state)).encode()),
         rng_key(state.ctx.rank): io.BytesIO(capture_rng()),
     }
+    if state.reference is not None:
+        captured[REFERENCE_KEY] = io.BytesIO(state.reference.to_bytes())
+    return captured
 
 
 def snapshot(state: Any, reuse: Any = None) -> Any:
@@ -146,6 +151,8 @@ def load_targets(state: TrainState, saved_world_size: int) -> Dict[str, Any]:
     targets: Dict[str, Any] = {"model": model_sd, "optim": optim_sd, TRAIN_KEY: io.BytesIO()}
     if state.ctx.rank < saved_world_size:
         targets[rng_key(state.ctx.rank)] = io.BytesIO()
+    if state.reference is not None:
+        targets[REFERENCE_KEY] = io.BytesIO()
     return targets
 
 
@@ -223,6 +230,8 @@ def apply_train(state: TrainState, loaded: Dict[str, Any]) -> Dict[str, Any]:
     key = rng_key(state.ctx.rank)
     if key in loaded:
         restore_rng(loaded[key].getvalue())
+    if state.reference is not None:
+        state.reference.load_bytes(loaded[REFERENCE_KEY].getvalue())
     return items
 
 

@@ -10,7 +10,7 @@ training stands (the loop reads and advances it).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Set
+from typing import TYPE_CHECKING, Optional, Set
 
 if TYPE_CHECKING:
     import torch
@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from raytrain_ext.data.sampler import GlobalSampler
     from raytrain_ext.parallel.strategy import DistContext, Strategy
     from raytrain_ext.train.ledger import SampleLedger
+    from raytrain_ext.train.reference import ReferenceLogps
 
 
 @dataclass
@@ -46,3 +47,4 @@ class TrainState:
     ctx: "DistContext"
     config_digest: str
     progress: Progress
+    reference: Optional["ReferenceLogps"] = None  # DPO: the reference log-probs

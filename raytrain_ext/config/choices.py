@@ -119,3 +119,22 @@ NanPolicy = _choice(
     "rollback",
     "fail",
 )
+DataFormat = _choice(
+    "DataFormat",
+    "``data.format``: pre-tokenized ids (a ``tokens`` column), plain text documents packed "
+    "into ``seq_len`` windows, chat or prompt/response examples (loss on responses only), "
+    "or (prompt, chosen, rejected) preference records.",
+    "tokens",
+    "text",
+    "chat",
+    "preference",
+)
+ObjectiveName = _choice(
+    "ObjectiveName",
+    "``objective.name``: next-token loss, supervised fine-tuning (response tokens only), "
+    "direct preference optimisation, or the user's loss (``objective.fn``).",
+    "causal_lm",
+    "sft",
+    "dpo",
+    "user",
+)

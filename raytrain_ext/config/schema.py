@@ -16,10 +16,12 @@ from typing import Any, Dict, List, Optional
 
 from raytrain_ext.config.choices import (
     Backend,
+    DataFormat,
     Device,
     MixedPrecision,
     ModelSource,
     NanPolicy,
+    ObjectiveName,
     Offload,
     OnBusy,
     PipelineSchedule,
@@ -112,6 +114,17 @@ class DataConfig:
     # a dataset of fewer samples than one global batch is refused unless this is true
     # (each batch would then hold some samples more than once)
     allow_repeat: bool = False
+    # tokens: ids in a ``tokens`` column (or a prepared directory); text/chat/preference:
+    # raw records (tokenized at start, cached in the run directory) or a prepared directory
+    format: DataFormat = DataFormat.tokens
+    # a Hugging Face tokenizer directory or a tokenizer.json; null: the model directory's
+    # (model.source=hf) or, for a prepared directory, the one recorded in its index
+    tokenizer: Optional[str] = None
+    text_column: str = "text"  # format text: the column holding each document
+    # format text: attention and loss never cross a document boundary (the EOS separators)
+    document_mask: bool = False
+    # an evaluation split: a path like data.path (same format), or null with eval.fraction
+    eval_path: Optional[str] = None
 
 
 @dataclass
@@ -332,12 +345,49 @@ class ProfileConfig:
 
 
 @dataclass
+class DPOConfig:
+    """``objective.name: dpo``: the sigmoid loss of Rafailov et al. (2023) against a frozen
+    reference (the starting weights), whose log-probs are computed in a first pass."""
+
+    beta: float = positive(0.1)
+    label_smoothing: float = within(0, 0.5, 0.0, hi_open=True)
+
+
+@dataclass
+class ObjectiveConfig:
+    """How a batch and the model's output become the loss.
+
+    ``causal_lm`` (next-token loss on every target), ``sft`` (loss on response tokens
+    only; needs ``data.format: chat``), ``dpo`` (needs ``data.format: preference``) or
+    ``user``: ``fn: "pkg.module:loss"`` taking ``(logits, batch)`` and returning the sum
+    of its per-token losses (the loop averages over the global batch's target weight).
+    """
+
+    name: ObjectiveName = ObjectiveName.causal_lm
+    fn: Optional[str] = None
+    dpo: DPOConfig = field(default_factory=DPOConfig)
+
+
+@dataclass
+class EvalConfig:
+    """Evaluation every ``every_steps`` steps (null: never) on ``data.eval_path`` or on the
+    last ``fraction`` of the samples, which are then held out of training.  Evaluation
+    never changes the training order or the sample ledger."""
+
+    every_steps: Optional[int] = positive(None, null="disabled")
+    fraction: float = within(0, 0.5, 0.0, hi_open=True)
+    max_samples: Optional[int] = positive(None, null="all")  # cap per evaluation
+
+
+@dataclass
 class TrainConfig:
     """The whole run configuration: every section a run needs."""
 
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

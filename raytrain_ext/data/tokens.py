@@ -18,6 +18,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import torch
 
+from raytrain_ext.data.batch import Batch
 from raytrain_ext.data.corpus import builtin_corpus_path
 
 TOKEN_COLUMN = "tokens"
@@ -27,10 +28,17 @@ SUFFIXES = (".arrow", ".feather", ".ipc", ".parquet")
 class TokenDataset:
     """Random access to fixed-length samples of a token stream."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, source: str = "<memory>"):
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        seq_len: int,
+        source: str = "<memory>",
+        document_eos: Optional[int] = None,
+    ):
         self.tokens = tokens
         self.seq_len = seq_len
         self.source = source
+        self.document_eos = document_eos  # set: document masking at this EOS id
         self.num_samples = (len(tokens) - 1) // seq_len
         if self.num_samples < 1:
             raise ValueError(
@@ -38,16 +46,40 @@ class TokenDataset:
                 f"model.seq_len+1={seq_len + 1}; use more data or a shorter seq_len"
             )
 
-    def batch(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """Inputs and targets (int64, shape [len(indices), seq_len])."""
+    def batch(self, indices: np.ndarray) -> Batch:
+        """Inputs and targets (int64, shape [len(indices), seq_len]); every target counts."""
         starts = np.asarray(indices, dtype=np.int64) * self.seq_len
         offsets = np.arange(self.seq_len + 1, dtype=np.int64)
         rows = torch.from_numpy(self.tokens[starts[:, None] + offsets].astype(np.int64))
-        return rows[:, :-1], rows[:, 1:]
+        batch = Batch(rows[:, :-1], rows[:, 1:], indices=np.asarray(indices))
+        if self.document_eos is not None:
+            batch.positions, batch.weights = document_positions(batch.inputs, self.document_eos)
+        return batch
+
+    def target_weights(self, indices: np.ndarray) -> np.ndarray:
+        """Each sample's summed target weight: ``seq_len`` (every target counts 1), less
+        the targets after an EOS under document masking."""
+        if self.document_eos is None:
+            return np.full(len(indices), float(self.seq_len))
+        starts = np.asarray(indices, dtype=np.int64) * self.seq_len
+        inputs = self.tokens[starts[:, None] + np.arange(self.seq_len, dtype=np.int64)]
+        return (inputs != self.document_eos).sum(axis=1).astype(np.float64)
 
     def max_token(self, prefix: int = 1 << 26) -> int:
         """Largest token id in the first ``prefix`` tokens (a cheap sanity check on huge data)."""
         return int(self.tokens[:prefix].max())
+
+
+def document_positions(inputs: torch.Tensor, eos: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's position within its document (0 at a row's start and after each EOS)
+    and the target weights (0 for the target after an EOS: it is another document's)."""
+    is_eos = inputs == eos
+    begins = torch.zeros_like(is_eos)
+    begins[:, 0] = True
+    begins[:, 1:] = is_eos[:, :-1]
+    index = torch.arange(inputs.shape[1]).expand_as(inputs)
+    last_begin = torch.where(begins, index, torch.zeros_like(index)).cummax(dim=1).values
+    return index - last_begin, (~is_eos).to(torch.float32)
 
 
 def open_token_dataset(
@@ -75,6 +107,11 @@ def open_token_dataset(
     arrays = [_read_local(f) for f in files]
     tokens = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
     return TokenDataset(tokens, seq_len, source=path)
+
+
+def read_token_file(path: Path) -> np.ndarray:
+    """The ``tokens`` column of one local Arrow IPC (memory-mapped) or Parquet file."""
+    return _read_local(path)
 
 
 def _read_local(path: Path) -> np.ndarray:

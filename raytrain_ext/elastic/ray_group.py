@@ -17,6 +17,7 @@ import ray
 from raytrain_ext.elastic.diagnostics import dump_worker_stacks
 from raytrain_ext.elastic.group_port import FitStatus
 from raytrain_ext.elastic.survivors import first_error, keepable_ranks
+from raytrain_ext.user_code import UserCode
 from raytrain_ext.worker.group import WorkerGroup
 
 NO_ANSWER = (ray.exceptions.RayError, ray.exceptions.GetTimeoutError)
@@ -24,19 +25,22 @@ NO_ANSWER = (ray.exceptions.RayError, ray.exceptions.GetTimeoutError)
 
 class RayGroup:
     def __init__(
-        self, group: WorkerGroup, clock: Callable[[], float] = time.time, model_factory: Any = None
+        self,
+        group: WorkerGroup,
+        clock: Callable[[], float] = time.time,
+        user: UserCode = UserCode(),
     ):
         self._group = group
-        self._model_factory = model_factory  # the model given from Python, shipped with fit
+        self._user = user  # what was given from Python, shipped with every fit
         self._clock = clock
         self._fit_refs: List[ray.ObjectRef] = []
         self._pending: List[ray.ObjectRef] = []
 
     @classmethod
-    def for_config(cls, cfg, model_factory: Any = None) -> RayGroup:
+    def for_config(cls, cfg, user: UserCode = UserCode()) -> RayGroup:
         s = cfg.scaling
         group = WorkerGroup(dict(s.resources_per_worker), s.placement_strategy)
-        return cls(group, model_factory=model_factory)
+        return cls(group, user=user)
 
     @property
     def avoid_nodes(self) -> Set[str]:
@@ -84,7 +88,7 @@ class RayGroup:
         )
 
     def start_fit(self, cfg_dict: Dict[str, Any], attempt: int) -> None:
-        self._fit_refs = self._group.call_async("fit", cfg_dict, attempt, self._model_factory)
+        self._fit_refs = self._group.call_async("fit", cfg_dict, attempt, self._user)
         self._pending = list(self._fit_refs)
 
     def wait_fit(self, timeout_s: float) -> FitStatus:

@@ -19,6 +19,12 @@ from raytrain_ext.config.validate import schedule_warnings
 from raytrain_ext.inputs.data_check import check_token_data
 from raytrain_ext.inputs.errors import InputError
 from raytrain_ext.inputs.paths import writable_dir_problem
+from raytrain_ext.inputs.text_data_check import (
+    check_document_mask,
+    check_eval_split,
+    check_record_data,
+    uses_records,
+)
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +37,12 @@ def preflight(cfg) -> None:
     _check_ray_address(cfg)
     _check_s3_tier(cfg)
     _check_resume(cfg)
-    check_token_data(cfg)
+    check_eval_split(cfg)
+    check_document_mask(cfg)
+    if uses_records(cfg):
+        check_record_data(cfg)
+    else:
+        check_token_data(cfg)
 
 
 def _check_paths(cfg) -> None:

@@ -185,6 +185,7 @@ def plot_run(summary: Dict[str, Any], tokens_per_step: Optional[int] = None):
     ax_loss.plot(
         time_s, _break_where_steps_go_back(series.loss, series.steps), marker=".", label="loss"
     )
+    _plot_eval(ax_loss, summary)
     ax_loss.set_ylabel("loss")
     ax_rate.plot(
         time_s,
@@ -213,6 +214,15 @@ def plot_run(summary: Dict[str, Any], tokens_per_step: Optional[int] = None):
     ax_loss.grid(alpha=0.3)
     ax_rate.grid(alpha=0.3)
     return fig
+
+
+def _plot_eval(ax_loss, summary: Dict[str, Any]) -> None:
+    """Evaluation losses as points on the loss axis, at the wall time of their step."""
+    ends = dict((step, t - summary["started_at"]) for step, t in summary["step_end_times"])
+    points = [(ends.get(e["step"]), e["eval_loss"]) for e in summary.get("eval_history", [])]
+    points = [(t, loss) for t, loss in points if t is not None]
+    if points:
+        ax_loss.plot(*zip(*points), "s", color="tab:orange", label="eval loss")
 
 
 def _break_where_steps_go_back(values: List[float], steps: List[int]) -> List[float]:
@@ -289,6 +299,14 @@ def render_markdown(summary: Dict[str, Any], cfg=None, image: Optional[str] = "r
     return "\n".join(lines) + "\n"
 
 
+def _eval_line(history: List[Dict[str, Any]]) -> str:
+    if not history:
+        return "none (eval.every_steps)"
+    last = history[-1]
+    fields = ", ".join(f"{k[len('eval_') :]} {v:.4f}" for k, v in last.items() if k != "step")
+    return f"{len(history)} evaluations; at step {last['step']}: {fields}"
+
+
 def _overview(summary: Dict[str, Any], cfg) -> List[tuple]:
     history = summary.get("loss_history", [])
     redone = len(history) - len({step for step, _ in history})
@@ -307,6 +325,7 @@ def _overview(summary: Dict[str, Any], cfg) -> List[tuple]:
             f"{_num(summary.get('time_to_first_step_s'))} s)",
         ),
         ("loss", f"{_num(summary.get('first_loss'), 4)} -> {_num(summary.get('final_loss'), 4)}"),
+        ("evaluation", _eval_line(summary.get("eval_history", []))),
         (
             "throughput",
             f"{_num(summary.get('tokens_per_s'), 0)} tokens/s (steady state, all "

@@ -25,13 +25,31 @@ SCALARS = (
     "peak_memory_gb",
     "world_size",
     "recoveries",
+    # the objective's metrics (DPO)
+    "reward_margin",
+    "accuracy",
+    "chosen_reward",
+    "rejected_reward",
 )
+EVAL_PREFIX = "eval_"
+
+
+def eval_fields(record: Mapping[str, Any]) -> Dict[str, float]:
+    """The evaluation results a step record carries (``eval_loss``, ``eval_ppl``, ...)."""
+    return {k: v for k, v in record.items() if k.startswith(EVAL_PREFIX)}
 
 
 class MetricsSink(Protocol):
     def write(self, step: int, record: Mapping[str, Any]) -> None: ...
 
     def close(self) -> None: ...
+
+
+def format_eval(record: Mapping[str, Any]) -> str:
+    fields = "  ".join(
+        f"{key[len(EVAL_PREFIX) :]} {value:.4f}" for key, value in eval_fields(record).items()
+    )
+    return f"eval at step {record['step']}:  {fields}"
 
 
 def format_progress(record: Mapping[str, Any], max_steps: int) -> str:
@@ -53,6 +71,8 @@ class StdoutSink:
     def write(self, step: int, record: Mapping[str, Any]) -> None:
         if step % self.every == 0 or step == self.max_steps:
             print(format_progress(record, self.max_steps), file=self.stream, flush=True)
+        if eval_fields(record):
+            print(format_eval(record), file=self.stream, flush=True)
 
     def close(self) -> None:
         self.stream.flush()
@@ -68,6 +88,8 @@ class TensorBoardSink:
         for key in SCALARS:
             if record.get(key) is not None:
                 self.writer.add_scalar(f"train/{key}", record[key], step)
+        for key, value in eval_fields(record).items():
+            self.writer.add_scalar(f"eval/{key[len(EVAL_PREFIX) :]}", value, step)
 
     def close(self) -> None:
         self.writer.close()
@@ -111,7 +133,8 @@ class FanOut:
 
 
 def summarize_records(records: List[Dict[str, Any]], skip_first: int = 1) -> Dict[str, float]:
-    """Mean throughput and median step time, ignoring warm-up steps."""
+    """Mean throughput, median step time and the share of step time rank 0 spent fetching
+    its micro-batches (the input pipeline's cost), ignoring warm-up steps."""
     steady = records[skip_first:] or records
     if not steady:
         return {}
@@ -125,4 +148,5 @@ def summarize_records(records: List[Dict[str, Any]], skip_first: int = 1) -> Dic
         "tokens_per_s": tokens / total_time,
         "mfu": mfus[len(mfus) // 2] if mfus else None,
         "peak_memory_gb": max(peaks) if peaks else None,
+        "data_time_share": sum(r.get("data_s", 0.0) for r in steady) / total_time,
     }

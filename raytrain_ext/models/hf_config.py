@@ -127,6 +127,14 @@ def resolve_hf_shape(cfg) -> None:
             f"model.seq_len: {m.seq_len} exceeds the model's max_position_embeddings={limit}. "
             f"Set model.seq_len <= {limit}."
         )
+    window = getattr(config, "sliding_window", None)  # None: full attention (Llama, Qwen)
+    if cfg.parallel.sequence_parallel and window is not None and m.seq_len > window:
+        raise ConfigError(
+            f"parallel.sequence_parallel: the model attends within a sliding window of {window} "
+            f"positions, shorter than model.seq_len={m.seq_len}; its mask is built from each "
+            "rank's sequence shard, which sequence parallelism cuts. Set "
+            f"model.seq_len <= {window} or parallel.sequence_parallel=false."
+        )
     kv_heads = config.num_key_value_heads or config.num_attention_heads
     tp = cfg.parallel.tp
     if tp > 1 and kv_heads % tp:

@@ -5,41 +5,37 @@ Llama, Mistral, Qwen2 and Qwen3 causal LMs are ``<Family>ForCausalLM``: ``model.
 ``model.norm``, ``model.rotary_emb`` and ``lm_head``.  One spec serves them all:
 
 - ``blocks``: the decoder layers (FSDP units, activation-checkpoint units, stage splits);
-- tensor parallelism follows the model's own ``base_model_tp_plan`` (what ``transformers``
-  ships for each family); a plan style without a torch equivalent here is refused by name;
+- tensor and sequence parallelism follow the model's own ``base_model_tp_plan`` and module
+  names (:mod:`raytrain_ext.models.hf_parallel`);
 - pipeline stages hold the model's own modules under their original names, so checkpoints
   and exports are those of the whole model; every stage keeps ``rotary_emb`` (buffers only);
 - pretrained weights load after the strategy has placed the model: DCP's
   ``HuggingFaceStorageReader`` reads, for each rank, only the tensors (or, for sharded
-  parameters, the slices) that rank holds.
+  parameters, the slices) that rank holds (:mod:`raytrain_ext.models.hf_weights`); since that
+  load fills every value, a sharding strategy builds such a model on the meta device
+  (``loads_every_value``), while a random initialisation is built whole on the CPU, so its
+  values are the same in every layout.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Dict, List
+from typing import List
 
 import torch
-import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    set_model_state_dict,
-)
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from raytrain_ext.models.hf_config import SPEC_FAMILIES, hf_config, pretrained_dir
+from raytrain_ext.models.hf_config import SPEC_FAMILIES, hf_config
+from raytrain_ext.models.hf_parallel import hf_block_plan, hf_model_plan
+from raytrain_ext.models.hf_weights import load_pretrained, loads_pretrained
 from raytrain_ext.models.spec import ModelSpec, PipelineStageModule, StageBlocks, stage_layers
-
-TP_STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-BLOCK_PREFIX = "layers.*."
 
 
 def build_hf(model_cfg, seed: int) -> nn.Module:
     """The architecture of ``model.hf``, randomly initialised under a private RNG (so every
-    rank builds the same weights); pretrained weights come in after placement."""
+    rank builds the same weights); pretrained weights come in after placement.  Under a
+    ``torch.device("meta")`` context (a sharding strategy's build of a pretrained model) no
+    storage is allocated: the initialisation then runs on meta tensors and costs nothing."""
     from transformers import AutoModelForCausalLM
 
     config = hf_config(model_cfg)
@@ -55,25 +51,19 @@ def hf_blocks(module: nn.Module) -> List[nn.Module]:
 
 
 def hf_logits(module: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
-    return module(input_ids=inputs, use_cache=False).logits
+    """Token ids -> logits.  Positions are given rather than inferred: under sequence
+    parallelism the embeddings the model would count them from hold ``seq / tp`` positions."""
+    positions = torch.arange(inputs.shape[1], device=inputs.device).unsqueeze(0)
+    return module(input_ids=inputs, position_ids=positions, use_cache=False).logits
 
 
-def hf_block_plan(block: nn.Module, sequence_parallel: bool) -> Dict[str, object]:
-    """The family's own per-layer plan (``config.base_model_tp_plan``) as torch styles."""
-    config = block.self_attn.config
-    plan = {}
-    for pattern, style in (config.base_model_tp_plan or {}).items():
-        if not pattern.startswith(BLOCK_PREFIX):
-            continue
-        if style not in TP_STYLES:
-            raise ValueError(
-                f"parallel.tp > 1: the {config.model_type} plan splits "
-                f"{pattern[len(BLOCK_PREFIX) :]} as {style!r}, which has no torch style here "
-                f"(supported: {', '.join(TP_STYLES)}). Train {config.model_type} with "
-                "parallel.tp=1, or add the style to raytrain_ext/models/hf_spec.py."
-            )
-        plan[pattern[len(BLOCK_PREFIX) :]] = TP_STYLES[style]()
-    return plan
+def hf_document_logits(
+    module: nn.Module, inputs: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
+    """Token ids -> logits of packed documents: positions that restart at 0 make
+    ``transformers`` build a block-diagonal causal mask (its packed-sequence path) and
+    restart the rotary positions, so no token attends across a document boundary."""
+    return module(input_ids=inputs, position_ids=positions, use_cache=False).logits
 
 
 class _StageBody(nn.Module):
@@ -113,36 +103,17 @@ class HFStage(PipelineStageModule):
         return self.lm_head(self.model.norm(hidden)) if self.is_last else hidden
 
 
-def load_pretrained(wrapped: nn.Module, model_cfg) -> None:
-    """Fill the placed model from ``model.hf.path``'s safetensors (a collective: every rank
-    calls it and reads only what it holds).  A tied ``lm_head`` absent from the files is
-    the embedding itself; any other missing tensor is an error naming it."""
-    directory = pretrained_dir(model_cfg)
-    if directory is None:
-        return
-    state = get_model_state_dict(wrapped)
-    reader = dcp.HuggingFaceStorageReader(str(directory))
-    saved = set(reader.read_metadata().state_dict_metadata)
-    tied = {"lm_head.weight"} if hf_config(model_cfg).tie_word_embeddings else set()
-    missing = sorted(k for k in state if k not in saved and k not in tied)
-    if missing:
-        raise ValueError(
-            f"model.hf.path: {directory} lacks {len(missing)} tensor(s) of the model "
-            f"({', '.join(missing[:5])}). Is it a checkpoint of this architecture?"
-        )
-    wanted = {k: v for k, v in state.items() if k in saved}
-    dcp.load(wanted, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=True))
-    set_model_state_dict(wrapped, wanted, options=StateDictOptions(strict=False))
-
-
 HF_SPEC = ModelSpec(
     name="hf",
     build=build_hf,
     blocks=hf_blocks,
     logits=hf_logits,
+    document_logits=hf_document_logits,
     tp_block_plan=hf_block_plan,
+    tp_model_plan=hf_model_plan,
     pipeline_stage=HFStage,
     load_pretrained=load_pretrained,
+    loads_every_value=loads_pretrained,
 )
 
 FAMILY_SPECS = {family: HF_SPEC for family in SPEC_FAMILIES}

@@ -69,6 +69,15 @@ def call_model(module: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
     return module(inputs)
 
 
+def batch_logits(spec: "ModelSpec", module: nn.Module, batch: Any) -> torch.Tensor:
+    """A batch's logits: per-document attention when the batch carries document positions
+    (``data.document_mask``; see :class:`raytrain_ext.data.batch.Batch`)."""
+    if batch.positions is None:
+        return spec.logits(module, batch.inputs)
+    spec.require("document_logits", "data.document_mask")
+    return spec.document_logits(module, batch.inputs, batch.positions)
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """How to build a model family and how each parallel layout cuts it (module doc)."""
@@ -81,6 +90,14 @@ class ModelSpec:
     pipeline_stage: Optional[Callable[[nn.Module, int, int], PipelineStageModule]] = None
     logits: Callable[[nn.Module, torch.Tensor], torch.Tensor] = call_model
     load_pretrained: Optional[Callable[[nn.Module, Any], None]] = None  # (placed model, model cfg)
+    # (model cfg) -> whether load_pretrained fills every parameter and buffer, so a strategy
+    # that shards on the meta device may build the module there (no rank holds a full copy)
+    loads_every_value: Optional[Callable[[Any], bool]] = None
+    # (module, inputs, positions) -> logits with attention kept within each document, whose
+    # tokens' positions restart at 0 where it begins (``data.document_mask``)
+    document_logits: Optional[Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]] = (
+        None
+    )
 
     def require(self, member: str, layout: str) -> None:
         """Refuse a layout whose spec member is missing, naming the member to add."""

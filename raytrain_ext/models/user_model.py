@@ -11,33 +11,24 @@ is unset.  Both are checked on the driver, before Ray starts.
 
 from __future__ import annotations
 
-import importlib
 from typing import Any, List
 
 import torch.nn as nn
 
 from raytrain_ext.config.errors import ConfigError
 from raytrain_ext.models.spec import ModelSpec
+from raytrain_ext.user_code import import_named
 
 
 def load_factory(path: str | None) -> Any:
     """The object ``model.factory`` names; a ConfigError naming the key when it is not there."""
-    module_name, _, attr = (path or "").partition(":")
-    if not module_name or not attr:
-        raise ConfigError(
-            f"model.factory: {path!r} is not 'pkg.module:name'. With model.source=python, "
-            "name the function that builds your model (model_cfg, seed) -> nn.Module."
-        )
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ConfigError(
-            f"model.factory: cannot import {module_name} ({e}). Install your package on "
-            "every node (or ship it with the job's working_dir) and check the name."
-        ) from None
-    if not hasattr(module, attr):
-        raise ConfigError(f"model.factory: {module_name} has no {attr!r}.")
-    target = getattr(module, attr)
+    target = import_named(
+        path,
+        "model.factory",
+        "the function that builds your model (model_cfg, seed) -> nn.Module "
+        "(with model.source=python)",
+        ConfigError,
+    )
     if not (isinstance(target, ModelSpec) or callable(target)):
         raise ConfigError(f"model.factory: {path} is neither a callable nor a ModelSpec.")
     return target

@@ -12,6 +12,12 @@ compile -> ``fully_shard`` per block, then the root.  None of these rename
 parameters (composable checkpointing, ``Module.compile``), so checkpoints and
 ``full_parameters`` use the same names as DDP.
 
+A model whose spec loads every value after placement (pretrained weights,
+``ModelSpec.loads_every_value``) is built on the meta device (``build_model``) and
+given storage only after sharding (``to_empty``), so no rank holds a full copy;
+the spec's ``load_pretrained`` then fills it.  Any other model is built whole on
+the CPU, so a random initialisation has DDP's values.
+
 FSDP averages gradients over the data-parallel size (``dp_replicate x
 dp_shard``), not the world: the ranks of a TP group compute one replica's
 gradient together.  The loop therefore scales each rank's loss by ``dp_size``.
@@ -42,8 +48,19 @@ class FSDPStrategy(Strategy):
         self.mesh = None  # the ("dp_replicate", "dp_shard", "tp") DeviceMesh, set by wrap
         self.ignored: set = set()  # parameters FSDP must not shard or reduce (EP's experts)
 
+    def build_model(self, model_cfg, seed: int) -> nn.Module:
+        """The spec's module: on the meta device when the spec fills every value after
+        placement (module doc), else built whole."""
+        loads = self.spec.loads_every_value
+        if loads is not None and loads(model_cfg):
+            with torch.device("meta"):
+                return self.spec.build(model_cfg, seed)
+        return self.spec.build(model_cfg, seed)
+
     def wrap(self, model: nn.Module, ctx: DistContext) -> nn.Module:
-        model = model.to(ctx.device)
+        on_meta = any(p.is_meta for p in model.parameters())
+        if not on_meta:
+            model = model.to(ctx.device)
         dims = ctx.dims
         self.mesh = dims.build_mesh(ctx.device.type)
         if dims.tp > 1:
@@ -66,6 +83,8 @@ class FSDPStrategy(Strategy):
         for block in blocks:
             fully_shard(block, **options, ignored_params=ignored & set(block.parameters()) or None)
         fully_shard(model, **options, ignored_params=ignored or None)
+        if on_meta:  # storage for this rank's shards only; load_pretrained fills it
+            model.to_empty(device=ctx.device)
         return model
 
     @staticmethod

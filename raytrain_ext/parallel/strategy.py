@@ -80,6 +80,7 @@ class Strategy(abc.ABC):
     probed with ``getattr``.  The abstract methods are what every layout must say;
     the rest default to "torch's optimizer, torch's autograd, torch's state dicts":
 
+    - ``build_model``: the module to place (FSDP: on the meta device for a pretrained load);
     - ``prepare``: after the optimizer exists (DeepSpeed builds its engine here);
     - ``backward`` / ``step`` / ``zero_grad``: the optimizer step (ZeRO owns it);
     - ``runs_microbatches`` + ``forward_backward``: a strategy that runs a step's
@@ -102,6 +103,11 @@ class Strategy(abc.ABC):
     def __init__(self, parallel_cfg: Any, spec: ModelSpec):
         self.cfg = parallel_cfg  # the ``parallel`` config section
         self.spec = spec  # what this strategy may know about the model
+
+    def build_model(self, model_cfg: Any, seed: int) -> nn.Module:
+        """The module ``wrap`` places: the spec's build, whole (FSDP builds on the meta device
+        when the spec's ``load_pretrained`` fills every value)."""
+        return self.spec.build(model_cfg, seed)
 
     @abc.abstractmethod
     def wrap(self, model: nn.Module, ctx: DistContext) -> nn.Module:

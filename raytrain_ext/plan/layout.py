@@ -16,7 +16,7 @@ where the rule and the numbers disagree.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import List, Optional, Tuple
 
 from raytrain_ext.plan.candidates import (
@@ -80,7 +80,7 @@ class Plan:
         return lines
 
     def to_dict(self) -> dict:
-        shape = {k: v for k, v in vars(self.shape).items() if k != "total_params_override"}
+        shape = {k: v for k, v in asdict(self.shape).items() if k != "total_params_override"}
         return {
             "model": {
                 **shape,

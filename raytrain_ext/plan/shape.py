@@ -6,6 +6,10 @@ block plus a final one, dense GELU MLP or a stacked-expert MoE), so the total
 equals ``sum(p.numel() for p in GPT(cfg).parameters())`` exactly; the tests
 build the real model to hold us to that.
 
+A Hugging Face model (``model.source: hf``) is counted by its own layout
+(:mod:`.hf_shape`: gated MLP, grouped-query attention, tied or untied ``lm_head``),
+read from its ``transformers`` config, exactly as well.
+
 A bare parameter count (``--params 7e9``) has no shape, but activations and
 the ZeRO-3 working set need one, so :func:`infer_shape` picks a conventional
 GPT shape for that size (see its docstring) and marks it ``inferred``; the
@@ -18,6 +22,9 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+from raytrain_ext.config.choices import ModelSource
+from raytrain_ext.plan.hf_shape import LlamaLayout, count_llama_params, llama_layout
+
 
 class PlanError(ValueError):
     """Invalid planner input; the message names the argument and the fix."""
@@ -25,7 +32,8 @@ class PlanError(ValueError):
 
 @dataclass(frozen=True)
 class ModelShape:
-    """Architecture of a GPT as ``ModelConfig`` describes it (``num_experts: 0`` is dense)."""
+    """Architecture of a GPT as ``ModelConfig`` describes it (``num_experts: 0`` is dense), or
+    of a Llama-layout HF model (``llama`` set; ``mlp_ratio`` then only sizes activations)."""
 
     n_layers: int
     d_model: int
@@ -37,6 +45,7 @@ class ModelShape:
     top_k: int = 2
     inferred: bool = False
     total_params_override: Optional[int] = None
+    llama: Optional[LlamaLayout] = None
 
     @property
     def is_moe(self) -> bool:
@@ -76,7 +85,7 @@ def validate_shape(shape: ModelShape) -> None:
     ):
         if not isinstance(value, int) or value <= 0:
             raise PlanError(f"{flag} must be a positive integer, got {value!r}")
-    if shape.d_model % shape.n_heads:
+    if shape.llama is None and shape.d_model % shape.n_heads:
         raise PlanError(
             f"--hidden {shape.d_model} is not divisible by --heads {shape.n_heads}; "
             "choose heads that divide the hidden size"
@@ -92,7 +101,16 @@ def validate_shape(shape: ModelShape) -> None:
 
 
 def count_params(shape: ModelShape) -> ParamCounts:
-    """Exact counts for ``GPT(shape)``; a ``--params`` total replaces the computed total."""
+    """Exact counts for ``GPT(shape)`` (or the HF model); a ``--params`` total replaces the
+    computed total."""
+    if shape.llama is not None:
+        llama = count_llama_params(shape.llama, shape.d_model, shape.n_heads, shape.vocab_size)
+        return ParamCounts(
+            total=llama.root + shape.n_layers * llama.block,
+            expert=0,
+            largest_module=llama.largest_module,
+            largest_fsdp_unit=max(llama.block, llama.root),
+        )
     d, hidden, experts = shape.d_model, shape.mlp_ratio * shape.d_model, shape.num_experts
     attention = 4 * d * d
     norms = 2 * 2 * d
@@ -120,7 +138,14 @@ def count_params(shape: ModelShape) -> ParamCounts:
 
 
 def shape_from_config(model_cfg) -> ModelShape:
-    """The shape of ``cfg.model`` from :func:`raytrain_ext.config.load_config`."""
+    """The shape of ``cfg.model`` from :func:`raytrain_ext.config.load_config` (for
+    ``model.source: hf`` the loader already wrote the HF model's layers, hidden size, heads and
+    vocabulary there; the rest of its layout comes from its config)."""
+    llama = None
+    if model_cfg.source == ModelSource.hf:
+        from raytrain_ext.models.hf_config import hf_config
+
+        llama = llama_layout(hf_config(model_cfg))
     return ModelShape(
         n_layers=int(model_cfg.n_layers),
         d_model=int(model_cfg.d_model),
@@ -130,6 +155,7 @@ def shape_from_config(model_cfg) -> ModelShape:
         mlp_ratio=int(model_cfg.mlp_ratio),
         num_experts=int(model_cfg.moe.num_experts),
         top_k=int(model_cfg.moe.top_k),
+        llama=llama,
     )
 
 

@@ -6,11 +6,13 @@ step the optimizer and the LR schedule, then exchange the consumed sample
 indices and loss sums with one small all-gather so every rank records the same
 sample ledger.
 
-Loss normalisation: each micro-batch contributes ``sum of token losses *
-dp_size / global_tokens`` (dp_size = world_size unless parallel.tp > 1); DDP
-and FSDP average gradients over ``dp_size``, so the update is the gradient of the
-mean token loss over the *global* batch, identical for any world size up to
-float summation order.
+Loss normalisation: the objective (:mod:`raytrain_ext.objectives`) returns a loss
+*sum* per micro-batch; each contributes ``loss sum * dp_size / global units``, where
+the global units (counted target tokens, or preference pairs) are those of the whole
+global batch, known to every rank from the sampler before any forward (dp_size =
+world_size unless parallel.tp > 1).  DDP and FSDP average gradients over ``dp_size``,
+so the update is the gradient of the mean loss per unit over the *global* batch,
+identical for any world size up to float summation order.
 """
 
 from __future__ import annotations
@@ -21,24 +23,27 @@ import math
 import random
 import resource
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 
 from raytrain_ext.checkpoint.manager import REQUEST_EMERGENCY, CheckpointManager, SaveRequests
 from raytrain_ext.checkpoint.train_state import Progress, TrainState
 from raytrain_ext.config import config_digest
-from raytrain_ext.data import GlobalSampler, open_token_dataset, rank_slice
+from raytrain_ext.data import GlobalSampler, rank_slice
+from raytrain_ext.data.batch import Batch
+from raytrain_ext.data.open import open_dataset
 from raytrain_ext.faults import FaultInjector
 from raytrain_ext.metrics.flops import mfu, model_flops_per_token, peak_flops_for
 from raytrain_ext.models import model_spec
 from raytrain_ext.models.moe import moe_aux_loss, moe_expert_load, moe_layers
+from raytrain_ext.models.spec import batch_logits
+from raytrain_ext.objectives import build_objective
 from raytrain_ext.parallel import DistContext, dims_for_run
 from raytrain_ext.parallel.registry import build_strategy
+from raytrain_ext.train.evaluation import Evaluator, split_eval
+from raytrain_ext.train.exchange import exchange
 from raytrain_ext.train.guards import (
     NonFiniteDecision,
     NonFiniteLossError,
@@ -49,6 +54,8 @@ from raytrain_ext.train.guards import (
 from raytrain_ext.train.ledger import SampleLedger, params_sha256
 from raytrain_ext.train.optim import build_optimizer, build_scheduler
 from raytrain_ext.train.profiler import StepProfiler
+from raytrain_ext.train.reference import ReferenceLogps, compute_logps
+from raytrain_ext.user_code import UserCode
 
 Report = Callable[[Dict[str, Any]], None]
 log = logging.getLogger(__name__)
@@ -87,7 +94,7 @@ class TrainLoop:
         requests: Optional[SaveRequests] = None,
         faults: Optional[FaultInjector] = None,
         mark: Callable[[str], None] = lambda phase: None,
-        model_factory: Any = None,
+        user: UserCode = UserCode(),
     ):
         self.cfg = cfg
         self.report = report
@@ -101,8 +108,10 @@ class TrainLoop:
             dims=dims_for_run(cfg, world_size),
         )
         seed_everything(cfg.run.seed + rank)
+        self.objective = build_objective(cfg.objective, user.loss_fn)
         self._open_data(cfg)
-        self._build_model(cfg, model_factory)
+        self._build_model(cfg, user.model)
+        self.reference = ReferenceLogps() if self.objective.uses_reference else None
         self.ledger = SampleLedger()
         self.progress = Progress()
         self.global_tokens = cfg.data.global_batch_size * cfg.model.seq_len
@@ -118,12 +127,14 @@ class TrainLoop:
             self.ctx,
             self.config_digest,
             self.progress,
+            self.reference,
         )
         self.requests = requests or SaveRequests()
         self.preempted_at: Optional[int] = None
         self.faults = faults or FaultInjector.disarmed(cfg.chaos, rank)
         self._first_report = True
         self._compute_s = 0.0
+        self._data_s = 0.0
         self._expert_tokens: Optional[torch.Tensor] = None  # MoE: kept tokens per expert
         self._rollback_note: Optional[Dict[str, int]] = None
         self.stragglers = StragglerDetector(
@@ -138,32 +149,54 @@ class TrainLoop:
         self.restored: Optional[Dict[str, Any]] = None
         if cfg.checkpoint.enabled:
             self._open_checkpoints(cfg)
+        if self.reference is not None and not self.reference.ready:
+            self._compute_reference()
+        self.evaluator = Evaluator(
+            cfg, self.eval_split, self.objective, self.ctx, self.spec, self.reference
+        )
 
     def _open_data(self, cfg) -> None:
-        """The token dataset (its ids checked against the model's vocabulary) and the
-        global sampler over it."""
-        self.dataset = open_token_dataset(
-            cfg.data.path,
-            cfg.model.seq_len,
-            s3_endpoint_url=cfg.data.s3_endpoint_url,
-            s3_region=cfg.data.s3_region,
-        )
+        """The dataset (its ids checked against the model's vocabulary), the evaluation
+        split, and the global sampler over the training samples."""
+        self.dataset = open_dataset(cfg)
         max_token = self.dataset.max_token()
         if max_token >= cfg.model.vocab_size:
             raise ValueError(
                 f"data.path {cfg.data.path} holds token id {max_token}, but "
                 f"model.vocab_size is {cfg.model.vocab_size}; raise model.vocab_size"
             )
+        self.eval_split = split_eval(cfg, self.dataset)
         self.sampler = GlobalSampler(
-            self.dataset.num_samples, cfg.data.global_batch_size, cfg.data.seed, cfg.data.shuffle
+            self.eval_split.train_samples,
+            cfg.data.global_batch_size,
+            cfg.data.seed,
+            cfg.data.shuffle,
         )
+
+    def _compute_reference(self) -> None:
+        """DPO: the starting weights' log-probs of every training and evaluation sample,
+        before step 1 (:mod:`raytrain_ext.train.reference`)."""
+        micro, split = self.cfg.data.micro_batch_size, self.eval_split
+        args = (self.ctx, micro, self._autocast)
+        self.reference.train = compute_logps(
+            self.model,
+            self.spec,
+            self.dataset,
+            np.arange(split.train_samples),
+            *args,
+        )
+        if split.dataset is not None:
+            self.reference.held_out = compute_logps(
+                self.model, self.spec, split.dataset, split.indices, *args
+            )
 
     def _build_model(self, cfg, model_factory: Any) -> None:
         """Spec -> strategy -> placed model (pretrained weights in) -> optimizer, scheduler;
         ``prepare`` last, for a strategy that builds its engine around our optimizer."""
         self.spec = model_spec(cfg.model, model_factory)
         self.strategy = build_strategy(cfg.parallel, self.spec)
-        self.model = self.strategy.wrap(self.spec.build(cfg.model, cfg.run.seed), self.ctx)
+        module = self.strategy.build_model(cfg.model, cfg.run.seed)
+        self.model = self.strategy.wrap(module, self.ctx)
         if self.spec.load_pretrained is not None:  # each rank reads what it holds
             self.spec.load_pretrained(self.model, cfg.model)
         self.optimizer = build_optimizer(
@@ -218,7 +251,11 @@ class TrainLoop:
         start = time.perf_counter()
         step, ctx = self.progress.step, self.ctx
         self.mark("compute")
-        local = rank_slice(self.sampler.next_global_batch(), ctx.dp_rank, ctx.dp_size)
+        global_batch = self.sampler.next_global_batch()
+        local = rank_slice(global_batch, ctx.dp_rank, ctx.dp_size)
+        units = max(float(self.dataset.target_weights(global_batch).sum()), 1e-12)
+        self._metric_sums = [0.0] * len(self.objective.metric_names)
+        self._data_s = 0.0
         lr = self.scheduler.get_last_lr()[0]
         skip_batch = step in self.progress.skip_steps  # rolled back past it: consume, do not train
         if skip_batch:
@@ -229,7 +266,7 @@ class TrainLoop:
             )
         else:
             self.faults.before_compute()
-            loss_sum = self._forward_backward(local, start)
+            loss_sum = self._forward_backward(local, units, start)
             self.mark("compute")
             grad_norm = self.strategy.clip_grad_norm(self.model, self.cfg.optim.grad_clip)
         vote = self.requests.vote()
@@ -237,10 +274,16 @@ class TrainLoop:
             vote = max(vote, self.ckpt.request_flag())
         busy = float(self.ckpt is not None and self.ckpt.busy())
         self.mark("exchange")
-        exchanged = self._exchange(
-            local, loss_sum, (vote, busy, self._compute_s), self._take_expert_tokens()
+        exchanged = exchange(
+            ctx,
+            local,
+            self.max_local,
+            loss_sum,
+            (vote, busy, self._compute_s),
+            self._metric_sums,
+            self._take_expert_tokens(),
         )
-        loss = exchanged.loss_sum / self.global_tokens
+        loss = exchanged.loss_sum / units
         decision = self._nonfinite_decision(step, loss, float(grad_norm), exchanged.consumed)
         if not skip_batch and decision.action == StepAction.OK:
             self.strategy.step(self.model, self.optimizer)
@@ -271,6 +314,7 @@ class TrainLoop:
             "step_time_s": step_time,
             "tokens_per_s": self.global_tokens / step_time,
             "compute_s": self._compute_s,
+            "data_s": self._data_s,
             "ckpt_stall_s": stall,
             "wait_s": max(0.0, step_time - self._compute_s - stall),  # comm + peers
             "world_size": ctx.world_size,
@@ -282,6 +326,7 @@ class TrainLoop:
                 self.peak_flops,
                 ctx.world_size,
             ),
+            **self._objective_fields(exchanged.metrics, units),
             **self._straggler_fields(exchanged.compute_s),
             **self._expert_load_field(exchanged.expert_tokens),
         }
@@ -289,6 +334,8 @@ class TrainLoop:
             record["skipped"] = True
         if self._rollback_note is not None:
             record["rolled_back"], self._rollback_note = self._rollback_note, None
+        if self.evaluator.due(self.progress.step):
+            record.update(self.evaluator.run(self.model, self._autocast))
         if self._first_report:  # tells the controller where this group resumed from
             record["restored"], self._first_report = self.restored, False
         self.report(record)
@@ -344,6 +391,11 @@ class TrainLoop:
         self._rollback_note = {"from_step": step + 1, "to_step": restored["step"]}
         return True
 
+    def _objective_fields(self, metric_sums: List[float], units: float) -> Dict[str, float]:
+        """The objective's metrics for the step, per loss unit (DPO: accuracy, margins)."""
+        names = self.objective.metric_names
+        return {name: value / units for name, value in zip(names, metric_sums)}
+
     def _straggler_fields(self, compute_s: List[float]) -> Dict[str, Any]:
         """Per-rank compute times on rank 0's record, and the ranks flagged as stragglers."""
         flagged = self.stragglers.observe(compute_s)
@@ -375,20 +427,21 @@ class TrainLoop:
             return {}
         return {"expert_load": [round(c / total, 6) for c in global_tokens]}
 
-    def _forward_backward(self, local: np.ndarray, start: float) -> torch.Tensor:
-        """Accumulate gradients over this rank's micro-batches; return its token-loss sum.
+    def _forward_backward(self, local: np.ndarray, units: float, start: float) -> torch.Tensor:
+        """Accumulate gradients over this rank's micro-batches; return its loss sum.
 
-        ``self._compute_s`` becomes the time from ``start`` to the synchronising
-        backward: this rank's own work, before it can wait for any peer.
+        ``units``: the global batch's loss units (the normaliser).  ``self._compute_s``
+        becomes the time from ``start`` to the synchronising backward: this rank's own
+        work, before it can wait for any peer.
         """
         ctx, micro = self.ctx, self.cfg.data.micro_batch_size
         chunks = [local[i : i + micro] for i in range(0, len(local), micro)]
-        scale = ctx.dp_size / self.global_tokens
+        scale = ctx.dp_size / units
         if self.strategy.runs_microbatches:  # a pipeline schedule: compute_s includes waiting
-            batches = [tuple(t.to(ctx.device) for t in self.dataset.batch(i)) for i in chunks]
+            batches = [self._fetch(i) for i in chunks]
             loss_sum = self.strategy.forward_backward(
                 self.model,
-                batches,
+                [(b.inputs, b.targets) for b in batches],
                 scale,
                 self._autocast,
                 aux_weight=self.cfg.model.moe.aux_loss_weight,
@@ -396,86 +449,49 @@ class TrainLoop:
             self._expert_tokens = self.strategy.take_kept_tokens()
             self._compute_s = time.perf_counter() - start
             return loss_sum
-        aux_weight = self.cfg.model.moe.aux_loss_weight
         self._expert_tokens = None  # a rolled-back step's counts do not carry over
         loss_sum = torch.zeros((), device=ctx.device, dtype=torch.float64)
         for j, indices in enumerate(chunks):
-            inputs, targets = (
-                t.to(ctx.device, non_blocking=True) for t in self.dataset.batch(indices)
-            )
+            batch = self._fetch(indices)
             sync = j == len(chunks) - 1
             with self.strategy.accumulate(self.model, sync=sync):
-                with self._autocast():
-                    logits = self.spec.logits(self.model, inputs)
-                token_loss = F.cross_entropy(
-                    logits.float().flatten(0, 1), targets.flatten(), reduction="sum"
-                )
-                loss = token_loss * scale
-                aux = moe_aux_loss(self.moe_layers)
-                if aux is not None:
-                    loss = loss + aux_weight * aux * (targets.numel() * scale)
-                    self._count_expert_load()
+                loss, terms = self._micro_batch_loss(batch, scale)
                 loss = self.faults.on_loss(self.progress.step + 1, loss)
                 if sync:  # the gradient all-reduce: from here on this rank waits for its peers
                     self._compute_s = time.perf_counter() - start
                     self.mark("exchange")
                 self.strategy.backward(self.model, loss)
-            loss_sum += token_loss.detach()
+            loss_sum += terms.loss_sum.detach()
         return loss_sum
+
+    def _fetch(self, indices: np.ndarray) -> Batch:
+        """A micro-batch on this rank's device; the time it took adds to the step's ``data_s``
+        (the input pipeline's cost: reading memory-mapped samples, no prefetch needed)."""
+        start = time.perf_counter()
+        batch = self.dataset.batch(indices).to(self.ctx.device)
+        self._data_s += time.perf_counter() - start
+        return batch
+
+    def _micro_batch_loss(self, batch: Batch, scale: float):
+        """The scaled loss to back-propagate (with the MoE auxiliary loss) and the
+        objective's terms; adds the terms' metric sums to the step's."""
+        with self._autocast():
+            logits = batch_logits(self.spec, self.model, batch)
+        reference = None
+        if self.reference is not None:
+            reference = self.reference.for_batch(batch.indices, self.ctx.device)
+        terms = self.objective.loss(logits, batch, reference)
+        for k, name in enumerate(self.objective.metric_names):
+            self._metric_sums[k] += float(terms.metrics[name])
+        loss = terms.loss_sum * scale
+        aux = moe_aux_loss(self.moe_layers)
+        if aux is not None:
+            weight = self.cfg.model.moe.aux_loss_weight
+            loss = loss + weight * aux * (batch.targets.numel() * scale)
+            self._count_expert_load()
+        return loss, terms
 
     def _autocast(self):
         if self.ctx.autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.ctx.device.type, dtype=self.ctx.autocast_dtype)
-
-    def _exchange(
-        self, local: np.ndarray, loss_sum: torch.Tensor, votes: tuple, expert_tokens: List[float]
-    ) -> "Exchanged":
-        """One all-gather of [loss sum, save request, save busy, compute time, kept tokens
-        per expert (MoE only), indices].
-
-        Indices are padded with -1.  Every rank gets the consumed indices, the
-        global loss sum, the max over ranks of the checkpoint votes (so all take
-        the same save decision), every rank's compute time (for the straggler guard)
-        and the global kept tokens per expert (float64: exact below 2**53).
-        """
-        head = 1 + len(votes) + len(expert_tokens)
-        payload = torch.full((head + self.max_local,), -1.0, dtype=torch.float64)
-        payload[1:head] = torch.tensor([*votes, *expert_tokens], dtype=torch.float64)
-        # one rank per data-parallel group reports its samples, one (the last stage) its loss
-        if self.ctx.counts_samples:
-            payload[head : head + len(local)] = torch.from_numpy(local.astype(np.float64))
-        payload = payload.to(self.ctx.device)
-        payload[0] = loss_sum if self.ctx.counts_loss else 0.0
-        gathered = torch.empty(
-            self.ctx.world_size * payload.numel(), dtype=torch.float64, device=self.ctx.device
-        )
-        _all_gather_flat(gathered, payload)
-        gathered = gathered.view(self.ctx.world_size, -1).cpu()
-        indices = gathered[:, head:].flatten()
-        return Exchanged(
-            consumed=indices[indices >= 0].to(torch.int64).numpy(),
-            loss_sum=float(gathered[:, 0].sum()),
-            request=gathered[:, 1].max().item(),
-            busy=gathered[:, 2].max().item(),
-            compute_s=gathered[:, 3].tolist(),
-            expert_tokens=gathered[:, 1 + len(votes) : head].sum(dim=0).tolist(),
-        )
-
-
-@dataclass
-class Exchanged:
-    """What one step's all-gather tells every rank."""
-
-    consumed: np.ndarray
-    loss_sum: float
-    request: float
-    busy: float
-    compute_s: List[float]
-    expert_tokens: List[float]  # summed over ranks; empty unless MoE
-
-
-def _all_gather_flat(output: torch.Tensor, tensor: torch.Tensor) -> None:
-    """``all_gather_single`` (torch >= 2.13) or its older name."""
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(output, tensor)

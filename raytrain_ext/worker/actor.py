@@ -19,13 +19,14 @@ import threading
 import time
 import traceback
 from collections import deque
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import ray
 import torch.distributed as dist
 
 from raytrain_ext.checkpoint.manager import SaveRequests
 from raytrain_ext.faults import FaultInjector
+from raytrain_ext.user_code import UserCode
 from raytrain_ext.worker.dist_env import (
     WorkerEnv,
     choose_backend,
@@ -135,12 +136,12 @@ class TrainWorker:
         return chosen
 
     def fit(
-        self, cfg_dict: Dict[str, Any], attempt: int = 0, model_factory: Any = None
+        self, cfg_dict: Dict[str, Any], attempt: int = 0, user: Optional[UserCode] = None
     ) -> Dict[str, Any]:
         """Run this rank's loop; ``attempt`` counts re-forms (chaos fires on the first
-        ``chaos.attempts`` of them); ``model_factory``: the model given from Python."""
+        ``chaos.attempts`` of them); ``user``: what was given from Python."""
         try:
-            result = self._train(cfg_dict, attempt, model_factory)
+            result = self._train(cfg_dict, attempt, user or UserCode())
         except BaseException as e:
             # the failed loop (and its DDP Reducer) must not outlive the groups it holds:
             # the traceback's frames keep it alive, so their locals go first (dist_env)
@@ -157,7 +158,7 @@ class TrainWorker:
         if dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() == "gloo":
             destroy_distributed()
 
-    def _train(self, cfg_dict: Dict[str, Any], attempt: int, model_factory: Any) -> Dict[str, Any]:
+    def _train(self, cfg_dict: Dict[str, Any], attempt: int, user: UserCode) -> Dict[str, Any]:
         from raytrain_ext.config import config_from_dict
         from raytrain_ext.metrics.sinks import RayMetricsSink
         from raytrain_ext.train.loop import TrainLoop
@@ -185,7 +186,7 @@ class TrainWorker:
             self.requests,
             faults=faults,
             mark=self.events.mark,
-            model_factory=model_factory,
+            user=user,
         )
         faults.after_restore()
         return loop.fit()

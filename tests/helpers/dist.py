@@ -6,13 +6,14 @@ import faulthandler
 import os
 import time
 from pathlib import Path
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.multiprocessing as mp
 
 from raytrain_ext.config import config_from_dict, load_config, to_dict
 from raytrain_ext.faults import FaultInjector
+from raytrain_ext.trainer import absolute_paths
 from raytrain_ext.worker.dist_env import WorkerEnv, destroy_distributed, free_port, init_distributed
 
 
@@ -53,8 +54,13 @@ def _fit_and_save(rank: int, world: int, cfg_dict: dict, out_dir: str, device) -
     )
 
 
-def train_processes(world: int, overrides: List[str], out_dir: Path) -> List[Dict]:
+def train_processes(
+    world: int, overrides: List[str], out_dir: Path, config: Optional[Path] = None
+) -> List[Dict]:
     """Train with `world` gloo processes; return each rank's {result, params, records}.
+
+    ``config``: a YAML file (the packaged default when None); its relative paths are taken
+    from the repository root, as the CLI takes them from the directory it runs in.
 
     The config is validated for ``scaling.num_workers`` from ``overrides`` (default
     ``world``); running more ranks than that mimics an elastic resize, where the
@@ -64,7 +70,9 @@ def train_processes(world: int, overrides: List[str], out_dir: Path) -> List[Dic
         overrides = [f"scaling.num_workers={world}", *overrides]
     if not any(o.startswith("checkpoint.dir=") for o in overrides):
         overrides = [f"checkpoint.dir={out_dir / 'checkpoints'}", *overrides]
-    cfg = load_config(None, overrides)
+    cfg = load_config(config, overrides)
+    if config is not None:
+        cfg = absolute_paths(cfg, base=Path(__file__).parents[2])
     out_dir.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     spawn_ranks(_run_rank, (world, free_port("127.0.0.1"), to_dict(cfg), str(out_dir)), world)

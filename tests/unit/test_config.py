@@ -153,6 +153,8 @@ def test_choice_keys_are_the_closed_sets_the_code_uses():
     assert {key: kind.values() for key, kind in CHOICE_KEYS} == {
         "run.device": ("auto", "cpu", "cuda"),
         "model.source": ("gpt", "hf", "python"),
+        "data.format": ("tokens", "text", "chat", "preference"),
+        "objective.name": ("causal_lm", "sft", "dpo", "user"),
         "scaling.placement_strategy": ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
         "parallel.strategy": ("ddp", "fsdp", "zero"),
         "parallel.backend": ("auto", "nccl", "gloo"),

@@ -26,7 +26,9 @@ def test_samples_are_shifted_windows():
     from raytrain_ext.data import TokenDataset
 
     ds = TokenDataset(tokens, seq_len=10)
-    inputs, targets = ds.batch(np.array([3, 0]))
+    batch = ds.batch(np.array([3, 0]))
+    inputs, targets = batch.inputs, batch.targets
+    assert batch.weights is None and batch.indices.tolist() == [3, 0]
     assert inputs.shape == targets.shape == (2, 10)
     assert inputs[0].tolist() == list(range(30, 40)) and targets[0].tolist() == list(range(31, 41))
 

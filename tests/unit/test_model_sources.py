@@ -1,6 +1,7 @@
 """model.source=hf and model.source=python: what the driver checks before Ray (each refusal
-names the key and the fix), the HF model's shape in the config, the family's TP plan, and
-pipeline stages of an HF model that compute what the whole model computes."""
+names the key and the fix), the HF model's shape in the config and the planner's exact count of
+its parameters, the family's TP and sequence-parallel plans, a sharded pretrained build on the
+meta device, and pipeline stages of an HF model that compute what the whole model computes."""
 
 from __future__ import annotations
 
@@ -9,10 +10,16 @@ import json
 import pytest
 import torch
 
+from raytrain_ext.cli import main
 from raytrain_ext.config import ConfigError, load_config
 from raytrain_ext.models import model_spec
-from raytrain_ext.models.hf_spec import HF_SPEC, HFStage, build_hf, hf_block_plan, hf_logits
+from raytrain_ext.models.hf_config import SPEC_FAMILIES
+from raytrain_ext.models.hf_parallel import hf_block_plan
+from raytrain_ext.models.hf_spec import HF_SPEC, HFStage, build_hf, hf_logits
 from raytrain_ext.models.user_model import python_spec
+from raytrain_ext.parallel.fsdp import FSDPStrategy
+from raytrain_ext.plan import count_params, shape_from_config
+from raytrain_ext.plan.hf_shape import FAMILY_BIASES
 from tests.helpers.hf_models import hf_overrides, save_tiny
 
 pytest.importorskip("transformers")
@@ -26,7 +33,7 @@ def llama_dir(tmp_path_factory):
 def test_an_hf_model_directory_gives_the_config_its_shape(llama_dir):
     cfg = load_config(None, hf_overrides(llama_dir))
     m = cfg.model
-    assert (m.n_layers, m.d_model, m.n_heads, m.vocab_size, m.mlp_ratio) == (2, 64, 4, 256, 2)
+    assert (m.n_layers, m.d_model, m.n_heads, m.vocab_size, m.mlp_ratio) == (2, 64, 4, 512, 2)
     assert model_spec(m) is HF_SPEC
 
 
@@ -73,6 +80,14 @@ def test_bad_hf_models_are_refused_before_ray_naming_the_key(
     base = [] if overrides[:1] == ["model.source=hf"] else hf_overrides(directory)
     with pytest.raises(ConfigError, match=message):
         load_config(None, [*base, *overrides])
+
+
+def test_sequence_parallel_refuses_a_sliding_window_shorter_than_the_sequence(tmp_path):
+    directory = save_tiny(tmp_path, "mistral", sliding_window=32)
+    layout = ["parallel.strategy=fsdp", "parallel.tp=2", "scaling.num_workers=2"]
+    assert load_config(None, [*hf_overrides(directory), *layout]).model.seq_len == 64
+    with pytest.raises(ConfigError, match=r"sequence_parallel: .*sliding window of 32 .*<= 32"):
+        load_config(None, [*hf_overrides(directory), *layout, "parallel.sequence_parallel=true"])
 
 
 @pytest.mark.parametrize(
@@ -131,6 +146,95 @@ def test_the_family_tp_plan_becomes_torch_styles_and_an_unknown_style_is_named(l
     qwen3 = load_config(None, ["model.source=hf", f"model.hf.config={inline}", "model.seq_len=64"])
     with pytest.raises(ValueError, match=r"qwen3 plan splits self_attn.q_norm as 'replicated"):
         hf_block_plan(HF_SPEC.blocks(build_hf(qwen3.model, 0))[0], sequence_parallel=False)
+
+
+def test_the_sequence_parallel_plan_comes_from_the_models_own_names(llama_dir):
+    """torchtitan's Llama plan, derived: sublayer inputs gathered along the sequence (the
+    attention's by keyword, as the decoder layer passes it), rowwise outputs reduce-scattered
+    back to sequence shards, the residual norms on sequence shards."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    cfg = load_config(None, hf_overrides(llama_dir))
+    plan = hf_block_plan(HF_SPEC.blocks(build_hf(cfg.model, 0))[0], sequence_parallel=True)
+    assert {k: type(v) for k, v in plan.items()} == {
+        "self_attn": PrepareModuleInput,
+        "mlp": PrepareModuleInput,
+        "self_attn.q_proj": ColwiseParallel,
+        "self_attn.k_proj": ColwiseParallel,
+        "self_attn.v_proj": ColwiseParallel,
+        "self_attn.o_proj": RowwiseParallel,
+        "mlp.gate_proj": ColwiseParallel,
+        "mlp.up_proj": ColwiseParallel,
+        "mlp.down_proj": RowwiseParallel,
+        "input_layernorm": SequenceParallel,
+        "post_attention_layernorm": SequenceParallel,
+    }
+    attention, mlp = plan["self_attn"], plan["mlp"]
+    assert attention.input_layouts is None
+    assert attention.input_kwarg_layouts == {"hidden_states": Shard(1)}
+    assert attention.desired_input_kwarg_layouts == {"hidden_states": Replicate()}
+    assert (mlp.input_layouts, mlp.desired_input_layouts) == ((Shard(1),), (Replicate(),))
+    assert plan["self_attn.o_proj"].output_layouts == (Shard(1),)
+    assert plan["mlp.down_proj"].output_layouts == (Shard(1),)
+    assert HF_SPEC.tp_model_plan is not None
+
+
+def test_fsdp_builds_a_pretrained_model_on_meta_and_a_random_one_whole(llama_dir):
+    """No storage before sharding when the files fill every value; a random initialisation is
+    built on the CPU with the values every other layout builds."""
+    overrides = [*hf_overrides(llama_dir), "parallel.strategy=fsdp"]
+    cfg = load_config(None, overrides)
+    strategy = FSDPStrategy(cfg.parallel, model_spec(cfg.model))
+    pretrained = strategy.build_model(cfg.model, 0)
+    assert all(t.is_meta for t in [*pretrained.parameters(), *pretrained.buffers()])
+    cfg = load_config(None, [*overrides, "model.hf.pretrained=false"])
+    random = strategy.build_model(cfg.model, 0)
+    whole = build_hf(cfg.model, 0).state_dict()
+    assert random.state_dict().keys() == whole.keys()
+    assert all(torch.equal(v, whole[k]) for k, v in random.state_dict().items())
+
+
+LLAMA_LIKE = {
+    "llama": {},
+    "llama-biases": {"attention_bias": True, "mlp_bias": True},
+    "mistral": {},
+    "qwen2": {"tie_word_embeddings": True},
+    "qwen3": {"head_dim": 16},
+}
+
+
+@pytest.mark.parametrize("case", sorted(LLAMA_LIKE))
+def test_the_planner_counts_an_hf_models_parameters_exactly(tmp_path, capsys, case):
+    """Gated MLP (3 x intermediate_size), grouped-query k/v (num_key_value_heads x head_dim),
+    tied or untied lm_head, per-family biases and q/k norms: the planner's counts are the real
+    model's, through ``raytrain-ext plan --config`` too."""
+    family = case.split("-")[0]
+    directory = save_tiny(tmp_path / "model", family, **LLAMA_LIKE[case])
+    cfg = load_config(None, hf_overrides(directory))
+    model = build_hf(cfg.model, 0)
+    counts = count_params(shape_from_config(cfg.model))
+    assert counts.total == sum(p.numel() for p in model.parameters())
+    own = [sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()]
+    assert counts.largest_module == max(own)
+    root = counts.total - sum(p.numel() for p in model.model.layers.parameters())
+    block = sum(p.numel() for p in model.model.layers[0].parameters())
+    assert counts.largest_fsdp_unit == max(root, block)
+    config = tmp_path / "run.yaml"
+    config.write_text(f"model: {{source: hf, hf: {{path: {directory}}}, seq_len: 64}}\n")
+    argv = ["plan", "--config", str(config), "--nodes", "1", "--gpus-per-node", "1"]
+    capsys.readouterr()
+    assert main([*argv, "--gpu-mem-gb", "80", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["model"]["params_total"] == counts.total
+
+
+def test_every_family_with_a_spec_has_its_planner_biases():
+    assert set(FAMILY_BIASES) == set(SPEC_FAMILIES)
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])

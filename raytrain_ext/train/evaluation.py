@@ -1,0 +1,93 @@
+"""Evaluation on a held-out split, every ``eval.every_steps`` steps.
+
+The split is ``data.eval_path`` (read like ``data.path``, same format) or the last
+``eval.fraction`` of the training dataset's samples, which the sampler then never
+draws (the training order is over the leading samples only, so it does not depend on
+whether evaluation runs).  ``eval.max_samples`` caps each evaluation (the first ones,
+in order).  Evaluation reads no sampler, ledger or RNG state and runs in eval mode
+without autograd, so a run with it ends with the same parameters and sample digest as
+one without.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Dict, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from raytrain_ext.data.open import open_dataset
+from raytrain_ext.models.spec import batch_logits
+from raytrain_ext.train.forward_only import inference, lockstep_chunks
+
+
+@dataclass
+class EvalSplit:
+    """What to evaluate on, and how many leading samples remain for training."""
+
+    dataset: Optional[Any]
+    indices: np.ndarray
+    train_samples: int
+
+
+def split_eval(cfg, dataset) -> EvalSplit:
+    e, n = cfg.eval, dataset.num_samples
+    if cfg.data.eval_path:
+        held_out = open_dataset(cfg, cfg.data.eval_path)
+        return EvalSplit(held_out, _capped(np.arange(held_out.num_samples), e.max_samples), n)
+    if e.fraction > 0:
+        k = max(1, int(n * e.fraction))
+        return EvalSplit(dataset, _capped(np.arange(n - k, n), e.max_samples), n - k)
+    return EvalSplit(None, np.zeros(0, dtype=np.int64), n)
+
+
+def _capped(indices: np.ndarray, cap: Optional[int]) -> np.ndarray:
+    return indices if cap is None else indices[:cap]
+
+
+class Evaluator:
+    """The split's mean loss (per unit), perplexity for token objectives, and the
+    objective's metrics, identical on every rank."""
+
+    def __init__(self, cfg, split: EvalSplit, objective, ctx, spec, reference):
+        self.every = cfg.eval.every_steps
+        self.max_steps = cfg.run.max_steps
+        self.micro = cfg.data.micro_batch_size
+        self.split, self.objective, self.ctx = split, objective, ctx
+        self.spec, self.reference = spec, reference
+
+    def due(self, step: int) -> bool:
+        if self.every is None or self.split.dataset is None:
+            return False
+        return step % self.every == 0 or step == self.max_steps
+
+    def run(self, model: torch.nn.Module, autocast: Callable[[], ContextManager]) -> Dict:
+        ctx, names = self.ctx, self.objective.metric_names
+        sums = torch.zeros(2 + len(names), dtype=torch.float64)
+        with inference(model):
+            for chunk, real in lockstep_chunks(len(self.split.indices), ctx, self.micro):
+                batch = self.split.dataset.batch(self.split.indices[chunk]).to(ctx.device)
+                with autocast():
+                    out = batch_logits(self.spec, model, batch)
+                if not (real and ctx.counts_loss):
+                    continue
+                reference = None
+                if self.objective.uses_reference:
+                    reference = self.reference.for_batch(chunk, ctx.device, held_out=True)
+                terms = self.objective.loss(out, batch, reference)
+                values = [terms.loss_sum, self.objective.units(batch)]
+                values += [terms.metrics[name] for name in names]
+                sums += torch.tensor([float(v) for v in values], dtype=torch.float64)
+        sums = sums.to(ctx.device)
+        if ctx.world_size > 1:
+            dist.all_reduce(sums)
+        sums = sums.cpu().tolist()
+        units = max(sums[1], 1e-12)
+        result = {"eval_loss": sums[0] / units}
+        if not self.objective.uses_reference:
+            result["eval_ppl"] = math.exp(min(result["eval_loss"], 50.0))
+        result.update({f"eval_{n}": v / units for n, v in zip(names, sums[2:])})
+        return result
