@@ -79,21 +79,36 @@ def train_processes(
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
-def _rank_with_deadline(rank: int, fn: Callable, deadline_s: float, *args) -> None:
+def _rank_with_deadline(
+    rank: int, fn: Callable, deadline_s: float, env: Dict[str, str], cwd: str, *args
+) -> None:
+    # a forked rank inherits the fork server's environment and directory, which date from the
+    # session's first spawn: take the test's current ones, as a fresh interpreter would
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
     faulthandler.dump_traceback_later(deadline_s, exit=True)  # every thread's stack, then exit 1
     fn(rank, *args)
+
+
+# Ranks start from a fork server that has imported these once (per test session): a fresh
+# interpreter per rank would import torch, transformers and the loop again (seconds each on
+# 2 cores, ~60 times in this tier).  The server only imports (no threads, no process group),
+# so each rank still starts from a clean, single-threaded state.
+FORKSERVER_PRELOAD = ["torch", "transformers", "raytrain_ext.train.loop", "tests.helpers.dist"]
 
 
 def spawn_ranks(fn: Callable, args: tuple, nprocs: int, deadline_s: float = 240.0) -> None:
     """``mp.start_processes`` that cannot hang a test: a rank still running after
     ``deadline_s`` prints every thread's stack and exits, which fails the join; if
     even that does not end them, the ranks are killed and the test fails."""
+    mp.set_forkserver_preload(FORKSERVER_PRELOAD)
     context = mp.start_processes(
         _rank_with_deadline,
-        args=(fn, deadline_s, *args),
+        args=(fn, deadline_s, dict(os.environ), os.getcwd(), *args),
         nprocs=nprocs,
         join=False,
-        start_method="spawn",
+        start_method="forkserver",
     )
     give_up = time.monotonic() + deadline_s + 30
     while not context.join(timeout=1.0):

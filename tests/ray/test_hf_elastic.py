@@ -2,8 +2,10 @@
 with ``save_pretrained`` here, sharded by FSDP) fed by a Ray Data pipeline
 (``Trainer(cfg, dataset=...)``, materialised once into the run directory).
 
-- A killed worker mid-epoch is replaced and the run ends bit-identical to an uninterrupted
-  one (parameters, samples, loss); evaluation every 6 steps changes nothing and reaches
+- A killed worker mid-epoch is replaced in place (the survivor's process kept, the lost rank
+  restored from peer memory) and the run ends bit-identical to an uninterrupted one
+  (parameters, samples, loss); every state transition and the recovery record are checked;
+  evaluation every 6 steps changes nothing and reaches
   ``summary.json`` and the report; a resumed run whose dataset yields other content is
   refused before training.
 - Losing a node mid-epoch shrinks the run 2 -> 1: the 2-rank FSDP checkpoint is resharded
@@ -90,6 +92,7 @@ def test_killed_worker_of_an_hf_model_on_a_ray_dataset_ends_bit_identical(
             "run.name=hf-kill",
             "chaos.kill_rank=1",
             "chaos.kill_at_step=7",
+            "checkpoint.memory=true",
             f"data.eval_path={token_file}",
             "eval.every_steps=6",
             "eval.max_samples=32",
@@ -98,9 +101,28 @@ def test_killed_worker_of_an_hf_model_on_a_ray_dataset_ends_bit_identical(
     summary = Trainer(cfg, dataset=token_dataset()).fit()
     assert summary["status"] == "finished" and summary["steps_completed"] == STEPS
     (recovery,) = summary["recoveries"]
-    assert recovery["reason"].startswith("worker rank 1 ") and recovery["decision"] == "replace"
-    assert recovery["world_size"] == 2 and recovery["reformed"]["kept"] == 1
+    # rank 0's collective raised first, but the failure is the dead rank 1's; rank 0's process
+    # is kept, and rank 1 restarts in its own freed slot, restoring from peer memory
+    assert (
+        recovery["reason"].startswith("worker rank 1 ") and "ActorDiedError" in recovery["reason"]
+    )
+    assert recovery["decision"] == "replace" and recovery["world_size"] == 2
+    assert recovery["reformed"] == {"kept": 1, "spares_used": 0, "started": 1}
+    assert recovery["restored_from"] == "memory"
     assert recovery["restored_step"] == 4 and recovery["steps_redone"] == 3
+    assert 0 < recovery["first_step_after_s"] < 60
+    assert [t["target"] for t in summary["transitions"]] == [
+        "RUNNING",
+        "RECOVERING",
+        "SCHEDULING",
+        "RUNNING",
+        "FINISHED",
+    ]
+    assert summary["world_size_history"] == [
+        {"step": 0, "world_size": 2},
+        {"step": 7, "world_size": 2},
+    ]
+    assert 0 < summary["goodput"] < 1
     assert summary["params_sha256"] == reference["result"]["params_sha256"]
     assert summary["samples_digest"] == reference["result"]["samples_digest"]
     assert summary["final_loss"] == reference["result"]["final_loss"]
