@@ -34,6 +34,7 @@ class RaggedColumn:
         self._offsets = [c.offsets.to_numpy() for c in chunks]
         counts = [len(o) - 1 for o in self._offsets]
         self._first = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        self._chunk_of = np.repeat(np.arange(len(counts)), counts)  # row -> its chunk
         self.lengths = np.concatenate([np.diff(o) for o in self._offsets]).astype(np.int64)
 
     def __len__(self) -> int:
@@ -45,7 +46,7 @@ class RaggedColumn:
     def rows(self, first: int, stop: int) -> np.ndarray:
         """Rows ``first..stop-1`` back to back: a zero-copy view when they lie in one chunk
         (consecutive rows are contiguous in Arrow's values), else one concatenation."""
-        chunk = int(np.searchsorted(self._first, first, side="right") - 1)
+        chunk = int(self._chunk_of[first])
         local, end = first - self._first[chunk], stop - self._first[chunk]
         offsets = self._offsets[chunk]
         if end < len(offsets):
