@@ -23,11 +23,13 @@ from raytrain_ext.checkpoint.tiers.memory import start_memory_tier, stop_memory_
 from raytrain_ext.config import config_digest, load_config, to_yaml
 from raytrain_ext.config.choices import ModelSource
 from raytrain_ext.config.errors import ConfigError
+from raytrain_ext.data.ray_input import materialise_dataset
 from raytrain_ext.elastic.controller import Controller, ControllerResult, RunState
 from raytrain_ext.elastic.ray_group import RayGroup
 from raytrain_ext.inputs.preflight import preflight
 from raytrain_ext.metrics import FanOut, StdoutSink, TensorBoardSink, summarize_records
 from raytrain_ext.metrics.sinks import eval_fields
+from raytrain_ext.objectives import check_objective
 from raytrain_ext.run_dir import RunDirectory
 from raytrain_ext.user_code import UserCode
 
@@ -71,8 +73,6 @@ class Trainer:
         self._user = UserCode(model=model, loss_fn=loss_fn)
         self._dataset = dataset
         _check_model_argument(self.cfg, model)
-        from raytrain_ext.objectives import check_objective
-
         check_objective(self.cfg, loss_fn)
         self._controller: Optional[Controller] = None
         self._stop_reason: Optional[str] = None
@@ -93,8 +93,6 @@ class Trainer:
         """
         start = time.time()
         if self._dataset is not None:
-            from raytrain_ext.data.ray_input import materialise_dataset
-
             self.cfg = materialise_dataset(self.cfg, self._dataset, self.run_dir)
         preflight(self.cfg)
         records = RunDirectory(self.run_dir)

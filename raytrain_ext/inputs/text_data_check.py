@@ -17,6 +17,7 @@ from raytrain_ext.config.choices import DataFormat, ModelSource
 from raytrain_ext.data.open import open_prepared, prepared_directory, tokenizer_spec
 from raytrain_ext.data.prepared_index import PreparedIndex, read_index
 from raytrain_ext.inputs.errors import InputError
+from raytrain_ext.train.evaluation import held_out_samples
 
 
 def uses_records(cfg) -> bool:
@@ -96,8 +97,7 @@ def _check_tokenizer(cfg, key: str, path: str, index: PreparedIndex) -> None:
 def _check_samples(cfg, directory: Path) -> None:
     d, e = cfg.data, cfg.eval
     samples = open_prepared(directory, cfg.model.seq_len).num_samples
-    if not d.eval_path and e.fraction > 0:
-        samples -= max(1, int(samples * e.fraction))
+    samples -= held_out_samples(cfg, samples)
     if samples < 1:
         raise InputError(
             f"data.path: {d.path} leaves no training sample (model.seq_len={cfg.model.seq_len}, "

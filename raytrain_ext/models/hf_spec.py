@@ -51,10 +51,11 @@ def hf_blocks(module: nn.Module) -> List[nn.Module]:
 
 
 def hf_logits(module: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
-    """Token ids -> logits.  Positions are given rather than inferred: under sequence
-    parallelism the embeddings the model would count them from hold ``seq / tp`` positions."""
+    """Token ids -> logits: each row one document.  Positions are given rather than
+    inferred: under sequence parallelism the embeddings the model would count them from
+    hold ``seq / tp`` positions."""
     positions = torch.arange(inputs.shape[1], device=inputs.device).unsqueeze(0)
-    return module(input_ids=inputs, position_ids=positions, use_cache=False).logits
+    return hf_document_logits(module, inputs, positions)
 
 
 def hf_document_logits(

@@ -33,13 +33,21 @@ class EvalSplit:
     train_samples: int
 
 
+def held_out_samples(cfg, num_samples: int) -> int:
+    """How many of the last samples ``eval.fraction`` holds out of training (0 with
+    ``data.eval_path``, which evaluates on its own data)."""
+    if cfg.data.eval_path or cfg.eval.fraction == 0:
+        return 0
+    return max(1, int(num_samples * cfg.eval.fraction))
+
+
 def split_eval(cfg, dataset) -> EvalSplit:
     e, n = cfg.eval, dataset.num_samples
     if cfg.data.eval_path:
         held_out = open_dataset(cfg, cfg.data.eval_path)
         return EvalSplit(held_out, _capped(np.arange(held_out.num_samples), e.max_samples), n)
-    if e.fraction > 0:
-        k = max(1, int(n * e.fraction))
+    k = held_out_samples(cfg, n)
+    if k:
         return EvalSplit(dataset, _capped(np.arange(n - k, n), e.max_samples), n - k)
     return EvalSplit(None, np.zeros(0, dtype=np.int64), n)
 
