@@ -7,8 +7,11 @@ Same tiny model, 2 workers, same fault (rank 1's process exits right after step
 - Ray Train: `TorchTrainer` with `FailureConfig(max_failures=1)`, a checkpoint every
   `--ray-every` steps through `ray.train.report`, restarted from `get_checkpoint()`.
 Prints fault -> detect / decide / re-form / restore / first step after, and steps redone.
-Ours runs twice: survivors kept and the dead rank restarted in its freed slot, then
-with one warm spare (`elastic.spare_workers=1`, one more slot reserved) taking its place.
+Ours runs three times: survivors kept and the dead rank restarted in its freed slot
+(the group waits for it); the same with `elastic.replace_in_background=true` (the
+survivor trains on alone at once and the new process joins at a step boundary once
+warm); and with one warm spare (`elastic.spare_workers=1`, one more slot reserved)
+taking its place.  The node-loss scenario and the trends are in recovery_node_loss.py.
 
 Usage: python jobs/bench/recovery.py [--steps 30 --kill-at 12]
 """
@@ -30,14 +33,14 @@ os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 from raytrain_ext.config import load_config  # noqa: E402
 
 
-def ours(args, workdir: Path, spares: int = 0) -> dict:
+def ours(args, workdir: Path, spares: int = 0, background: bool = False) -> dict:
     from raytrain_ext import Trainer
 
     cfg = load_config(
         None,
         [
             f"run.output_dir={workdir}",
-            f"run.name=ours-{spares}",
+            f"run.name=ours-{spares}-{int(background)}",
             "run.tensorboard=false",
             f"elastic.spare_workers={spares}",
             f"run.max_steps={args.steps}",
@@ -48,6 +51,8 @@ def ours(args, workdir: Path, spares: int = 0) -> dict:
             "elastic.max_failures=1",
             "chaos.kill_rank=1",
             f"chaos.kill_at_step={args.kill_at}",
+            f"elastic.replace_in_background={str(background).lower()}",
+            "scaling.min_workers=1",
         ],
     )
     summary = Trainer(cfg).fit()
@@ -64,6 +69,8 @@ def ours(args, workdir: Path, spares: int = 0) -> dict:
         "steps_redone": recovery["steps_redone"],
         "restored_from": recovery["restored_from"],
         "reformed": recovery.get("reformed"),
+        "sizes": [h["world_size"] for h in summary["world_size_history"]],
+        "grow_pause_s": [r.get("pause_s") for r in summary["resizes"]],
     }
 
 
@@ -163,6 +170,13 @@ def ray_train(args, workdir: Path) -> dict:
     }
 
 
+VARIANTS = (  # (label, elastic.spare_workers, elastic.replace_in_background)
+    ("0 spares, replaced in place", 0, False),
+    ("0 spares, replaced in the background", 0, True),
+    ("1 warm spare", 1, False),
+)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=30)
@@ -177,28 +191,32 @@ def main():
     ray.init(num_cpus=3, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     try:
         try:
-            runs = {spares: ours(args, workdir, spares) for spares in (0, 1)}
+            runs = {
+                label: ours(args, workdir, spares, background)
+                for label, spares, background in VARIANTS
+            }
         finally:
             ray.shutdown()
         b = ray_train(args, workdir)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     print(f"fault: rank 1's process exits after step {args.kill_at} of {args.steps}, 2 workers")
-    for spares, a in runs.items():
+    for label, a in runs.items():
         print(
-            f"raytrain-ext, {spares} spare(s) (checkpoint every {args.ours_every} step(s), "
+            f"raytrain-ext, {label} (checkpoint every {args.ours_every} step(s), "
             f"restored from {a['restored_from']}, slots {a['reformed']}): detect "
             f"{a['detect_s']:.2f} s, decide {a['decide_s']:.2f} s, re-form {a['reform_s']:.2f} s, "
             f"restore {a['restore_s']:.2f} s, first step after {a['first_step_after_s']:.2f} s, "
-            f"{a['steps_redone']} step(s) redone"
+            f"{a['steps_redone']} step(s) redone; world sizes {a['sizes']}, grow-back pauses "
+            f"{[round(p, 2) for p in a['grow_pause_s'] if p is not None]} s"
         )
     print(
         f"Ray Train TorchTrainer (checkpoint every {args.ray_every} steps): first step after "
         f"{b['first_step_after_s']:.2f} s, {b['steps_redone']} step(s) redone"
     )
-    for spares, a in runs.items():
+    for label, a in runs.items():
         print(
-            f"time from fault to resumed training, {spares} spare(s): Ray Train / raytrain-ext "
+            f"time from fault to resumed training, {label}: Ray Train / raytrain-ext "
             f"= {b['first_step_after_s'] / a['first_step_after_s']:.1f}x"
         )
 

@@ -67,6 +67,7 @@ class SaveRequests:
     def __init__(self) -> None:
         self.flag = REQUEST_NONE
         self.deadline: Optional[float] = None
+        self.paused = False
 
     def on_demand(self) -> None:
         self.flag = max(self.flag, REQUEST_SAVE)
@@ -74,6 +75,13 @@ class SaveRequests:
     def preempt(self, grace_s: float) -> None:
         self.flag = REQUEST_EMERGENCY
         self.deadline = time.time() + grace_s
+
+    def pause(self) -> None:
+        """Stop at the next step boundary without saving (the group is about to grow)."""
+        self.paused = True
+
+    def pause_vote(self) -> float:
+        return float(self.paused)
 
     def vote(self) -> float:
         flag = self.flag
@@ -109,6 +117,7 @@ class CheckpointManager:
         self.stats: Dict[str, Any] = {
             "saves": 0,
             "skipped": 0,
+            "snapshots_skipped": 0,
             "stall_s": 0.0,
             "committed": {t.name: None for t in self.tiers},
             "failed": [],
@@ -148,11 +157,18 @@ class CheckpointManager:
         """Save if due (identically on every rank); returns the training stall in seconds.
 
         Final and emergency saves are synchronous: they are committed (to every
-        tier that fits before ``deadline``) when this returns.
+        tier that fits before ``deadline``) when this returns.  With
+        ``checkpoint.snapshot_every_step``, a step not otherwise due is saved to the
+        memory tier alone (replicated to a second node), unless the last save is
+        still persisting.
         """
-        if not self.is_due(step, request, final):
+        regular = self.is_due(step, request, final)
+        if not regular and not self._snapshot_due():
             return 0.0
         urgent = final or request >= REQUEST_EMERGENCY
+        if any_busy and not regular:
+            self.stats["snapshots_skipped"] += 1
+            return 0.0
         if any_busy and self.cfg.on_busy == "skip" and not urgent:
             self.stats["skipped"] += 1
             if self.rank == 0:
@@ -164,7 +180,8 @@ class CheckpointManager:
             return 0.0
         start = time.perf_counter()
         self.wait()  # the previous snapshot's buffers are free again
-        native_files = self._save_native(state, step)
+        native_files = self._save_native(state, step) if regular else native.NativeFiles()
+        tiers = None if regular else [t for t in self.tiers if t.name == "memory"]
         snap = ckpt_state.snapshot(ckpt_state.capture(state), reuse=self._buffers)
         self._buffers = snap
         if torch.cuda.is_available() and state.ctx.device.type == "cuda":
@@ -177,7 +194,7 @@ class CheckpointManager:
         if self.cfg.async_save and not urgent:
             self._thread = threading.Thread(
                 target=self._persist,
-                args=(step, snap, None, native_files),
+                args=(step, snap, None, native_files, tiers),
                 name=f"ckpt-step-{step}",
                 daemon=True,
             )
@@ -191,6 +208,7 @@ class CheckpointManager:
                 snap,
                 (math.inf if deadline is None else deadline) if emergency else None,
                 native_files,
+                tiers,
             )
         return stall
 
@@ -229,13 +247,20 @@ class CheckpointManager:
             self._thread = None
 
     # ---- saving ---------------------------------------------------------------------------
+    def _snapshot_due(self) -> bool:
+        return self.cfg.snapshot_every_step and any(t.name == "memory" for t in self.tiers)
+
     def _persist(
         self,
         step: int,
         snap: Dict[str, Any],
         deadline: Optional[float] = None,
         native_files: Optional[native.NativeFiles] = None,
+        tiers: Optional[List[Tier]] = None,
     ) -> None:
+        """Write the snapshot, then upload and commit it to ``tiers`` in order (None: every
+        tier; a per-step snapshot names the memory tier alone and its staged files go once
+        uploaded); a tier that fails is recorded and the others go on."""
         try:
             native_files = native_files or native.NativeFiles()
             step_dir = self.staging / step_dir_name(step)
@@ -256,7 +281,7 @@ class CheckpointManager:
                 native=native_info,
             )
             time.sleep(self.stall_s)
-            for index, tier in enumerate(self.tiers):
+            for index, tier in enumerate(self.tiers if tiers is None else tiers):
                 if index and self._agree_past(deadline):
                     self.stats["failed"].append(
                         {
@@ -278,7 +303,7 @@ class CheckpointManager:
                 if committed:  # retention once the step is safe, outside its save time
                     self._retain(tier)
             self.stats["timings"].append(timing)
-            if not self.cfg.local:
+            if not self.cfg.local or tiers is not None:  # a snapshot's files live in memory
                 shutil.rmtree(step_dir, ignore_errors=True)
         except Exception as e:  # never kill training for a failed save; the log says why
             self.stats["failed"].append({"step": step, "error": str(e)})

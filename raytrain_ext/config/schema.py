@@ -239,6 +239,9 @@ class CheckpointConfig:
     every_steps: Optional[int] = positive(None, null="disabled")
     every_seconds: Optional[float] = positive(600.0, null="disabled")
     save_final: bool = True
+    # also save every step to the memory tier alone (a copy on a second node), skipped
+    # while the last save persists: a sharded layout that loses a node redoes <= 1 step
+    snapshot_every_step: bool = False
     async_save: bool = True
     write_threads: int = positive(2)  # DCP writer threads per rank (2 doubles write bandwidth here)
     # restore: checksum chunks verified and items loaded at once, per rank
@@ -259,10 +262,13 @@ class ElasticConfig:
     After a worker or node failure the group is re-formed with as many workers
     as fit within ``scaling.min_workers..max_workers`` and resumes from the
     newest committed checkpoint, up to ``max_failures`` times (-1: unlimited).
-    When the lost ranks can be replaced at the same size, the group is re-formed
-    in place instead: surviving processes (on gloo, their collectives raised when
-    the peer vanished) are kept, and the lost ranks are taken over by warm spares
-    or by new processes in their freed slots.
+    After a failure the group is re-formed in place instead whenever a process
+    survived: surviving processes (their collectives raised when the peer vanished)
+    are kept; a lost rank whose node is alive gets a new process in its slot (or a
+    warm spare takes its place), one whose node died is left out (the group
+    shrinks, within min..max).  A spare waits in a lost node's slot and joins at a
+    step boundary once Ray re-places the slot (the group grows back).  With DDP the
+    new group takes the survivors' state, with no checkpoint read.
     """
 
     poll_interval_s: float = positive(0.2)
@@ -285,6 +291,16 @@ class ElasticConfig:
     reuse_survivors: bool = True  # after a failure, keep the processes whose collectives failed
     # ... if they return within this long (else: restart them all)
     reuse_wait_s: float = at_least(0, 5.0)
+    # wait up to this long for Ray's verdict on a lost process: died on a live node
+    # (a new process takes its slot) or its node died (the group goes on without it)
+    fate_wait_s: float = at_least(0, 10.0)
+    # a replicated layout (DDP) takes the survivors' in-memory state after a re-form in
+    # place (no checkpoint read, no step redone); false: restore the newest checkpoint
+    state_from_peers: bool = True
+    # a process lost on a live node: false = wait for its replacement (same size, same
+    # numerics); true = go on without it at once, and let the replacement join at a step
+    # boundary once warm (below min_workers it is always waited for)
+    replace_in_background: bool = False
     # warm standby processes placed with the gang (each holds a slot)
     spare_workers: int = at_least(0, 0)
 

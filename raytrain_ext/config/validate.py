@@ -282,6 +282,12 @@ def _check_checkpoint(cfg: DictConfig) -> None:
             "set checkpoint.local=true or checkpoint.s3.uri, or "
             "checkpoint.enabled=false."
         )
+    if c.snapshot_every_step and (c.memory is False or not c.enabled):
+        raise ConfigError(
+            "checkpoint.snapshot_every_step: the per-step snapshot goes to the memory tier, "
+            "which is off (checkpoint.memory=false or checkpoint.enabled=false); set "
+            "checkpoint.memory=true (or null: on with more than one node)."
+        )
 
 
 def _check_s3_settings(cfg: DictConfig) -> None:

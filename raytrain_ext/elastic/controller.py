@@ -2,16 +2,19 @@
 
 States: SCHEDULING -> RUNNING -> FINISHED; RUNNING -> RECOVERING -> SCHEDULING
 after a worker or node failure while ``elastic.max_failures`` allows, FAILED
-otherwise.  Recovering re-forms the group in place when the lost ranks can be
-replaced at the same size (surviving processes kept, lost ranks taken over by
-warm spares or new processes in their freed slots); otherwise the survivors are
-stopped and the group re-formed with as many workers as fit, within min..max.
-Either way the new group restores the newest committed checkpoint.
+otherwise.  Recovering re-forms the group in place when a process survived:
+survivors kept, a lost rank whose node is alive replaced by a warm spare or a new
+process in its slot, one whose node died left out (the group shrinks, within
+min..max); with a replicated layout (DDP) the new group takes the survivors'
+state, else the newest committed checkpoint.  With no survivor, the group is
+re-formed from scratch with as many workers as fit and restores the checkpoint.
 RUNNING -> RECOVERING after a preemption (SIGTERM or drain: an emergency
 checkpoint, then re-form away from the preempted nodes; ``elastic.max_preemptions``
-is a separate budget; PREEMPTED when too little capacity is left); RUNNING ->
-RESIZING -> SCHEDULING when capacity for more workers has been stable (grow at
-a checkpoint boundary, at most once per ``elastic.resize_cooldown_s``).
+is a separate budget; PREEMPTED when too little capacity is left).  RUNNING ->
+RESIZING -> SCHEDULING to grow: in place when warm spares wait in the gang's
+slots (every rank pauses at a step boundary, the spares join and take the state
+from the ranks), else at a checkpoint boundary once capacity for more workers
+has been stable (at most once per ``elastic.resize_cooldown_s``).
 
 Each state has one handler that does the state's work and returns the next
 state and the reason; every transition is logged.  The handlers dispatch:
@@ -26,19 +29,21 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from raytrain_ext.config import to_dict
 from raytrain_ext.elastic.capacity import Capacity
 from raytrain_ext.elastic.cluster_probe import Cluster, RayCluster
 from raytrain_ext.elastic.failure_text import one_line, root_cause
 from raytrain_ext.elastic.group_port import GroupPort
+from raytrain_ext.elastic.in_place import InPlacePlan
 from raytrain_ext.elastic.notices import Notices
 from raytrain_ext.elastic.policy import Action, Decision
 from raytrain_ext.elastic.ray_group import RayGroup
 from raytrain_ext.elastic.records import (
     TERMINAL,
     ControllerResult,
+    Recovery,
     RecoveryKind,
     Resize,
     RunState,
@@ -47,6 +52,7 @@ from raytrain_ext.elastic.records import (
 )
 from raytrain_ext.elastic.recovery import Recoveries
 from raytrain_ext.metrics import MetricsSink
+from raytrain_ext.parallel.dims import state_from_peers
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +91,9 @@ class Controller:
         self.attempt = 0  # counts re-forms
         self._last_reform_at = clock()
         self._resize_target: Optional[int] = None
-        self._keep_ranks: Optional[List[int]] = None  # the next SCHEDULING re-forms in place
+        self._grow_in_place = False  # the pending resize: spares join paused ranks
+        self._in_place: Optional[InPlacePlan] = None  # the next SCHEDULING re-forms in place
+        self._books: Optional[Union[Recovery, Resize]] = None  # closed by the next first step
         self._stop_reason: Optional[str] = None  # set from another thread by ``stop``
 
     def run(self) -> ControllerResult:
@@ -135,32 +143,42 @@ class Controller:
         s = self.cfg.scaling
         if self.attempt == 0 and s.min_workers < s.max_workers:
             self.world_size = self.capacity.initial_size(s.num_workers, self.group.avoid_nodes)
-        keep, self._keep_ranks = self._keep_ranks, None
+        keep, self._in_place = self._in_place, None
+        forming = self.clock()
         try:
             self._form(keep)
         except Exception as e:  # placement timeout, rendezvous failure
             self.result.error = e
             reason = f"could not form the worker group: {type(e).__name__}"
+            if keep is not None and isinstance(self._books, Resize):
+                return self._after_failure(f"{reason} while growing in place")
             if keep is not None:  # the same recovery goes on, restarting every process
                 return RunState.RECOVERING, f"{reason} in place; restarting every process"
             return self._after_failure(reason) if self.attempt else (RunState.FAILED, reason)
         self._formed()
+        if self._books is not None:  # the recovery or resize under way: its re-form's time
+            self._books.reform_s = self.clock() - forming
         self.group.start_fit(to_dict(self.cfg), self.attempt)
         return (
             RunState.RUNNING,
             f"{self.group.world_size} workers formed a {self.group.backend} group",
         )
 
-    def _form(self, keep: Optional[List[int]]) -> None:
-        """Re-form in place keeping ``keep``'s processes, or start a group of ``world_size``."""
+    def _form(self, plan: Optional[InPlacePlan]) -> None:
+        """Re-form in place as ``plan`` says, or start a group of ``world_size``."""
         s, p = self.cfg.scaling, self.cfg.parallel
-        if keep is not None:
-            self.recoveries.current.reformed = self.group.reform(
-                keep,
+        if plan is not None:
+            reformed = self.group.reform(
+                plan.keep,
+                size=plan.size,
+                refill_ranks=plan.refill,
+                deferred_ranks=plan.deferred,
                 backend=p.backend,
                 timeout_s=p.timeout_s,
                 placement_timeout_s=s.placement_timeout_s,
             )
+            if isinstance(self._books, Recovery):
+                self._books.reformed = reformed
             return
         self.group.start(
             self.world_size,
@@ -206,7 +224,13 @@ class Controller:
             return RunState.FAILED, f"stopped: {self._stop_reason}"
         self.result.worker_results = self.group.fit_results()
         self._drain_events()
-        preempted = self.result.worker_results[0].get("preempted_at")
+        first = self.result.worker_results[0]
+        if first.get("paused_at") is not None and first["steps"] < self.cfg.run.max_steps:
+            return RunState.RESIZING, (
+                f"paused at step {first['paused_at']}; growing to {self._resize_target} "
+                "workers in place"
+            )
+        preempted = first.get("preempted_at")
         if preempted is not None and self._resize_target is not None:
             return RunState.RESIZING, (
                 f"checkpoint at step {preempted} committed; growing to "
@@ -239,10 +263,22 @@ class Controller:
         return self._after_failure(reason)
 
     def _maybe_grow(self) -> None:
-        """Below max_workers, watch for capacity; when the grow policy agrees, ask for a
+        """Below max_workers: when warm spares wait in the gang's slots (a lost node's slot
+        Ray re-placed), pause every rank at the next step boundary and re-form in place
+        with them.  Else watch for capacity; when the grow policy agrees, ask for a
         checkpoint boundary (every rank saves, then stops) and re-form bigger from it."""
-        if self._resize_target is not None or not self.cfg.checkpoint.enabled:
-            return  # growing re-forms from a checkpoint: without checkpoints, never
+        if self._resize_target is not None:
+            return
+        world, s = self.group.world_size, self.cfg.scaling
+        if world < s.max_workers and (self.cfg.checkpoint.enabled or state_from_peers(self.cfg)):
+            self.group.replenish_spares(self.cfg.elastic.spare_workers + s.max_workers - world)
+            target = self.capacity.scaling.size_for(world + self.group.ready_spare_count())
+            if target > world:
+                self._resize_target, self._grow_in_place = target, True
+                self.group.pause()
+                return
+        if not self.cfg.checkpoint.enabled:
+            return  # growing onto new slots re-forms from a checkpoint: without one, never
         target = self.capacity.grow_target(
             self.group.world_size, self.group.avoid_nodes, self._last_reform_at
         )
@@ -253,6 +289,8 @@ class Controller:
 
     def _resize(self) -> Next:
         """Re-form with the capacity there is now (a planned stop: nothing to redo)."""
+        if self._grow_in_place:
+            return self._grow_with_spares()
         before, target = self.group.world_size, self._resize_target
         started = self.clock()
         # every rank stopped at the boundary and answered: their nodes count without a ping
@@ -264,9 +302,41 @@ class Controller:
             return RunState.FAILED, decision.reason
         self.world_size = decision.world_size
         self.attempt += 1
-        resize = Resize(self._last_step(), before, self.world_size, target, self.clock() - started)
+        last_at = self.result.records[-1]["time"] if self.result.records else None
+        resize = Resize(
+            self._last_step(),
+            before,
+            self.world_size,
+            target,
+            self.clock() - started,
+            False,
+            last_at,
+        )
         self.result.resize_log.append(resize)
+        self._books = resize
         return RunState.SCHEDULING, decision.reason
+
+    def _grow_with_spares(self) -> Next:
+        """Every rank paused at a step boundary, state in memory: the ready spares join
+        them (the group's state comes from the ranks, or, sharded, from the checkpoint
+        saved at the pause)."""
+        before, wanted = self.group.world_size, self._resize_target
+        self._resize_target, self._grow_in_place = None, False
+        spares = self.group.ready_spare_count()
+        size = max(before, self.capacity.scaling.size_for(before + spares))
+        self._in_place = InPlacePlan(
+            list(range(before)), [], [], spares=spares, size=size, from_size=before
+        )
+        self.world_size = size
+        self.attempt += 1
+        last = self.result.records[-1] if self.result.records else {"step": 0, "time": None}
+        resize = Resize(last["step"], before, size, wanted, 0.0, True, last["time"])
+        self.result.resize_log.append(resize)
+        self._books = resize
+        return RunState.SCHEDULING, (
+            f"growing {before} -> {size} in place at step {last['step']}: "
+            f"{size - before} warm spare(s) join"
+        )
 
     def _after_preemption(self, step: int) -> Next:
         """A preemption is not a failure: shrink away from the preempted node(s), or stop."""
@@ -284,6 +354,7 @@ class Controller:
         spent = self.recoveries.open_preemption(reason, step)
         if spent is not None:
             return RunState.PREEMPTED, f"{reason}; {spent}"
+        self._books = self.recoveries.current
         self.group.avoid_nodes.update(nodes)
         # every rank returned its result, so every node is alive: the capacity check counts
         # them without a ping (on a loaded node a ping outlasted the check, and the run stopped)
@@ -308,6 +379,7 @@ class Controller:
         self._drain_events()
         last_step = self._survivors_last_step()
         self.recoveries.open_failure(reason, counted, detected_at, last_step)
+        self._books = self.recoveries.current
         return RunState.RECOVERING, reason
 
     def _survivors_last_step(self) -> int:
@@ -325,18 +397,23 @@ class Controller:
         return max(steps)
 
     def _recover(self) -> Next:
-        """Re-form in place if the lost ranks can be replaced; else stop the survivors, see
-        what fits now, and re-form (either way restoring the newest checkpoint)."""
+        """Re-form in place when a process survived (refilling lost ranks whose node is
+        alive, leaving out those whose node died); else stop the survivors, see what
+        fits now, and re-form from the newest checkpoint."""
         recovery = self.recoveries.current
-        self._resize_target = None  # a failure overtook a planned resize
-        keep = self.recoveries.survivors_to_keep(self.notices.hung_ranks)
-        if keep is not None:
-            self._keep_ranks = keep
-            recovery.decide(self.clock(), Action.REPLACE, self.world_size)
+        self._resize_target, self._grow_in_place = None, False  # a failure overtook a resize
+        plan = self.recoveries.plan_in_place(self.notices.hung_ranks, self.capacity.scaling)
+        if plan is not None:
+            self._in_place = plan
+            action = Action.SHRINK if plan.shrinks else Action.REPLACE
+            recovery.decide(self.clock(), action, plan.size)
+            self.world_size = plan.size
             self.attempt += 1
+            left_out = plan.from_size - plan.size
             return RunState.SCHEDULING, (
-                f"re-forming {self.world_size} workers in place: "
-                f"{len(keep)} surviving process(es) kept"
+                f"re-forming {plan.size} workers in place: {len(plan.keep)} surviving "
+                f"process(es) kept"
+                + (f", {left_out} lost rank(s) left out (node lost)" if left_out > 0 else "")
             )
         self.group.shutdown()
         preempted = recovery.kind is RecoveryKind.PREEMPTION
@@ -353,6 +430,14 @@ class Controller:
         self.world_size = decision.world_size
         self.attempt += 1
         return RunState.SCHEDULING, decision.reason
+
+    def _close_books(self, record: StepRecord) -> None:
+        """The new group's first step ends the recovery or resize that formed it."""
+        books, self._books = self._books, None
+        if isinstance(books, Recovery):
+            self.recoveries.account(record)
+        elif isinstance(books, Resize):
+            books.account(record.restored, record.time)
 
     def _decide(self, wait_s: float) -> Decision:
         return self.capacity.decide(
@@ -376,8 +461,8 @@ class Controller:
         for fields in records:
             record = StepRecord.from_worker(fields)
             self.result.stragglers.extend(self.notices.observe_step(record))
-            if record.first_of_group and self.result.recovery_log:
-                self.recoveries.account(record)
+            if record.first_of_group:
+                self._close_books(record)
             row = record.for_sinks(len(self.result.recovery_log))
             self.result.records.append(row)
             self.sink.write(record.step, row)

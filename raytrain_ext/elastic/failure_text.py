@@ -20,6 +20,21 @@ def strip_ansi(text: str) -> str:
     return ANSI.sub("", text)
 
 
+# What a collective raises when a peer vanished (an echo of another rank's failure).
+PEER_LOSS_MARKERS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "DistNetworkError",
+)
+
+
+def is_peer_loss(error: BaseException) -> bool:
+    """A collective that raised because a peer vanished (an echo of another rank's failure)."""
+    text = f"{type(root_cause(error)).__name__}: {error}"
+    return any(marker in text for marker in PEER_LOSS_MARKERS)
+
+
 def root_cause(error: BaseException) -> BaseException:
     """The worker's own exception inside Ray's wrapper (``RayTaskError.cause``)."""
     seen = set()

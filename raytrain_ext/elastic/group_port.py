@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Protocol, Sequence, Set, Tuple
 
+from raytrain_ext.elastic.in_place import InPlacePlan
+
 
 @dataclass(frozen=True)
 class FitStatus:
@@ -56,9 +58,20 @@ class GroupPort(Protocol):
         ...
 
     def reform(
-        self, keep_ranks: List[int], *, backend: str, timeout_s: float, placement_timeout_s: float
+        self,
+        keep_ranks: List[int],
+        *,
+        size: int,
+        refill_ranks: List[int],
+        deferred_ranks: List[int],
+        backend: str,
+        timeout_s: float,
+        placement_timeout_s: float,
     ) -> Dict[str, int]:
-        """Re-form at the same size keeping ``keep_ranks``' processes; how slots were filled."""
+        """Re-form with ``size`` ranks keeping ``keep_ranks``' processes, lost ranks' places
+        taken by ready spares, then by new processes in ``refill_ranks``' slots (the rest
+        left out; ``deferred_ranks``' slots get spares that join later); how the places
+        were filled."""
         ...
 
     def start_fit(self, cfg_dict: Dict[str, Any], attempt: int) -> None:
@@ -88,8 +101,19 @@ class GroupPort(Protocol):
 
     def request_checkpoint(self) -> None: ...
 
-    def keepable_ranks(self, hung_ranks: List[int], wait_s: float) -> Optional[List[int]]:
-        """The ranks whose processes can join a re-form in place; None to restart all."""
+    def plan_in_place(
+        self, hung_ranks: List[int], wait_s: float, evidence_s: float, background: bool
+    ) -> Optional[InPlacePlan]:
+        """Which processes to keep and which lost ranks' nodes are alive (their slots can
+        be refilled); None to restart every process."""
+        ...
+
+    def ready_spare_count(self) -> int:
+        """Warm spares ready to take a place now."""
+        ...
+
+    def pause(self) -> None:
+        """Ask every rank to stop at the next step boundary, keeping its state in memory."""
         ...
 
     def replenish_spares(self, spares: int) -> None: ...

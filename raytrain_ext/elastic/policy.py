@@ -16,12 +16,13 @@ from typing import Iterable, Mapping, Optional
 class Action(StrEnum):
     """What the controller does after a failure (a ``str``: records and logs print it).
 
-    ``REPLACE`` is chosen by the recovery from the surviving processes; the policies
-    here return ``RESTART`` or ``FAIL``.
+    ``REPLACE`` and ``SHRINK`` are chosen by the recovery from the surviving processes;
+    the policies here return ``RESTART`` or ``FAIL``.
     """
 
     RESTART = "restart"  # re-form with ``Decision.world_size`` workers
     REPLACE = "replace"  # re-form in place at the same size, surviving processes kept
+    SHRINK = "shrink"  # re-form in place smaller, surviving processes kept
     FAIL = "fail"
 
 

@@ -16,7 +16,7 @@ import ray
 
 from raytrain_ext.elastic.diagnostics import dump_worker_stacks
 from raytrain_ext.elastic.group_port import FitStatus
-from raytrain_ext.elastic.survivors import first_error, keepable_ranks
+from raytrain_ext.elastic.survivors import InPlacePlan, first_error, plan_in_place
 from raytrain_ext.user_code import UserCode
 from raytrain_ext.worker.group import WorkerGroup
 
@@ -77,11 +77,22 @@ class RayGroup:
         )
 
     def reform(
-        self, keep_ranks: List[int], *, backend: str, timeout_s: float, placement_timeout_s: float
+        self,
+        keep_ranks: List[int],
+        *,
+        size: int,
+        refill_ranks: List[int],
+        deferred_ranks: List[int],
+        backend: str,
+        timeout_s: float,
+        placement_timeout_s: float,
     ) -> Dict[str, int]:
         self._fit_refs, self._pending = [], []
         return self._group.reform(
             keep_ranks,
+            size=size,
+            refill_ranks=refill_ranks,
+            deferred_ranks=deferred_ranks,
             backend=backend,
             timeout_s=timeout_s,
             placement_timeout_s=placement_timeout_s,
@@ -132,10 +143,20 @@ class RayGroup:
         if self._group.actors:
             self._group.actors[0].request_checkpoint.remote()
 
-    def keepable_ranks(self, hung_ranks: List[int], wait_s: float) -> Optional[List[int]]:
+    def plan_in_place(
+        self, hung_ranks: List[int], wait_s: float, evidence_s: float, background: bool
+    ) -> Optional[InPlacePlan]:
         if not self._fit_refs:
             return None  # nothing ran: no survivor to keep
-        return keepable_ranks(self._group, self._fit_refs, hung_ranks, wait_s)
+        return plan_in_place(
+            self._group, self._fit_refs, hung_ranks, wait_s, evidence_s, background
+        )
+
+    def ready_spare_count(self) -> int:
+        return self._group.ready_spare_count()
+
+    def pause(self) -> None:
+        self._group.pause()
 
     def replenish_spares(self, spares: int) -> None:
         self._group.replenish_spares(spares)

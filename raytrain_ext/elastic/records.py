@@ -74,6 +74,7 @@ class Recovery:
     decision: Optional[Action] = None
     world_size: Optional[int] = None  # of the next group
     reformed: Optional[Dict[str, int]] = None  # how a re-form in place filled the slots
+    reform_s: Optional[float] = None  # placing and joining the new group (after deciding)
     restore_s: Optional[float] = None
     restored_from: Optional[str] = None  # the checkpoint tier
     restored_step: Optional[int] = None
@@ -107,30 +108,50 @@ class Recovery:
             out["decision"] = self.decision.value
         if self.reformed is None:
             del out["reformed"]
+        if self.reform_s is None:
+            del out["reform_s"]
         if self.first_step_after_s is None:
             for key in _ACCOUNTED:
                 del out[key]
         return out
 
 
-@dataclass(frozen=True)
+@dataclass
 class Resize:
-    """A planned re-form at a checkpoint boundary (growing toward ``scaling.max_workers``)."""
+    """A planned re-form growing toward ``scaling.max_workers``: in place (the ranks
+    pause at a step boundary and warm spares join them) or at a checkpoint boundary
+    (every process restarted).  ``pause_s`` (the last step before -> the end of the
+    first step after) and ``state_from`` (``peers`` or a checkpoint tier) are filled
+    by the grown group's first step."""
 
     step: int
     from_size: int
     to_size: int
     wanted: int  # the size the grow policy asked for; ``to_size`` is what fit
     decided_s: float
+    in_place: bool = False
+    last_step_at: Optional[float] = None  # the worker's timestamp of the step before
+    reform_s: Optional[float] = None  # placing and joining the grown group
+    pause_s: Optional[float] = None
+    state_from: Optional[str] = None
+
+    def account(self, restored: Optional[Mapping[str, Any]], step_end: float) -> None:
+        self.state_from = (restored or {}).get("tier")
+        if self.last_step_at is not None:
+            self.pause_s = step_end - self.last_step_at
 
     def to_dict(self) -> Dict[str, Any]:
-        return {
+        out = {
             "step": self.step,
             "from": self.from_size,
             "to": self.to_size,
             "wanted": self.wanted,
             "decided_s": self.decided_s,
+            "in_place": self.in_place,
         }
+        if self.pause_s is not None or self.state_from is not None:
+            out.update(pause_s=self.pause_s, state_from=self.state_from, reform_s=self.reform_s)
+        return out
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,8 @@ import logging
 from typing import Callable, List, Optional
 
 from raytrain_ext.elastic.group_port import GroupPort
-from raytrain_ext.elastic.policy import Budget
+from raytrain_ext.elastic.in_place import InPlacePlan, sized
+from raytrain_ext.elastic.policy import Budget, ScalingPolicy
 from raytrain_ext.elastic.records import Recovery, RecoveryKind, StepRecord
 
 log = logging.getLogger(__name__)
@@ -53,21 +54,20 @@ class Recoveries:
         self.records.append(Recovery(kind, self.failures, reason, self.clock(), step))
         return None
 
-    def survivors_to_keep(self, hung_ranks: List[int]) -> Optional[List[int]]:
-        """The ranks whose processes join the next group when it can be re-formed in place at
-        its size (see ``survivors.keepable_ranks``); None to restart every process.
+    def plan_in_place(self, hung_ranks: List[int], policy: ScalingPolicy) -> Optional[InPlacePlan]:
+        """The re-form in place (see ``survivors.plan_in_place``), sized by ``policy``; None
+        to restart every process (and wait for capacity, below ``min_workers``).
 
-        Only after a failure on gloo: a preemption or eviction leaves nodes out, and an
-        NCCL communicator whose peer vanished needs an abort, not reuse.
+        Only after a failure: a preemption or eviction re-forms away from nodes that are
+        still alive.
         """
         e = self.cfg.elastic
-        if (
-            not e.reuse_survivors
-            or self.current.kind is not RecoveryKind.FAILURE
-            or self.group.backend != "gloo"
-        ):
+        if not e.reuse_survivors or self.current.kind is not RecoveryKind.FAILURE:
             return None
-        return self.group.keepable_ranks(hung_ranks, e.reuse_wait_s)
+        plan = self.group.plan_in_place(
+            hung_ranks, e.reuse_wait_s, e.fate_wait_s, e.replace_in_background
+        )
+        return None if plan is None else sized(plan, policy)
 
     def account(self, record: StepRecord) -> None:
         """The first step after a re-form closes the books on the last recovery; spares used

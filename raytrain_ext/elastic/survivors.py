@@ -13,20 +13,9 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 
 import ray
 
-from raytrain_ext.elastic.failure_text import root_cause
-
-PEER_LOSS_MARKERS = (
-    "Connection closed by peer",
-    "Connection reset by peer",
-    "Broken pipe",
-    "DistNetworkError",
-)
-
-
-def is_peer_loss(error: BaseException) -> bool:
-    """A collective that raised because a peer vanished (an echo of another rank's failure)."""
-    text = f"{type(root_cause(error)).__name__}: {error}"
-    return any(marker in text for marker in PEER_LOSS_MARKERS)
+from raytrain_ext.elastic.death import Fate, fates_of
+from raytrain_ext.elastic.failure_text import is_peer_loss
+from raytrain_ext.elastic.in_place import InPlacePlan
 
 
 def origin_of(errors: Dict[int, BaseException]) -> Optional[int]:
@@ -56,7 +45,7 @@ def first_error(
     fit_refs: List[ray.ObjectRef],
     done: List[ray.ObjectRef],
     clock: Callable[[], float],
-    echo_wait_s: float = 1.0,
+    echo_wait_s: float = 0.5,
 ) -> Optional[Tuple[int, BaseException]]:
     """(rank, error) of the failure's origin among the finished ``fit`` calls, if any raised.
     While every error is an echo, wait up to ``echo_wait_s`` for the origin's own report."""
@@ -82,19 +71,30 @@ def first_error(
     return rank, errors[rank]
 
 
-def keepable_ranks(
-    group, fit_refs: List[ray.ObjectRef], hung_ranks: List[int], wait_s: float
-) -> Optional[List[int]]:
-    """The ranks of ``group`` to keep for a re-form in place; None when it cannot be done.
+def plan_in_place(
+    group,
+    fit_refs: List[ray.ObjectRef],
+    hung_ranks: List[int],
+    wait_s: float,
+    evidence_s: float,
+    background: bool = False,
+) -> Optional[InPlacePlan]:
+    """Which ranks of ``group`` to keep for a re-form in place, and what became of the
+    others; None when no process survived (or none was lost).
 
-    Hung ranks are killed first, so that their peers' collectives fail at once.  A
-    survivor is a rank whose ``fit`` ended within ``wait_s`` and left a healthy process.
-    The lost ranks must be refillable: by ready spares, or in their own slots, which
-    needs their nodes alive.  A node counts as alive when a kept rank runs on it; one
-    whose every rank died is treated as lost (shrunk away or waited for instead), since
-    a ping can still be answered in the moments between its workers' and its raylet's death.
+    Hung ranks are killed first, so that their peers' collectives fail at once, and the
+    others leave their collectives (NCCL: aborted; gloo raises on the closed connection
+    or at ``parallel.timeout_s``).  A survivor is a rank whose ``fit`` ended within
+    ``wait_s`` and left a healthy process.
+    Each lost rank's fate is Ray's verdict (``death.fates_of``, waiting up to
+    ``evidence_s`` for it): a process that died on a node Ray still reports alive is
+    refilled in its own slot (``background``: later, the group going on without it); a
+    dead node, or no verdict in time, leaves the rank out (a ping can still be answered
+    in the moments between a node's workers' and its raylet's death, so a live-looking
+    node is not proof enough).
     """
     group.kill(hung_ranks)
+    group.abort_collectives([r for r in range(len(fit_refs)) if r not in hung_ranks])
     done, _ = ray.wait(fit_refs, num_returns=len(fit_refs), timeout=wait_s)
     keep = [
         rank
@@ -104,8 +104,10 @@ def keepable_ranks(
     lost = [rank for rank in range(len(fit_refs)) if rank not in keep]
     if not keep or not lost:
         return None
-    if group.ready_spare_count() >= len(lost):
-        return keep
-    lost_nodes = {group.infos[r]["node_id"] for r in lost}
-    kept_nodes = {group.infos[r]["node_id"] for r in keep}
-    return None if lost_nodes - kept_nodes else keep
+    fates = fates_of(
+        [group.actors[r] for r in lost], [group.infos[r]["node_id"] for r in lost], evidence_s
+    )
+    on_live_nodes = [r for r, fate in zip(lost, fates) if fate in (Fate.PROCESS_DIED, Fate.ALIVE)]
+    left_out = [r for r in lost if r not in on_live_nodes]
+    refill, deferred = ([], on_live_nodes) if background else (on_live_nodes, [])
+    return InPlacePlan(keep, refill, left_out, deferred, spares=group.ready_spare_count())

@@ -338,6 +338,19 @@ def dims_for_run(cfg, world_size: int) -> ParallelDims:
     return dims
 
 
+def replicates_state(parallel_cfg) -> bool:
+    """Whether every rank holds the whole training state, so that any one rank can hand it
+    to a re-formed group: plain data parallelism, no tensor, pipeline or expert sharding."""
+    p = parallel_cfg
+    return p.strategy == "ddp" and p.tp == 1 and p.pp == 1 and p.ep <= 1
+
+
+def state_from_peers(cfg) -> bool:
+    """Whether a group re-formed in place takes its state from its live ranks (else from
+    the newest checkpoint): a replicated layout, unless ``elastic.state_from_peers`` is off."""
+    return cfg.elastic.state_from_peers and replicates_state(cfg.parallel)
+
+
 def resize_unit(parallel_cfg) -> int:
     """The step by which the world may shrink or grow: whole model-parallel groups.
 

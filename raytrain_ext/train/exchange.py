@@ -4,8 +4,9 @@ Payload per rank (float64): ``[loss sum, votes..., objective metric sums..., kep
 tokens per expert (MoE only)..., sample indices padded with -1]``.  Every rank gets
 the consumed indices, the global loss sum, the max over ranks of the checkpoint votes
 (so all take the same save decision), every rank's compute time (for the straggler
-guard), the global objective metric sums and the global kept tokens per expert
-(float64: exact below 2**53).
+guard), the max of the pause votes (so all stop at the same step boundary), the
+global objective metric sums and the global kept tokens per expert (float64:
+exact below 2**53).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class Exchanged:
     request: float
     busy: float
     compute_s: List[float]
+    pause: float  # > 0: some rank was asked to pause at this step's boundary
     metrics: List[float]  # the objective's metric sums over all ranks
     expert_tokens: List[float]  # summed over ranks; empty unless MoE
 
@@ -40,7 +42,8 @@ def exchange(
     metrics: Sequence[float],
     expert_tokens: Sequence[float],
 ) -> Exchanged:
-    """All-gather this rank's step facts; ``votes`` are (save request, save busy, compute s).
+    """All-gather this rank's step facts; ``votes`` are (save request, save busy, compute s,
+    pause).
 
     One rank per data-parallel group reports its samples (``counts_samples``), one
     (the last stage) its loss and metric sums (``counts_loss``).
@@ -65,6 +68,7 @@ def exchange(
         request=gathered[:, 1].max().item(),
         busy=gathered[:, 2].max().item(),
         compute_s=gathered[:, 3].tolist(),
+        pause=gathered[:, 4].max().item(),
         metrics=gathered[:, first_metric : first_metric + n_metrics].sum(dim=0).tolist(),
         expert_tokens=gathered[:, first_metric + n_metrics : head].sum(dim=0).tolist(),
     )

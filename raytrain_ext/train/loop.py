@@ -34,30 +34,38 @@ from raytrain_ext.config import config_digest
 from raytrain_ext.data import GlobalSampler, rank_slice
 from raytrain_ext.data.batch import Batch
 from raytrain_ext.data.open import open_dataset
+from raytrain_ext.elastic.failure_text import is_peer_loss
 from raytrain_ext.faults import FaultInjector
 from raytrain_ext.metrics.flops import mfu, model_flops_per_token, peak_flops_for
 from raytrain_ext.models import model_spec
-from raytrain_ext.models.moe import moe_aux_loss, moe_expert_load, moe_layers
+from raytrain_ext.models.moe import moe_aux_loss, moe_layers
 from raytrain_ext.models.spec import batch_logits
 from raytrain_ext.objectives import build_objective
 from raytrain_ext.parallel import DistContext, dims_for_run
+from raytrain_ext.parallel.dims import state_from_peers
 from raytrain_ext.parallel.registry import build_strategy
 from raytrain_ext.train.evaluation import Evaluator, split_eval
 from raytrain_ext.train.exchange import exchange
+from raytrain_ext.train.expert_load import ExpertLoad
 from raytrain_ext.train.guards import (
-    NonFiniteDecision,
-    NonFiniteLossError,
     StepAction,
     StragglerDetector,
-    nonfinite_decision,
 )
 from raytrain_ext.train.ledger import SampleLedger, params_sha256
+from raytrain_ext.train.live_state import (
+    LiveState,
+    capture_live,
+    restore_from_peers,
+)
+from raytrain_ext.train.nonfinite import NonFiniteGuard
 from raytrain_ext.train.optim import build_optimizer, build_scheduler
 from raytrain_ext.train.profiler import StepProfiler
 from raytrain_ext.train.reference import ReferenceLogps, compute_logps
 from raytrain_ext.user_code import UserCode
 
 Report = Callable[[Dict[str, Any]], None]
+# where a step stands, for ``TrainLoop.live_state``
+BOUNDARY, BATCH_TAKEN, UPDATING = "boundary", "batch_taken", "updating"
 log = logging.getLogger(__name__)
 
 
@@ -65,6 +73,13 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def step_seed(seed: int, step: int, rank: int) -> int:
+    """The RNG seed of ``rank`` for ``step``: a function of where training stands, so a
+    rank that takes over a step (a replacement process, state handed over by peers)
+    draws exactly what the lost rank would have drawn, with no RNG state carried."""
+    return (seed * 1_000_003 + step) * 10_007 + rank
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -95,7 +110,10 @@ class TrainLoop:
         faults: Optional[FaultInjector] = None,
         mark: Callable[[str], None] = lambda phase: None,
         user: UserCode = UserCode(),
+        live: Optional[LiveState] = None,
     ):
+        """``live``: this process's state from its previous group, offered to the new
+        group's ranks (:mod:`raytrain_ext.train.live_state`)."""
         self.cfg = cfg
         self.report = report
         self.mark = mark  # phase marks let the controller tell a hung rank from its waiting peers
@@ -135,8 +153,6 @@ class TrainLoop:
         self._first_report = True
         self._compute_s = 0.0
         self._data_s = 0.0
-        self._expert_tokens: Optional[torch.Tensor] = None  # MoE: kept tokens per expert
-        self._rollback_note: Optional[Dict[str, int]] = None
         self.stragglers = StragglerDetector(
             cfg.guards.straggler_factor, cfg.guards.straggler_window
         )
@@ -145,10 +161,17 @@ class TrainLoop:
         self.peak_flops = (
             peak_flops_for(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
         )
+        self.hands_over = state_from_peers(cfg)
+        self.paused_at: Optional[int] = None
+        self._position = BOUNDARY
+        self._sampler_at_boundary = self.sampler.state_dict()
         self.ckpt: Optional[CheckpointManager] = None
-        self.restored: Optional[Dict[str, Any]] = None
         if cfg.checkpoint.enabled:
             self._open_checkpoints(cfg)
+        self.restored = restore_from_peers(self.state, live, self.hands_over)
+        if self.restored is None and self.ckpt is not None:
+            self.restored = self.ckpt.restore(self.state)
+        self.nonfinite = NonFiniteGuard(cfg.guards, self.state, self.ckpt)
         if self.reference is not None and not self.reference.ready:
             self._compute_reference()
         self.evaluator = Evaluator(
@@ -205,9 +228,10 @@ class TrainLoop:
         self.scheduler = build_scheduler(self.optimizer, cfg.optim)
         self.model = self.strategy.prepare(self.model, self.optimizer, cfg)
         self.moe_layers = moe_layers(self.strategy.unwrap(self.model))  # empty when dense
+        self.expert_load = ExpertLoad(self.moe_layers, cfg.model.moe.num_experts, self.ctx.rank)
 
     def _open_checkpoints(self, cfg) -> None:
-        """The checkpoint manager, its tiers probed, and the newest usable checkpoint restored."""
+        """The checkpoint manager, its tiers probed (restoring is ``__init__``'s choice)."""
         ctx = self.ctx
         self.ckpt = CheckpointManager(
             cfg.checkpoint,
@@ -220,20 +244,29 @@ class TrainLoop:
         )
         for tier in self.ckpt.tiers:
             tier.probe()
-        self.restored = self.ckpt.restore(self.state)
 
     def fit(self) -> Dict[str, Any]:
         """Train until ``run.max_steps``; return this rank's final digests."""
         last_loss = float("nan")
         try:
-            while self.progress.step < self.cfg.run.max_steps and self.preempted_at is None:
+            while (
+                self.progress.step < self.cfg.run.max_steps
+                and self.preempted_at is None
+                and self.paused_at is None
+            ):
                 self.profiler.step_begin(self.progress.step + 1)
                 last_loss = self.train_step()
                 self.profiler.step_end(self.progress.step)
+        except BaseException as e:
+            # a save in flight waits in collectives with the lost peer (up to
+            # checkpoint.timeout_s): leave it behind; a rank's own error lets it finish
+            if self.ckpt is not None and not is_peer_loss(e):
+                self.ckpt.close()
+            raise
         finally:
             self.profiler.close()
-            if self.ckpt is not None:
-                self.ckpt.close()
+        if self.ckpt is not None:
+            self.ckpt.close()
         params = self.strategy.full_parameters(self.model)
         return {
             "rank": self.ctx.rank,
@@ -244,6 +277,7 @@ class TrainLoop:
             "samples_consumed": self.ledger.samples,
             "restored": self.restored,
             "preempted_at": self.preempted_at,
+            "paused_at": self.paused_at,
             "checkpoint": self.ckpt.stats if self.ckpt else None,
         }
 
@@ -251,6 +285,9 @@ class TrainLoop:
         start = time.perf_counter()
         step, ctx = self.progress.step, self.ctx
         self.mark("compute")
+        seed_everything(step_seed(self.cfg.run.seed, step, ctx.rank))
+        self._sampler_at_boundary = self.sampler.state_dict()
+        self._position = BATCH_TAKEN
         global_batch = self.sampler.next_global_batch()
         local = rank_slice(global_batch, ctx.dp_rank, ctx.dp_size)
         units = max(float(self.dataset.target_weights(global_batch).sum()), 1e-12)
@@ -279,26 +316,31 @@ class TrainLoop:
             local,
             self.max_local,
             loss_sum,
-            (vote, busy, self._compute_s),
+            (vote, busy, self._compute_s, self.requests.pause_vote()),
             self._metric_sums,
-            self._take_expert_tokens(),
+            self.expert_load.take(),
         )
         loss = exchanged.loss_sum / units
-        decision = self._nonfinite_decision(step, loss, float(grad_norm), exchanged.consumed)
+        decision = self.nonfinite.decide(step, loss, float(grad_norm), exchanged.consumed)
+        self._position = UPDATING
         if not skip_batch and decision.action == StepAction.OK:
             self.strategy.step(self.model, self.optimizer)
         self.scheduler.step()
         self.strategy.zero_grad(self.model, self.optimizer)
         self.ledger.record(step, exchanged.consumed)
         self.progress.step += 1
-        if decision.action == StepAction.ROLLBACK and self._rollback(step):
+        if decision.action == StepAction.ROLLBACK and self.nonfinite.rollback(step):
+            self._position = BOUNDARY
             return loss
+        self._position = BOUNDARY
+        if exchanged.pause > 0:
+            self.paused_at = self.progress.step
         stall = 0.0
         if self.ckpt is not None:
             stall = self.ckpt.after_step(
                 self.state,
                 self.progress.step,
-                exchanged.request,
+                self._save_request(exchanged),
                 exchanged.busy > 0,
                 final=self.progress.step == self.cfg.run.max_steps,
                 deadline=self.requests.deadline,
@@ -328,12 +370,12 @@ class TrainLoop:
             ),
             **self._objective_fields(exchanged.metrics, units),
             **self._straggler_fields(exchanged.compute_s),
-            **self._expert_load_field(exchanged.expert_tokens),
+            **self.expert_load.field(exchanged.expert_tokens),
         }
         if skip_batch or decision.action != StepAction.OK:
             record["skipped"] = True
-        if self._rollback_note is not None:
-            record["rolled_back"], self._rollback_note = self._rollback_note, None
+        if self.nonfinite.rollback_note is not None:
+            record["rolled_back"], self.nonfinite.rollback_note = self.nonfinite.rollback_note, None
         if self.evaluator.due(self.progress.step):
             record.update(self.evaluator.run(self.model, self._autocast))
         if self._first_report:  # tells the controller where this group resumed from
@@ -342,54 +384,23 @@ class TrainLoop:
         self.faults.after_step(self.progress.step, self.mark)
         return loss
 
-    def _nonfinite_decision(
-        self, step: int, loss: float, grad_norm: float, consumed: np.ndarray
-    ) -> NonFiniteDecision:
-        """Apply ``guards.nan_policy`` to a NaN/Inf step (every rank decides alike)."""
-        g = self.cfg.guards
-        decision = nonfinite_decision(
-            g.nan_policy,
-            loss,
-            grad_norm,
-            self.progress.nonfinite_steps,
-            g.max_nan_steps,
-            can_rollback=self.ckpt is not None,
-        )
-        if decision.action == StepAction.OK:
-            return decision
-        self.progress.nonfinite_steps += 1
-        batch = ", ".join(str(i) for i in sorted(consumed.tolist())[:32])
-        message = f"non-finite step {step + 1}: {decision.reason}; batch sample indices [{batch}]"
-        if decision.action == StepAction.FAIL:
-            raise NonFiniteLossError(message)
-        if self.ctx.rank == 0:
-            log.warning(message)
-        return decision
+    def _save_request(self, exchanged) -> float:
+        """The step's agreed save request; a pause whose state the ranks do not hand over
+        (a sharded layout) saves first, synchronously, so the grown group restores that step."""
+        if self.paused_at is not None and not self.hands_over:
+            return max(exchanged.request, REQUEST_EMERGENCY)
+        return exchanged.request
 
-    def _rollback(self, step: int) -> bool:
-        """Restore the newest committed checkpoint and mark ``step``'s batch to be skipped.
-
-        Returns False (the step then stays a plain skipped update) when there is
-        no committed checkpoint to go back to.
-        """
-        self.ckpt.wait()
-        self.progress.skip_steps.add(step)
-        restored = self.ckpt.restore(self.state, newest=True)
-        if restored is None:
-            if self.ctx.rank == 0:
-                log.warning(
-                    "guards.nan_policy=rollback: no committed checkpoint; "
-                    "the step's update was skipped instead"
-                )
-            return False
-        if self.ctx.rank == 0:
-            log.warning(
-                "rolled back to step %d; step %d's batch will be skipped",
-                restored["step"],
-                step + 1,
-            )
-        self._rollback_note = {"from_step": step + 1, "to_step": restored["step"]}
-        return True
+    def live_state(self) -> Optional[LiveState]:
+        """This rank's state at the last step boundary, for the next group's ranks; None
+        when it is not handed over (``state_from_peers``) or the failure struck mid-update (between the optimizer
+        step and the step count), where model and bookkeeping may disagree.  A failure
+        after the step's batch was taken hands over the boundary before it: the sampler's
+        position saved at the step's start."""
+        if not self.hands_over or self._position == UPDATING:
+            return None
+        boundary = self._sampler_at_boundary if self._position == BATCH_TAKEN else None
+        return capture_live(self.state, boundary)
 
     def _objective_fields(self, metric_sums: List[float], units: float) -> Dict[str, float]:
         """The objective's metrics for the step, per loss unit (DPO: accuracy, margins)."""
@@ -402,30 +413,6 @@ class TrainLoop:
         if self.ctx.rank != 0:
             return {}
         return {"rank_compute_s": [round(s, 6) for s in compute_s], "stragglers": flagged}
-
-    def _count_expert_load(self) -> None:
-        load = moe_expert_load(self.moe_layers)
-        self._expert_tokens = load if self._expert_tokens is None else self._expert_tokens + load
-
-    def _take_expert_tokens(self) -> List[float]:
-        """MoE: this rank's kept tokens per expert this step (all its layers), then reset.
-
-        Routing runs where the tokens are, so every rank counts all experts; the
-        counts ride in the step's all-gather (``_exchange``), which sums them.
-        """
-        if not self.cfg.model.moe.num_experts:
-            return []
-        counts, self._expert_tokens = self._expert_tokens, None
-        if counts is None:
-            return [0.0] * self.cfg.model.moe.num_experts
-        return counts.to(torch.float64).tolist()
-
-    def _expert_load_field(self, global_tokens: List[float]) -> Dict[str, Any]:
-        """MoE: each expert's share of the step's kept tokens (all ranks), on rank 0."""
-        total = sum(global_tokens)
-        if self.ctx.rank != 0 or total == 0:
-            return {}
-        return {"expert_load": [round(c / total, 6) for c in global_tokens]}
 
     def _forward_backward(self, local: np.ndarray, units: float, start: float) -> torch.Tensor:
         """Accumulate gradients over this rank's micro-batches; return its loss sum.
@@ -446,10 +433,10 @@ class TrainLoop:
                 self._autocast,
                 aux_weight=self.cfg.model.moe.aux_loss_weight,
             )
-            self._expert_tokens = self.strategy.take_kept_tokens()
+            self.expert_load.tokens = self.strategy.take_kept_tokens()
             self._compute_s = time.perf_counter() - start
             return loss_sum
-        self._expert_tokens = None  # a rolled-back step's counts do not carry over
+        self.expert_load.tokens = None  # a rolled-back step's counts do not carry over
         loss_sum = torch.zeros((), device=ctx.device, dtype=torch.float64)
         for j, indices in enumerate(chunks):
             batch = self._fetch(indices)
@@ -488,7 +475,7 @@ class TrainLoop:
         if aux is not None:
             weight = self.cfg.model.moe.aux_loss_weight
             loss = loss + weight * aux * (batch.targets.numel() * scale)
-            self._count_expert_load()
+            self.expert_load.count()
         return loss, terms
 
     def _autocast(self):

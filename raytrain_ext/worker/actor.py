@@ -5,8 +5,11 @@ controller calls ``poll`` (heartbeats, rank 0's metrics), ``request_checkpoint``
 and ``preempt`` from others without waiting for the loop.
 
 A worker process outlives its process group: ``setup`` may be called again
-after a failed ``fit`` (the controller re-forms in place, keeping survivors),
-and a spare waits, ``warm``, with torch and the training loop already imported.
+after a failed or paused ``fit`` (the controller re-forms in place, keeping
+survivors), and a spare waits, ``warm``, with torch and the training loop
+already imported.  Between groups a survivor keeps its training state in memory
+(``live``: :class:`raytrain_ext.train.live_state.LiveState`), which the next
+group's ranks take instead of a checkpoint when the layout replicates it.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from raytrain_ext.faults import FaultInjector
 from raytrain_ext.user_code import UserCode
 from raytrain_ext.worker.dist_env import (
     WorkerEnv,
+    abort_collectives,
     choose_backend,
     destroy_distributed,
     host_store,
@@ -73,6 +77,8 @@ class TrainWorker:
         self.env: WorkerEnv | None = None
         self.device = None
         self.hosted_store = None  # rank 0's rendezvous store, between host_rendezvous and setup
+        self.live = None  # this process's state from its last group (a LiveState), if any
+        self._loop = None  # the running TrainLoop, while fit runs
         self.grace_s = 30.0
         # Actor __init__ runs on the process's main thread, where handlers can be installed.
         signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -92,6 +98,18 @@ class TrainWorker:
 
     def request_checkpoint(self) -> None:
         self.requests.on_demand()
+
+    def abort_collectives(self, master_port: int) -> bool:
+        """Release the training thread from a collective of the group rendezvoused at
+        ``master_port`` (NCCL: abort its communicators), when that is still this
+        worker's group: a late call must not abort the next group."""
+        if self.env is None or self.env.master_port != master_port:
+            return False
+        return abort_collectives()
+
+    def pause(self) -> None:
+        """Stop at the next step boundary, keeping the state in memory (the group grows)."""
+        self.requests.pause()
 
     def preempt(self, grace_s: float) -> None:
         """A drain notice for this worker's node, forwarded by the controller."""
@@ -146,10 +164,20 @@ class TrainWorker:
             # the failed loop (and its DDP Reducer) must not outlive the groups it holds:
             # the traceback's frames keep it alive, so their locals go first (dist_env)
             traceback.clear_frames(e.__traceback__)
+            self._keep_live_state()
             self._release_peers()
             raise
+        self._keep_live_state()
         result["sigterm"] = self.sigterm_received  # the controller shrinks away from this node
         return result
+
+    def _keep_live_state(self) -> None:
+        """Keep the loop's state at its last step boundary (tensors, not the loop: the
+        model's DDP wrapper holds the group and must go with it); a loop that never
+        finished building leaves the previous live state in place."""
+        loop, self._loop = self._loop, None
+        if loop is not None:
+            self.live = loop.live_state()
 
     def _release_peers(self) -> None:
         """Close this rank's gloo connections after it raised: peers blocked in a collective
@@ -187,7 +215,9 @@ class TrainWorker:
             faults=faults,
             mark=self.events.mark,
             user=user,
+            live=self.live,
         )
+        self._loop, self.live = loop, None  # the loop holds the state from here on
         faults.after_restore()
         return loop.fit()
 

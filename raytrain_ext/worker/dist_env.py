@@ -3,7 +3,9 @@
 Invariants: every process group is created with a finite timeout (gloo's
 default is 30 minutes and it cannot be aborted, so a vanished peer would hang
 the survivors); the backend is NCCL exactly when the worker has a GPU unless
-the config forces one; on loopback rendezvous gloo is pinned to ``lo``.
+the config forces one; on loopback rendezvous gloo is pinned to ``lo``;
+teardown aborts NCCL communicators (a dead peer would hang their shutdown) and
+destroys gloo groups, so a new group can be formed in the same process.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import random
 import socket
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import Iterable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -163,25 +165,86 @@ def init_distributed(
     return device
 
 
-def destroy_distributed() -> None:
-    """Destroy every process group so that no group is freed while holding the GIL.
+# Teardown steps (see teardown_steps): ABORT is ``_abort_process_group()`` on the
+# default group, DESTROY is ``destroy_process_group()``.
+ABORT = "abort"
+DESTROY = "destroy"
 
-    A gloo worker thread may still hold the last reference to a finished
-    collective's tensors when the caller moves on; freeing them takes the GIL,
-    under the group's work lock.  ``ProcessGroupGloo``'s destructor takes that
-    lock, so it must run with the GIL released: it does when the last
-    reference is a Python handle, not when it is a C++ owner such as DDP's
-    ``Reducer`` (seen: a rank deadlocked in ``~Reducer`` -> ``~ProcessGroupGloo``,
-    1 run in 60 on a loaded 2-core machine).  So unreachable objects (a DDP
-    model in a cycle) are collected while the groups live, this function keeps
-    a handle to every group through ``destroy_process_group`` and drops them
-    last.  Callers drop the models they hold before calling it.
+
+def teardown_steps(backend_configs: Iterable[str]) -> Tuple[str, ...]:
+    """Which steps tear down groups whose backend configurations are ``backend_configs``.
+
+    ``backend_configs`` are the strings torch records per group (``"cpu:gloo"``,
+    ``"cuda:nccl"``, ``"cpu:gloo,cuda:nccl"``).  Any NCCL communicator -> ``(ABORT,)``:
+    a communicator whose peer vanished must be aborted (``ncclCommAbort``), because
+    ``destroy_process_group`` shuts it down (``ncclCommFinalize``), which can hang on
+    the dead peer, and a later init can then deadlock.  Aborting the default group
+    aborts every group inside one ``ncclGroupStart/End`` and deregisters them all
+    (torch 2.13 ``distributed_c10d._abort_process_group``), so it replaces DESTROY
+    rather than preceding it: afterwards nothing is left to destroy.  No NCCL ->
+    ``(DESTROY,)``: torch documents abort for NCCL only, and gloo gains nothing from
+    it (measured, torch 2.13: ``_abort_process_group`` on gloo returns in 0.2 ms, but
+    a rank blocked in ``all_reduce`` is released neither by its peer's abort or
+    destroy nor by its own abort from another thread: it waits out the group's
+    timeout, 20 s of 20 s, which is why gloo groups need a finite one).  Both paths
+    leave the process able to form a new group.  No groups -> ``()``.
+
+    Invariant: the result is empty or exactly one step; it is pure (no GPU needed).
     """
+    configs = [c.lower() for c in backend_configs]
+    if not configs:
+        return ()
+    if any("nccl" in c for c in configs):
+        return (ABORT,)
+    return (DESTROY,)
+
+
+def live_backend_configs() -> List[str]:
+    """The backend configuration string of every process group this process holds."""
     if not dist.is_initialized():
+        return []
+    return [str(c) for c in distributed_c10d._world.pg_backend_config.values()]
+
+
+def abort_collectives() -> bool:
+    """Abort this process's NCCL communicators, from any thread: a training thread blocked
+    in a collective that a lost peer will never join raises instead of waiting for the
+    group's timeout.  Gloo cannot be aborted (see :func:`teardown_steps`): its
+    collectives raise when the peer's connection closes, or at the group's timeout.
+    Returns whether anything was aborted; afterwards the process holds no group."""
+    if teardown_steps(live_backend_configs()) != (ABORT,):
+        return False
+    distributed_c10d._abort_process_group()
+    return True
+
+
+def destroy_distributed() -> None:
+    """Tear down every process group, aborting NCCL ones, so that a group of any size
+    can be formed again in this process (re-form without a cold restart).
+
+    The steps come from :func:`teardown_steps`.  Why groups are freed last: a gloo
+    worker thread may still hold the last reference to a finished collective's
+    tensors when the caller moves on; freeing them takes the GIL, under the group's
+    work lock.  ``ProcessGroupGloo``'s destructor takes that lock, so it must run
+    with the GIL released: it does when the last reference is a Python handle, not
+    when it is a C++ owner such as DDP's ``Reducer`` (seen: a rank deadlocked in
+    ``~Reducer`` -> ``~ProcessGroupGloo``, 1 run in 60 on a loaded 2-core machine).
+    So unreachable objects (a DDP model in a cycle) are collected while the groups
+    live, this function keeps a handle to every group through the teardown and drops
+    them last.  Callers drop the models they hold before calling it.
+
+    Invariant: afterwards ``dist.is_initialized()`` is False, whichever backend.
+    """
+    steps = teardown_steps(live_backend_configs())
+    if not steps:
         return
     gc.collect()
     handles = list(distributed_c10d._world.pg_map)
-    dist.destroy_process_group()
+    for step in steps:
+        if step == ABORT:
+            distributed_c10d._abort_process_group()  # every group, the default one too
+        else:
+            dist.destroy_process_group()
     del handles  # the groups' destructors run here, with the GIL released
 
 

@@ -3,12 +3,15 @@
 Lifecycle: ``start`` reserves the gang (all bundles or nothing, with a
 timeout), creates one actor per bundle, ranks them node by node, lets rank 0
 publish a free port on its node, and has every worker join the process group.
-``reform`` re-forms the same gang in place after a failure: surviving
-processes are kept, dead ranks are taken over by warm spares (extra bundles
-of the gang, ``elastic.spare_workers``) or by fresh actors in their freed
-bundles.  ``shutdown`` kills the actors and spares and removes the placement
-group; it is safe to call more than once and after a partial start, so
-nothing is left behind.
+``reform`` re-forms the same gang in place after a failure or to grow:
+surviving processes are kept, dead ranks are taken over by warm spares (extra
+bundles of the gang, ``elastic.spare_workers``) or by fresh actors in their
+freed bundles, or left out (the group shrinks).  A bundle whose node died is
+re-placed by Ray when a node has room (the placement group reschedules it); a
+spare is started in it then and warms up while the group trains, so growing
+back costs a pause at a step boundary, not a process start.  ``shutdown`` kills
+the actors and spares and removes the placement group; it is safe to call more
+than once and after a partial start, so nothing is left behind.
 """
 
 from __future__ import annotations
@@ -18,7 +21,11 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import (
+    placement_group,
+    placement_group_table,
+    remove_placement_group,
+)
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raytrain_ext.worker.actor import remote_worker_class
@@ -60,6 +67,7 @@ class WorkerGroup:
         self.infos: List[Dict[str, Any]] = []
         self.spares: List[Spare] = []
         self.vacant: List[int] = []  # bundles freed by a re-form in place, not yet refilled
+        self.unplaced: Dict[int, str] = {}  # bundle -> its lost node, until Ray re-places it
         self.backend: Optional[str] = None
         self.avoid_nodes: set = set()  # node ids the next start() must not use
         self._runtime_env: Optional[dict] = None
@@ -100,41 +108,80 @@ class WorkerGroup:
         self._runtime_env = runtime_env
         actors = [self._create(i) for i in range(num_workers)]
         self.spares = [self._create_spare(i) for i in range(num_workers, total)]
-        self.vacant = []
+        self.vacant, self.unplaced = [], {}
         infos = ray.get([a.node_info.remote() for a in actors])
         self._form(list(zip(actors, range(num_workers), infos)), backend, timeout_s)
 
     def reform(
-        self, keep_ranks: List[int], *, backend: str, timeout_s: float, placement_timeout_s: float
+        self,
+        keep_ranks: List[int],
+        *,
+        size: int,
+        refill_ranks: List[int],
+        deferred_ranks: List[int],
+        backend: str,
+        timeout_s: float,
+        placement_timeout_s: float,
     ) -> Dict[str, int]:
-        """Re-form at the same size keeping the ``keep_ranks`` processes (their collectives
-        failed cleanly); the other ranks are killed and replaced by ready spares first, then
-        by fresh actors in their freed bundles.  Freed bundles left over host new spares,
-        which ``replenish_spares`` starts once training has resumed (a starting
-        process would compete with the recovery for CPU).  Returns how each slot was filled."""
-        keep = set(keep_ranks)
+        """Re-form with ``size`` ranks keeping the ``keep_ranks`` processes (their
+        collectives failed cleanly, or they paused); the other ranks are killed.  The
+        places left are taken by ready spares first, then by fresh actors in the bundles
+        of ``refill_ranks`` (lost processes whose node is alive).  The bundles of the
+        other lost ranks (their node died) wait in ``unplaced`` until Ray re-places them
+        on a node with room; ``replenish_spares`` then starts a spare there, which warms
+        up while the group trains and joins it at a step boundary.  The bundles of
+        ``deferred_ranks`` (node alive, replaced in the background) are vacant at once,
+        to be filled the same way.  A refill bundle
+        left over stays vacant until ``replenish_spares`` (once training has resumed: a
+        starting process would compete with the recovery for CPU).  Returns how each
+        place was filled."""
+        keep, refill = set(keep_ranks), set(refill_ranks)
         members = [(self.actors[r], self.bundles[r], self.infos[r]) for r in sorted(keep)]
-        freed = [self.bundles[r] for r in range(self.world_size) if r not in keep]
-        for rank in range(self.world_size):
-            if rank not in keep:
-                _kill(self.actors[rank])
-        need = self.world_size - len(members)
+        lost = [r for r in range(self.world_size) if r not in keep]
+        for rank in lost:
+            _kill(self.actors[rank])
+        need = size - len(members)
         ready = self._ready_spares(need)
         members += ready
-        fresh = [(self._create(b), b) for b in freed[: need - len(ready)]]
+        slots = [self.bundles[r] for r in lost if r in refill]
+        fresh = [(self._create(b), b) for b in slots[: need - len(ready)]]
+        later = [self.bundles[r] for r in deferred_ranks]
+        unplaced = [r for r in lost if r not in refill and r not in deferred_ranks]
+        self.unplaced.update({self.bundles[r]: self.infos[r]["node_id"] for r in unplaced})
         infos = ray.get(
             [a.node_info.remote() for a, _ in fresh],  # a process start, in a
             timeout=min(placement_timeout_s, 30.0),
         )  # bundle the gang holds
         members += [(a, b, info) for (a, b), info in zip(fresh, infos)]
-        self.vacant += freed[need - len(ready) :]
+        self.vacant += slots[need - len(ready) :] + later
         self._form(members, backend, timeout_s)
-        return {"kept": len(keep), "spares_used": len(ready), "started": len(fresh)}
+        return {
+            "kept": len(keep),
+            "spares_used": len(ready),
+            "started": len(fresh),
+            "left_out": len(keep) + len(lost) - size,
+        }
 
     def replenish_spares(self, spares: int) -> None:
-        """Start new spares in vacant bundles, up to ``spares`` in all; they warm up meanwhile."""
+        """Start a spare in each lost node's bundle Ray has re-placed, and new spares in
+        vacant bundles up to ``spares`` in all; they warm up meanwhile."""
+        self._start_spares_where_replaced()
         while self.vacant and len(self.spares) < spares:
             self.spares.append(self._create_spare(self.vacant.pop()))
+
+    def _start_spares_where_replaced(self) -> None:
+        """A spare for each bundle of ``unplaced`` that Ray has placed on another node.
+
+        Not before: an actor created in a bundle still waiting for a node was seen here to
+        stay pending long after the bundle got one (120 s, 1 try in 2), whereas one created
+        once the bundle is placed starts at once."""
+        if not self.unplaced:
+            return
+        placed = placement_group_table(self.pg).get("bundles_to_node_id", {})
+        for bundle, lost_node in list(self.unplaced.items()):
+            if placed.get(bundle) not in (None, "", lost_node):
+                del self.unplaced[bundle]
+                self.spares.append(self._create_spare(bundle))
 
     def ready_spare_count(self) -> int:
         return len(self._warm_spares())
@@ -221,6 +268,17 @@ class WorkerGroup:
         """Call ``method`` on every worker; refs are in rank order."""
         return [getattr(a, method).remote(*args) for a in self.actors]
 
+    def pause(self) -> None:
+        """Ask every rank to stop at the next step boundary, keeping its state."""
+        for actor in self.actors:
+            actor.pause.remote()
+
+    def abort_collectives(self, ranks: List[int]) -> None:
+        """Ask ``ranks`` to leave the collectives of the current group (NCCL: abort them),
+        so that survivors of a lost peer return from ``fit``; not waited for."""
+        for rank in ranks:
+            self.actors[rank].abort_collectives.remote(self.envs[rank].master_port)
+
     def kill(self, ranks: List[int]) -> None:
         """Kill these ranks' processes now (hung or stuck ones, before a re-form in place)."""
         for rank in ranks:
@@ -229,7 +287,7 @@ class WorkerGroup:
     def shutdown(self) -> None:
         for actor in self.actors + [s.actor for s in self.spares]:
             _kill(actor)
-        self.actors, self.spares, self.vacant = [], [], []
+        self.actors, self.spares, self.vacant, self.unplaced = [], [], [], {}
         if self.pg is not None:
             try:
                 remove_placement_group(self.pg)

@@ -107,7 +107,7 @@ def test_killed_worker_of_an_hf_model_on_a_ray_dataset_ends_bit_identical(
         recovery["reason"].startswith("worker rank 1 ") and "ActorDiedError" in recovery["reason"]
     )
     assert recovery["decision"] == "replace" and recovery["world_size"] == 2
-    assert recovery["reformed"] == {"kept": 1, "spares_used": 0, "started": 1}
+    assert recovery["reformed"] == {"kept": 1, "spares_used": 0, "started": 1, "left_out": 0}
     assert recovery["restored_from"] == "memory"
     assert recovery["restored_step"] == 4 and recovery["steps_redone"] == 3
     assert 0 < recovery["first_step_after_s"] < 60
@@ -155,6 +155,10 @@ def test_node_loss_shrinks_an_hf_model_on_a_ray_dataset_2_to_1_resharding_its_ch
             "scaling.min_workers=1",
             "scaling.placement_strategy=SPREAD",
             "parallel.timeout_s=15",
+            # no survivor kept: a slot waiting in the placement group for a node that never
+            # comes makes Ray's GCS spin (FIELD_NOTES); the in-place shrink of a sharded
+            # layout is tests/cluster/test_elastic_in_place.py
+            "elastic.reuse_survivors=false",
             "chaos.slow_rank=0",  # 0.4 s a step before the loss (first attempt only): the
             "chaos.slow_s=0.4",  # node is gone before the run could finish on 2 ranks
         ),

@@ -24,6 +24,7 @@ RECOVERY = [
     "chaos.kill_at_step=7",
     "elastic.max_failures=1",
     "checkpoint.memory=true",
+    "elastic.state_from_peers=false",  # restore the checkpoint: steps are redone, and plotted
 ]
 TOKENS_PER_STEP = 16 * 128  # the default global_batch_size x seq_len
 

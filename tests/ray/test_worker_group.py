@@ -156,13 +156,15 @@ def test_hung_rank_is_detected_named_and_replaced(ray_local, tmp_path):
     assert summary["status"] == "finished"
     (recovery,) = summary["recoveries"]
     # the hung rank is killed; the spare, warm since the start, takes its place beside rank 0
-    assert recovery["reformed"] == {"kept": 1, "spares_used": 1, "started": 0}
+    # and gets the state from it: no checkpoint read, nothing redone
+    assert recovery["reformed"] == {"kept": 1, "spares_used": 1, "started": 0, "left_out": 0}
     assert re.match(
         r"hang: rank 1 \(node 127\.0\.0\.1, pid \d+\) made no progress for "
         r"[\d.]+ s \(deadline [\d.]+ s",
         recovery["reason"],
     )
-    assert recovery["restored_step"] == 4 and recovery["steps_redone"] == 2
+    assert recovery["restored_from"] == "peers" and recovery["restored_step"] == 6
+    assert recovery["steps_redone"] == 0
     assert summary["params_sha256"] == reference["params_sha256"]
     assert summary["samples_digest"] == reference["samples_digest"]
     stacks = (tmp_path / "hang" / "hang-stacks" / "attempt0-rank1.txt").read_text()
@@ -200,7 +202,9 @@ def test_two_failures_back_to_back_the_second_during_recovery(ray_local, tmp_pat
     first, second = summary["recoveries"]
     assert [r["failure"] for r in summary["recoveries"]] == [1, 2]
     assert first["last_step"] == 7 and "first_step_after_s" not in first  # never trained again
-    assert second["restored_step"] == 4
+    # rank 0 kept its state through both: the third group takes it, nothing is redone
+    assert second["restored_from"] == "peers" and second["restored_step"] == 7
+    assert second["steps_redone"] == 0
     assert summary["params_sha256"] == reference["params_sha256"]
     assert summary["samples_digest"] == reference["samples_digest"]
     assert_nothing_left()

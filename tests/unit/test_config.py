@@ -64,6 +64,11 @@ def test_realistic_gpu_config_validates():
 
 BAD_INPUTS = [
     (
+        ["checkpoint.snapshot_every_step=true", "checkpoint.memory=false"],
+        r"checkpoint\.snapshot_every_step: the per-step snapshot goes to the memory tier.*"
+        r"set checkpoint\.memory=true",
+    ),
+    (
         ["data.global_batch_sise=32"],
         r"data\.global_batch_sise: unknown key in section 'data'.*"
         r"Did you mean 'data\.global_batch_size'",

@@ -16,7 +16,8 @@ import ray
 from raytrain_ext.config import load_config
 from raytrain_ext.elastic.controller import Controller, TrainingFailed
 from raytrain_ext.elastic.group_port import FitStatus
-from raytrain_ext.elastic.policy import Action
+from raytrain_ext.elastic.in_place import InPlacePlan, sized
+from raytrain_ext.elastic.policy import Action, ScalingPolicy
 from raytrain_ext.elastic.records import Recovery, RecoveryKind, RunState
 
 START = 1000.0
@@ -106,7 +107,10 @@ class FakeGroup:
         self.calls: List[tuple] = []
         self.faults: List[Fault] = []
         self.at_step: Dict[int, Callable[[], None]] = {}  # run once the step is done
-        self.keep: Optional[List[int]] = None  # what keepable_ranks answers
+        self.plan: Optional[InPlacePlan] = None  # what plan_in_place answers
+        self.spares_ready = 0  # warm spares waiting in the gang's slots
+        self.pausing = False
+        self.paused_at: Optional[int] = None
         self.attempt, self.committed, self.step, self.first = 0, 0, 0, True
         self.pending: List[dict] = []
         self.stopping = False
@@ -136,13 +140,22 @@ class FakeGroup:
         self.infos = [_info(node, rank) for rank, node in enumerate(slots[:num_workers])]
         self.world, self.backend = num_workers, "gloo"
 
-    def reform(self, keep_ranks, *, backend, timeout_s, placement_timeout_s):
-        self.calls.append(("reform", list(keep_ranks)))
-        return {"kept": len(keep_ranks), "spares_used": 0, "started": self.world - len(keep_ranks)}
+    def reform(
+        self, keep_ranks, *, size, refill_ranks, deferred_ranks, backend, timeout_s,
+        placement_timeout_s,
+    ):  # fmt: skip
+        """Kept ranks keep their state: the new group resumes where they stopped."""
+        self.calls.append(("reform", list(keep_ranks), size))
+        spares = min(self.spares_ready, size - len(keep_ranks))
+        self.spares_ready -= spares
+        started = size - len(keep_ranks) - spares
+        self.world, self.committed = size, self.step
+        return {"kept": len(keep_ranks), "spares_used": spares, "started": started}
 
     def start_fit(self, cfg_dict, attempt):
         self.attempt, self.step, self.first = attempt, self.committed, True
         self.stopping, self.preempted_at = False, None
+        self.pausing, self.paused_at = False, None
         self.fault = next((f for f in self.faults if f.attempt == attempt), None)
 
     def wait_fit(self, timeout_s):
@@ -154,6 +167,9 @@ class FakeGroup:
             return FitStatus(False) if fault.hang else FitStatus(False, (fault.rank, fault.error))
         if self.stopping:
             self.preempted_at = self.committed = self.step
+            return FitStatus(True)
+        if self.pausing:
+            self.paused_at = self.step
             return FitStatus(True)
         self._train_step(timeout_s)
         return FitStatus(self.step >= self.max_steps)
@@ -179,7 +195,12 @@ class FakeGroup:
 
     def fit_results(self):
         return [
-            {"steps": self.step, "preempted_at": self.preempted_at, "sigterm": False}
+            {
+                "steps": self.step,
+                "preempted_at": self.preempted_at,
+                "paused_at": self.paused_at,
+                "sigterm": False,
+            }
             for _ in range(self.world)
         ]
 
@@ -206,9 +227,16 @@ class FakeGroup:
     def request_checkpoint(self):
         self.calls.append(("request_checkpoint",))
 
-    def keepable_ranks(self, hung_ranks, wait_s):
-        self.calls.append(("keepable_ranks", list(hung_ranks)))
-        return self.keep
+    def plan_in_place(self, hung_ranks, wait_s, evidence_s, background):
+        self.calls.append(("plan_in_place", list(hung_ranks)))
+        return self.plan
+
+    def ready_spare_count(self):
+        return self.spares_ready
+
+    def pause(self):
+        self.calls.append(("pause",))
+        self.pausing = True
 
     def replenish_spares(self, spares):
         self.calls.append(("replenish_spares", spares))
@@ -312,6 +340,7 @@ def test_worker_failure_recovers_at_the_same_size():
         "decided_s": 0.0,
         "decision": "restart",
         "world_size": 2,
+        "reform_s": 0.0,
         "restore_s": 0.5,
         "restored_from": "memory",
         "restored_step": 4,
@@ -321,7 +350,7 @@ def test_worker_failure_recovers_at_the_same_size():
     }
     assert run.steps() == [1, 2, 3, 4, 5, 5, 6, 7, 8]  # step 5 redone from the step-4 checkpoint
     assert [r["recoveries"] for r in result.records] == [0] * 5 + [1] * 4
-    assert ("keepable_ranks", []) in run.group.calls  # survivors were considered first
+    assert ("plan_in_place", []) in run.group.calls  # survivors were considered first
     assert ("replenish_spares", 0) in run.group.calls  # after the first step, off the path
     assert result.world_size_history == [
         {"step": 0, "world_size": 2},
@@ -334,15 +363,59 @@ def test_failure_with_survivors_reforms_in_place():
     run = make_run(
         {"n1": 1, "n2": 1}, ["elastic.max_failures=1"], faults=[Fault(0, 3, rank=1, error=died)]
     )
-    run.group.keep = [0]
+    run.group.plan = InPlacePlan(keep=[0], refill=[1], left_out=[])
     result = run.controller.run()
     (recovery,) = result.recoveries
     assert recovery["decision"] == Action.REPLACE == "replace"
     assert recovery["world_size"] == 2
     assert recovery["reformed"] == {"kept": 1, "spares_used": 0, "started": 1}
-    assert recovery["restored_step"] == 2 and recovery["steps_redone"] == 1
+    assert recovery["restored_step"] == 3 and recovery["steps_redone"] == 0
     starts = [c for c in run.group.calls if c[0] in ("start", "reform", "shutdown")]
-    assert starts == [("start", 2), ("reform", [0]), ("shutdown",)]  # no restart between
+    assert starts == [("start", 2), ("reform", [0], 2), ("shutdown",)]  # no restart between
+
+
+def test_node_loss_with_survivors_shrinks_in_place_then_grows_back_in_place():
+    """Rank 2's node dies: the survivors re-form at 2 without a restart; when a spare in
+    the lost node's slot is warm, every rank pauses at a step boundary and it joins."""
+    died = WorkerDied("node lost")
+    run = make_run(
+        {"n1": 1, "n2": 1, "n3": 1},
+        ["elastic.max_failures=1", "scaling.num_workers=3", "scaling.min_workers=2"]
+        + ["data.global_batch_size=12", "data.micro_batch_size=2"],
+        faults=[Fault(0, 3, rank=2, error=died)],
+        max_steps=10,
+    )
+    run.group.plan = InPlacePlan(keep=[0, 1], refill=[], left_out=[2])
+    run.group.at_step[5] = lambda: setattr(run.group, "spares_ready", 1)
+    result = run.controller.run()
+    (recovery,) = result.recoveries
+    assert recovery["decision"] == Action.SHRINK == "shrink"
+    assert recovery["world_size"] == 2 and recovery["steps_redone"] == 0
+    (resize,) = result.resizes
+    assert resize["in_place"] and (resize["from"], resize["to"]) == (2, 3)
+    assert resize["pause_s"] == pytest.approx(2 * POLL_S)  # the pause poll, then the step
+    starts = [c for c in run.group.calls if c[0] in ("start", "reform", "shutdown", "pause")]
+    assert starts == [
+        ("start", 3), ("reform", [0, 1], 2), ("pause",), ("reform", [0, 1], 3), ("shutdown",)
+    ]  # fmt: skip
+    assert [h["world_size"] for h in result.world_size_history] == [3, 2, 3]
+    assert run.steps() == list(range(1, 11))  # nothing redone, nothing skipped
+    assert result.state is RunState.FINISHED
+
+
+def test_in_place_plan_is_sized_by_the_scaling_policy():
+    policy = ScalingPolicy(min_workers=2, max_workers=4, unit=2)
+    plan = InPlacePlan(keep=[0, 1, 3], refill=[], left_out=[2])
+    assert sized(plan, policy) == InPlacePlan([0, 1], [], [2], size=2, from_size=4)  # units
+    spare = InPlacePlan(keep=[0, 1, 3], refill=[], left_out=[2], spares=1)
+    assert sized(spare, policy).size == 4 and not sized(spare, policy).shrinks
+    refill = InPlacePlan(keep=[0], refill=[1, 2, 3], left_out=[])
+    assert sized(refill, policy).refill == [1, 2, 3] and sized(refill, policy).size == 4
+    assert sized(InPlacePlan(keep=[0], refill=[], left_out=[1, 2, 3]), policy) is None
+    background = InPlacePlan(keep=[0, 1], refill=[], left_out=[], deferred=[2, 3])
+    assert sized(background, policy) == InPlacePlan([0, 1], [], [], [2, 3], size=2, from_size=4)
+    wait = InPlacePlan(keep=[0], refill=[], left_out=[], deferred=[1])  # below min: wait
+    assert sized(wait, policy) == InPlacePlan([0], [1], [], [], size=2, from_size=2)
 
 
 def test_node_loss_shrinks_within_min_workers():
@@ -429,7 +502,10 @@ def test_grows_back_when_capacity_returns():
     # checks every 0.5 s: n2 seen at t=0.75 s, stable at 1.75 s, past the cooldown (2 s since
     # the group formed) at the check of 2.25 s, after step 9; rank 0 stops at that step
     (resize,) = result.resizes
-    assert resize == {"step": 9, "from": 1, "to": 2, "wanted": 2, "decided_s": 0.0}
+    assert resize == {
+        "step": 9, "from": 1, "to": 2, "wanted": 2, "decided_s": 0.0, "in_place": False,
+        "pause_s": 0.5, "state_from": "memory", "reform_s": 0.0,
+    }  # fmt: skip
     assert result.transitions[1].reason == "checkpoint at step 9 committed; growing to 2 workers"
     assert result.world_size_history[-1] == {"step": 9, "world_size": 2}
     assert run.steps() == list(range(1, 17))  # nothing redone
@@ -480,7 +556,7 @@ def test_hang_names_the_rank_dumps_stacks_and_recovers():
     assert recovery["reason"].startswith("hang: rank 1 (node 10.0.0.2, pid 1001) made no progress")
     assert recovery["last_step"] == 3 and recovery["world_size"] == 2
     assert ("dump_stacks", 0) in run.group.calls
-    assert ("keepable_ranks", [1]) in run.group.calls  # the hung rank is not kept
+    assert ("plan_in_place", [1]) in run.group.calls  # the hung rank is not kept
     assert result.state is RunState.FINISHED
 
 

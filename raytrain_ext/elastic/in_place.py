@@ -1,0 +1,53 @@
+"""A re-form in place, as data: which processes stay, which slots are refilled, the size.
+
+Pure (no Ray): the controller sizes the plan with the scaling policy, and the unit
+tests step it with made-up survivors.  ``survivors.plan_in_place`` fills it from the
+group's finished ``fit`` calls and Ray's verdict on each lost process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import List, Optional
+
+from raytrain_ext.elastic.policy import ScalingPolicy
+
+
+@dataclass(frozen=True)
+class InPlacePlan:
+    """``keep``: ranks whose processes join the next group (their collectives failed
+    cleanly); ``refill``: lost ranks whose node Ray reports alive (a new process takes
+    their slot); ``left_out``: lost ranks whose node died, or whose fate is unknown
+    (the group goes on without them; their slots wait for a node); ``deferred``: lost
+    ranks whose node is alive but whose new process joins later, at a step boundary
+    (``elastic.replace_in_background``).  ``spares``: warm
+    spares ready to take a lost rank's place.  ``size``: the next group's world size,
+    ``from_size``: the failed group's (both set by ``sized``)."""
+
+    keep: List[int]
+    refill: List[int]
+    left_out: List[int]
+    deferred: List[int] = field(default_factory=list)
+    spares: int = 0
+    size: int = 0
+    from_size: int = 0
+
+    @property
+    def shrinks(self) -> bool:
+        return self.size < self.from_size
+
+
+def sized(plan: InPlacePlan, policy: ScalingPolicy) -> Optional[InPlacePlan]:
+    """The plan at the largest allowed size its processes can fill (never larger than
+    the group was); None when that is below ``min_workers`` (wait for capacity instead)
+    or keeps no process.  Places are filled by survivors, then spares, then new processes
+    in refill slots (``WorkerGroup.reform``); a size that is not a whole number of units
+    leaves out refills first, then survivors."""
+    before = len(plan.keep) + len(plan.refill) + len(plan.left_out) + len(plan.deferred)
+    available = len(plan.keep) + plan.spares + len(plan.refill)
+    size = policy.size_for(min(available, before))
+    if size < max(1, policy.min_workers) and plan.deferred:  # wait for the replacements
+        return sized(replace(plan, refill=plan.refill + plan.deferred, deferred=[]), policy)
+    if size < max(1, policy.min_workers):
+        return None
+    return replace(plan, keep=plan.keep[:size], size=size, from_size=before)

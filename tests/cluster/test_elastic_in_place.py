@@ -1,0 +1,210 @@
+"""Elastic without a cold start, on real multi-node Ray clusters: a lost node shrinks the
+group in place (survivors keep their processes and their state), a node that comes back
+grows it in place, a lone killed process is replaced in place, and a sharded layout with
+the per-step snapshot redoes at most one step.
+
+Faults come from outside the run: ``Cluster.remove_node`` (SIGKILL of the node's
+processes) and ``os.kill(pid, SIGKILL)``; nothing here goes through ``chaos.*``.
+
+Tolerances: a group of 3 DDP ranks sums each gradient in another order than 2 ranks,
+so parameters after segments at 3, 2 and 3 workers agree with the uninterrupted
+2-rank run within ``ATOL_UNEVEN`` (tests/helpers/layouts.py), and samples exactly.
+"""
+
+import os
+import signal
+import time
+
+import pytest
+
+from raytrain_ext import Trainer, load_config
+from raytrain_ext.checkpoint.export import load_model_state
+from raytrain_ext.checkpoint.resolve import check_step
+from raytrain_ext.checkpoint.tiers.disk import DiskTier
+from tests.helpers.layouts import ATOL_UNEVEN
+from tests.helpers.leaks import assert_nothing_left
+from tests.helpers.reference import uninterrupted
+from tests.helpers.runs import FitThread, tiny_overrides
+
+pytestmark = [pytest.mark.slow, pytest.mark.chaos]
+
+THREE_WAY = ["data.global_batch_size=12", "data.micro_batch_size=2"]  # splits over 3 and 2
+
+
+def add_nodes(cluster, count: int):
+    nodes = [cluster.add_node(num_cpus=1, object_store_memory=80 * 2**20) for _ in range(count)]
+    cluster.wait_for_nodes()
+    return {n.node_id: n for n in nodes}
+
+
+def wait_until(predicate, what: str, timeout_s: float = 120.0) -> None:
+    deadline = time.time() + timeout_s
+    while not predicate():
+        assert time.time() < deadline, f"{what} did not happen within {timeout_s:.0f} s"
+        time.sleep(0.05)
+
+
+def last_step(trainer) -> int:
+    """The run's newest step (0 before the controller exists)."""
+    records = trainer.controller.result.records if trainer.controller else []
+    return records[-1]["step"] if records else 0
+
+
+def running_at(trainer, size: int) -> bool:
+    c = trainer.controller
+    return c.state.value == "RUNNING" and c.group.world_size == size
+
+
+def processes(summary_or_infos) -> set:
+    return {(w["node_id"], w["pid"]) for w in summary_or_infos}
+
+
+def test_node_loss_shrinks_in_place_from_peers_then_grows_back_in_place(ray_cluster, tmp_path):
+    """3 nodes, one DDP worker each; rank 0's node (the rendezvous host) is lost mid-run.
+    The two survivors keep their processes and re-form at 2 with their own state: no
+    checkpoint read, no step redone.  A fresh node joins: Ray re-places the lost slot
+    there, a spare warms up in it while the 2 ranks train, and it joins at a step
+    boundary, taking the state from them."""
+    nodes = add_nodes(ray_cluster, 3)
+    steps = 100  # long enough for the spare to warm up beside 2 training ranks on 2 cores
+    cfg = load_config(
+        None,
+        tiny_overrides(
+            tmp_path,
+            f"run.max_steps={steps}",
+            f"optim.decay_steps={steps}",
+            *THREE_WAY,
+            "scaling.num_workers=3",
+            "scaling.min_workers=1",
+            "scaling.placement_strategy=SPREAD",
+            "checkpoint.every_steps=5",
+            "checkpoint.memory=true",
+            "parallel.timeout_s=15",
+            "elastic.max_failures=1",
+        ),
+    )
+    reference = uninterrupted(steps, *THREE_WAY)
+    trainer = Trainer(cfg)
+    with FitThread(trainer) as run:
+        wait_until(lambda: last_step(trainer) >= 8, "step 8")
+        infos = trainer.controller.group.infos
+        lost_node = infos[0]["node_id"]
+        survivors = processes(infos[1:])
+        ray_cluster.remove_node(nodes[lost_node], allow_graceful=False)
+        wait_until(lambda: running_at(trainer, 2), "the shrink")
+        shrunk = processes(trainer.controller.group.infos)
+        time.sleep(3.0)
+        fresh = ray_cluster.add_node(num_cpus=1, object_store_memory=80 * 2**20)
+        summary = run.summary(timeout_s=240)
+    assert summary["status"] == "finished" and summary["steps_completed"] == steps
+    assert shrunk == survivors  # the same processes, on their nodes: no restart
+    assert [h["world_size"] for h in summary["world_size_history"]] == [3, 2, 3]
+    (recovery,) = summary["recoveries"]
+    assert recovery["decision"] == "shrink" and recovery["world_size"] == 2
+    assert recovery["reformed"] == {"kept": 2, "spares_used": 0, "started": 0, "left_out": 1}
+    assert recovery["restored_from"] == "peers"  # no checkpoint was read
+    assert recovery["steps_redone"] == 0 and recovery["restored_step"] == recovery["last_step"]
+    (resize,) = summary["resizes"]
+    assert resize["in_place"] and (resize["from"], resize["to"]) == (2, 3)
+    assert resize["state_from"] == "peers" and 0 < resize["pause_s"] < 30
+    final = processes(summary["workers"])
+    assert survivors < final  # kept through the grow too
+    (joined,) = final - survivors
+    assert joined[0] == fresh.node_id  # the spare in the re-placed slot
+    assert summary["samples_digest"] == reference["result"]["samples_digest"]  # exactly once
+    disk = DiskTier(tmp_path / "tiny" / "checkpoints")
+    ours, _ = load_model_state(disk, steps, check_step(disk, steps).manifest, tmp_path / "c")
+    ref = reference["params"]
+    assert max((ours[k] - ref[k]).abs().max().item() for k in ref) < ATOL_UNEVEN
+    assert_nothing_left()
+
+
+def test_lone_worker_killed_on_a_live_node_is_replaced_in_place_bit_identical(
+    ray_cluster, tmp_path
+):
+    """2 nodes, one worker each; rank 1's process is SIGKILLed from outside.  Its node is
+    alive (Ray says the worker process died), so a new process takes its slot on the same
+    node and gets the state from rank 0: same world size, nothing redone, and the run
+    ends bit-identical to the uninterrupted one."""
+    add_nodes(ray_cluster, 2)
+    steps = 16
+    cfg = load_config(
+        None,
+        tiny_overrides(
+            tmp_path,
+            f"run.max_steps={steps}",
+            f"optim.decay_steps={steps}",
+            "scaling.placement_strategy=SPREAD",
+            "checkpoint.every_steps=100",  # the only checkpoint is the final one
+            "checkpoint.memory=true",
+            "parallel.timeout_s=15",
+            "elastic.max_failures=1",
+        ),
+    )
+    reference = uninterrupted(steps)["result"]
+    trainer = Trainer(cfg)
+    with FitThread(trainer) as run:
+        wait_until(lambda: last_step(trainer) >= 6, "step 6")
+        before = processes(trainer.controller.group.infos)
+        victim = trainer.controller.group.infos[1]
+        os.kill(victim["pid"], signal.SIGKILL)
+        summary = run.summary(timeout_s=180)
+    assert summary["status"] == "finished" and summary["steps_completed"] == steps
+    (recovery,) = summary["recoveries"]
+    assert recovery["decision"] == "replace" and recovery["world_size"] == 2
+    assert recovery["reformed"] == {"kept": 1, "spares_used": 0, "started": 1, "left_out": 0}
+    assert recovery["restored_from"] == "peers" and recovery["steps_redone"] == 0
+    assert [h["world_size"] for h in summary["world_size_history"]] == [2, 2]
+    (replacement,) = processes(summary["workers"]) - before
+    assert replacement[0] == victim["node_id"]  # a new process, on the same node
+    assert summary["params_sha256"] == reference["params_sha256"]
+    assert summary["samples_digest"] == reference["samples_digest"]
+    assert_nothing_left()
+
+
+def test_fsdp_node_loss_with_the_per_step_snapshot_redoes_at_most_one_step(ray_cluster, tmp_path):
+    """3 nodes, FSDP (each rank holds a third of the state, so no rank can hand it all
+    over); with ``checkpoint.snapshot_every_step`` every step is in the memory tier of
+    another node.  A node is lost: the survivors re-form at 2 in place and reshard the
+    newest snapshot, redoing at most one step."""
+    nodes = add_nodes(ray_cluster, 3)
+    steps = 16
+    cfg = load_config(
+        None,
+        tiny_overrides(
+            tmp_path,
+            f"run.max_steps={steps}",
+            f"optim.decay_steps={steps}",
+            *THREE_WAY,
+            "parallel.strategy=fsdp",
+            "scaling.num_workers=3",
+            "scaling.min_workers=1",
+            "scaling.placement_strategy=SPREAD",
+            "checkpoint.every_steps=null",
+            "checkpoint.every_seconds=null",
+            "checkpoint.snapshot_every_step=true",
+            "checkpoint.memory=true",
+            "parallel.timeout_s=15",
+            "elastic.max_failures=1",
+        ),
+    )
+    reference = uninterrupted(steps, *THREE_WAY)["result"]
+    trainer = Trainer(cfg)
+    with FitThread(trainer) as run:
+        wait_until(lambda: last_step(trainer) >= 6, "step 6")
+        lost = trainer.controller.group.infos[2]["node_id"]
+        ray_cluster.remove_node(nodes[lost], allow_graceful=False)
+        wait_until(lambda: running_at(trainer, 2), "the shrink")
+        # a node comes back (Ray's GCS spins while a slot waits for one: FIELD_NOTES)
+        ray_cluster.add_node(num_cpus=1, object_store_memory=80 * 2**20)
+        summary = run.summary(timeout_s=240)
+    assert summary["status"] == "finished" and summary["steps_completed"] == steps
+    (recovery,) = summary["recoveries"]
+    assert recovery["decision"] == "shrink" and recovery["world_size"] == 2
+    assert recovery["restored_from"] == "memory" and recovery["steps_redone"] <= 1
+    sizes = [h["world_size"] for h in summary["world_size_history"]]
+    assert sizes in ([3, 2], [3, 2, 3])  # the spare joins if it warms up before the end
+    for resize in summary["resizes"]:  # sharded: the pause saved, the spare restored it
+        assert resize["state_from"] == "memory" and resize["in_place"]
+    assert summary["samples_digest"] == reference["samples_digest"]
+    assert_nothing_left()

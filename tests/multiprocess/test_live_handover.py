@@ -1,0 +1,83 @@
+"""State handed over by live peers (``train.live_state``), over gloo without Ray.
+
+The ranks train 4 of 8 steps, keep their state in memory at the step boundary and
+leave their group, as survivors of a failure or a pause do.  A new group is then
+formed in the same processes: 2 ranks whose rank 1 holds nothing (a replacement
+process), or 3 ranks shrunk to 2.  The new group takes the state from the ranks that
+hold it, reads no checkpoint, and trains on.
+
+Replaced, the run must equal the uninterrupted 2-rank run bit for bit: same samples,
+and a sum of two gradients does not depend on the order DDP's new buckets add them
+in (with three ranks it would: a fresh DDP wrapper buckets its first step's gradients
+differently).  Shrunk, the same samples are seen once each and the parameters agree
+with the 2-rank run within ``ATOL_UNEVEN`` (the 12-sample batch splits 4/4/4 for 4
+steps: only float summation order differs; see test_training_math).
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from raytrain_ext.config import config_from_dict, load_config, to_dict
+from raytrain_ext.worker.dist_env import destroy_distributed, free_port
+from tests.helpers.dist import init_local_rank, spawn_ranks, train_processes
+from tests.helpers.layouts import ATOL_UNEVEN, max_param_diff
+
+BASE = [
+    "run.max_steps=8",
+    "data.global_batch_size=12",
+    "data.micro_batch_size=2",
+    "scaling.num_workers=2",
+    "checkpoint.enabled=false",
+]
+HANDOVER_AT = 4
+
+
+def _two_groups(rank: int, sizes, ports, cfg_dict: dict, out_dir: str) -> None:
+    from raytrain_ext.train.loop import TrainLoop
+
+    cfg = config_from_dict(cfg_dict)
+    device = init_local_rank(rank, sizes[0], ports[0])
+    loop = TrainLoop(cfg, rank, sizes[0], rank, device, lambda record: None)
+    for _ in range(HANDOVER_AT):
+        loop.train_step()
+    live = loop.live_state() if rank < sizes[1] - 1 or sizes[0] > sizes[1] else None
+    del loop
+    destroy_distributed()
+    if rank >= sizes[1]:
+        return  # left out of the smaller group
+    device = init_local_rank(rank, sizes[1], ports[1])
+    try:
+        loop = TrainLoop(cfg, rank, sizes[1], rank, device, lambda record: None, live=live)
+        result = loop.fit()
+        params = {k: v.clone() for k, v in loop.strategy.full_parameters(loop.model).items()}
+        del loop
+    finally:
+        destroy_distributed()
+    torch.save({"result": result, "params": params}, Path(out_dir) / f"rank{rank}.pt")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    return train_processes(2, BASE, tmp_path_factory.mktemp("straight"))
+
+
+@pytest.mark.parametrize("first_size", [2, 3], ids=["replaced", "shrunk"])
+def test_new_group_takes_the_state_of_live_peers(first_size, uninterrupted, tmp_path):
+    cfg = load_config(None, [*BASE, f"scaling.num_workers={first_size}"])
+    ports = (free_port("127.0.0.1"), free_port("127.0.0.1"))
+    spawn_ranks(_two_groups, ((first_size, 2), ports, to_dict(cfg), str(tmp_path)), first_size)
+    runs = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    restored = runs[0]["result"]["restored"]
+    assert restored["tier"] == "peers" and restored["step"] == HANDOVER_AT
+    assert restored["source_rank"] == 0  # the lowest rank holding the newest state
+    straight = uninterrupted[0]
+    assert runs[0]["result"]["steps"] == 8
+    assert runs[0]["result"]["samples_digest"] == straight["result"]["samples_digest"]
+    assert runs[0]["result"]["samples_consumed"] == 8 * 12
+    if first_size == 2:
+        assert runs[0]["result"]["params_sha256"] == straight["result"]["params_sha256"]
+        assert runs[1]["result"]["params_sha256"] == straight["result"]["params_sha256"]
+    else:
+        assert max_param_diff(runs[0]["params"], straight["params"]) < ATOL_UNEVEN
