@@ -37,6 +37,24 @@ def add_nodes(cluster, count: int):
     return {n.node_id: n for n in nodes}
 
 
+def run_config(tmp_path, steps: int, *extra: str):
+    """The packaged default for ``steps`` steps, spread one worker a node, one failure
+    allowed, the memory tier on (the settings every test here shares)."""
+    return load_config(
+        None,
+        tiny_overrides(
+            tmp_path,
+            f"run.max_steps={steps}",
+            f"optim.decay_steps={steps}",
+            "scaling.placement_strategy=SPREAD",
+            "checkpoint.memory=true",
+            "parallel.timeout_s=15",
+            "elastic.max_failures=1",
+            *extra,
+        ),
+    )
+
+
 def wait_until(predicate, what: str, timeout_s: float = 120.0) -> None:
     deadline = time.time() + timeout_s
     while not predicate():
@@ -67,21 +85,13 @@ def test_node_loss_shrinks_in_place_from_peers_then_grows_back_in_place(ray_clus
     boundary, taking the state from them."""
     nodes = add_nodes(ray_cluster, 3)
     steps = 100  # long enough for the spare to warm up beside 2 training ranks on 2 cores
-    cfg = load_config(
-        None,
-        tiny_overrides(
-            tmp_path,
-            f"run.max_steps={steps}",
-            f"optim.decay_steps={steps}",
-            *THREE_WAY,
-            "scaling.num_workers=3",
-            "scaling.min_workers=1",
-            "scaling.placement_strategy=SPREAD",
-            "checkpoint.every_steps=5",
-            "checkpoint.memory=true",
-            "parallel.timeout_s=15",
-            "elastic.max_failures=1",
-        ),
+    cfg = run_config(
+        tmp_path,
+        steps,
+        *THREE_WAY,
+        "scaling.num_workers=3",
+        "scaling.min_workers=1",
+        "checkpoint.every_steps=5",
     )
     reference = uninterrupted(steps, *THREE_WAY)
     trainer = Trainer(cfg)
@@ -128,19 +138,7 @@ def test_lone_worker_killed_on_a_live_node_is_replaced_in_place_bit_identical(
     ends bit-identical to the uninterrupted one."""
     add_nodes(ray_cluster, 2)
     steps = 16
-    cfg = load_config(
-        None,
-        tiny_overrides(
-            tmp_path,
-            f"run.max_steps={steps}",
-            f"optim.decay_steps={steps}",
-            "scaling.placement_strategy=SPREAD",
-            "checkpoint.every_steps=100",  # the only checkpoint is the final one
-            "checkpoint.memory=true",
-            "parallel.timeout_s=15",
-            "elastic.max_failures=1",
-        ),
-    )
+    cfg = run_config(tmp_path, steps, "checkpoint.every_steps=100")  # only the final one
     reference = uninterrupted(steps)["result"]
     trainer = Trainer(cfg)
     with FitThread(trainer) as run:
@@ -169,24 +167,16 @@ def test_fsdp_node_loss_with_the_per_step_snapshot_redoes_at_most_one_step(ray_c
     newest snapshot, redoing at most one step."""
     nodes = add_nodes(ray_cluster, 3)
     steps = 16
-    cfg = load_config(
-        None,
-        tiny_overrides(
-            tmp_path,
-            f"run.max_steps={steps}",
-            f"optim.decay_steps={steps}",
-            *THREE_WAY,
-            "parallel.strategy=fsdp",
-            "scaling.num_workers=3",
-            "scaling.min_workers=1",
-            "scaling.placement_strategy=SPREAD",
-            "checkpoint.every_steps=null",
-            "checkpoint.every_seconds=null",
-            "checkpoint.snapshot_every_step=true",
-            "checkpoint.memory=true",
-            "parallel.timeout_s=15",
-            "elastic.max_failures=1",
-        ),
+    cfg = run_config(
+        tmp_path,
+        steps,
+        *THREE_WAY,
+        "parallel.strategy=fsdp",
+        "scaling.num_workers=3",
+        "scaling.min_workers=1",
+        "checkpoint.every_steps=null",
+        "checkpoint.every_seconds=null",
+        "checkpoint.snapshot_every_step=true",
     )
     reference = uninterrupted(steps, *THREE_WAY)["result"]
     trainer = Trainer(cfg)

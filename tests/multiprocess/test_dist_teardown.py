@@ -16,23 +16,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from raytrain_ext.worker.dist_env import WorkerEnv, destroy_distributed, free_port, init_distributed
-from tests.helpers.dist import spawn_ranks
+from raytrain_ext.worker.dist_env import destroy_distributed, free_port
+from tests.helpers.dist import init_local_rank, spawn_ranks
 
 pytestmark = pytest.mark.slow
 
 
 def _join(rank: int, world: int, port: int) -> None:
-    env = WorkerEnv(
-        rank=rank,
-        local_rank=rank,
-        world_size=world,
-        local_world_size=world,
-        node_rank=0,
-        master_addr="127.0.0.1",
-        master_port=port,
-    )
-    init_distributed(env, "gloo", timeout_s=30)
+    init_local_rank(rank, world, port)
 
 
 def _sum_of_ranks() -> float:
