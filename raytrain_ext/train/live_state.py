@@ -132,10 +132,12 @@ def restore_from_peers(
     sharded layout, or ``elastic.state_from_peers`` off) or no rank holds a live state
     of this run's config.
     """
+    if not enabled:  # decided from the config: identical on every rank, no collective needed
+        return None
     started = time.perf_counter()
     offers = _offers(live, state.config_digest)
     best = max(offers)
-    if not enabled or best < 0:
+    if best < 0:
         return None
     src = offers.index(best)
     rank, device = dist.get_rank(), state.ctx.device

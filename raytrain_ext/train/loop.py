@@ -164,7 +164,7 @@ class TrainLoop:
         self.hands_over = state_from_peers(cfg)
         self.paused_at: Optional[int] = None
         self._position = BOUNDARY
-        self._sampler_at_boundary = self.sampler.state_dict()
+        self._sampler_at_boundary: Optional[Dict[str, Any]] = None  # set as a step begins
         self.ckpt: Optional[CheckpointManager] = None
         if cfg.checkpoint.enabled:
             self._open_checkpoints(cfg)
@@ -329,10 +329,10 @@ class TrainLoop:
         self.strategy.zero_grad(self.model, self.optimizer)
         self.ledger.record(step, exchanged.consumed)
         self.progress.step += 1
-        if decision.action == StepAction.ROLLBACK and self.nonfinite.rollback(step):
-            self._position = BOUNDARY
-            return loss
+        rolled_back = decision.action == StepAction.ROLLBACK and self.nonfinite.rollback(step)
         self._position = BOUNDARY
+        if rolled_back:
+            return loss
         if exchanged.pause > 0:
             self.paused_at = self.progress.step
         stall = 0.0
