@@ -5,11 +5,36 @@ The plain Python API (for notebooks and jobs)::
     from raytrain_ext import Trainer, load_config
     cfg = load_config("configs/tiny_cpu.yaml", overrides=["run.max_steps=20"])
     summary = Trainer(cfg).fit()
+
+The names below are imported on first use: a process that needs one submodule (a
+``data prepare`` worker imports ``raytrain_ext.data.prepare``) does not pay for torch
+and the trainer (3.3 s of imports per worker here).
 """
 
-from raytrain_ext.config import ConfigError, load_config
-from raytrain_ext.elastic.controller import TrainingFailed
-from raytrain_ext.trainer import Trainer
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from raytrain_ext.version import __version__
+
+_EXPORTS = {
+    "ConfigError": "raytrain_ext.config",
+    "load_config": "raytrain_ext.config",
+    "TrainingFailed": "raytrain_ext.elastic.controller",
+    "Trainer": "raytrain_ext.trainer",
+}
+
+if TYPE_CHECKING:
+    from raytrain_ext.config import ConfigError, load_config
+    from raytrain_ext.elastic.controller import TrainingFailed
+    from raytrain_ext.trainer import Trainer
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'raytrain_ext' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = ["ConfigError", "Trainer", "TrainingFailed", "load_config", "__version__"]

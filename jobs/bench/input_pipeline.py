@@ -3,8 +3,9 @@ micro-batches (``data_s`` of every step record, summed into ``data_time_share`` 
 summary.json), for each data format, through the real CLI on 2 CPU workers.
 
 Goal: <= 1% of step time.  The samples are memory-mapped and cut on the fly (text windows,
-packed chat windows, preference pairs), with no prefetching thread; this measures whether
-one is needed.  The raw records are tokenized before step 1 (cached), so the steps see only
+packed chat windows, preference pairs) by a prefetching thread (``data.prefetch``, on by
+default); each case also runs with it off, in the same run, to show what it hides.  The
+raw records are tokenized before step 1 (cached), so the steps see only
 prepared data.  Usage: `python jobs/bench/input_pipeline.py [--steps 40] [--repeats 3]`.
 """
 
@@ -57,16 +58,18 @@ def main() -> None:
     args = parser.parse_args()
     print("== Input pipeline cost (rank 0's batch fetch time / step time, 2 CPU workers)")
     for label, (config, overrides) in CASES.items():
-        runs = []
-        for r in range(args.repeats):
-            with tempfile.TemporaryDirectory() as tmp:
-                runs.append(run_case(Path(tmp), config, overrides, args.steps, f"ip{r}"))
-        shares = [100 * x["share"] for x in runs]
-        steps = [x["median_step_ms"] for x in runs]
-        print(
-            f"{label:<18} data {min(shares):.2f}-{max(shares):.2f}% of step time "
-            f"(median step {statistics.median(steps):.1f} ms; goal <= 1%)"
-        )
+        for prefetch in ("true", "false"):
+            runs = []
+            for r in range(args.repeats):
+                with tempfile.TemporaryDirectory() as tmp:
+                    extra = [*overrides, f"data.prefetch={prefetch}"]
+                    runs.append(run_case(Path(tmp), config, extra, args.steps, f"ip{r}"))
+            shares = [100 * x["share"] for x in runs]
+            steps = [x["median_step_ms"] for x in runs]
+            print(
+                f"{label:<18} prefetch {prefetch:<5} data {min(shares):.2f}-{max(shares):.2f}% "
+                f"of step time (median step {statistics.median(steps):.1f} ms; goal <= 1%)"
+            )
 
 
 if __name__ == "__main__":

@@ -117,7 +117,6 @@ class CheckpointManager:
         self.stats: Dict[str, Any] = {
             "saves": 0,
             "skipped": 0,
-            "snapshots_skipped": 0,
             "stall_s": 0.0,
             "committed": {t.name: None for t in self.tiers},
             "failed": [],
@@ -159,17 +158,15 @@ class CheckpointManager:
         Final and emergency saves are synchronous: they are committed (to every
         tier that fits before ``deadline``) when this returns.  With
         ``checkpoint.snapshot_every_step``, a step not otherwise due is saved to the
-        memory tier alone (replicated to a second node), unless the last save is
-        still persisting.
+        memory tier alone (replicated to a second node).  A snapshot is never skipped:
+        when the last save still persists, the step waits for it (counted in the stall),
+        so the newest committed step is at most one behind the last finished one.
         """
         regular = self.is_due(step, request, final)
         if not regular and not self._snapshot_due():
             return 0.0
         urgent = final or request >= REQUEST_EMERGENCY
-        if any_busy and not regular:
-            self.stats["snapshots_skipped"] += 1
-            return 0.0
-        if any_busy and self.cfg.on_busy == "skip" and not urgent:
+        if any_busy and regular and self.cfg.on_busy == "skip" and not urgent:
             self.stats["skipped"] += 1
             if self.rank == 0:
                 log.warning(

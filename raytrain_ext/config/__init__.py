@@ -1,15 +1,49 @@
-"""Typed run configuration (OmegaConf structured dataclasses)."""
+"""Typed run configuration (OmegaConf structured dataclasses).
 
-from raytrain_ext.config.errors import ConfigError
-from raytrain_ext.config.loader import (
-    config_digest,
-    config_from_dict,
-    default_config_path,
-    load_config,
-    to_dict,
-    to_yaml,
-)
-from raytrain_ext.config.schema import TrainConfig
+The names below are imported on first use: ``raytrain_ext.config.choices`` (the enums,
+which ``parallel.dims`` uses) must be importable without the loader, whose validation
+imports ``parallel.dims`` in turn.
+"""
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "ConfigError": "raytrain_ext.config.errors",
+    "TrainConfig": "raytrain_ext.config.schema",
+    **{
+        name: "raytrain_ext.config.loader"
+        for name in (
+            "config_digest",
+            "config_from_dict",
+            "default_config_path",
+            "load_config",
+            "to_dict",
+            "to_yaml",
+        )
+    },
+}
+
+if TYPE_CHECKING:
+    from raytrain_ext.config.errors import ConfigError
+    from raytrain_ext.config.loader import (
+        config_digest,
+        config_from_dict,
+        default_config_path,
+        load_config,
+        to_dict,
+        to_yaml,
+    )
+    from raytrain_ext.config.schema import TrainConfig
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'raytrain_ext.config' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "ConfigError",

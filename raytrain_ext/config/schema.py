@@ -125,6 +125,9 @@ class DataConfig:
     document_mask: bool = False
     # an evaluation split: a path like data.path (same format), or null with eval.fraction
     eval_path: Optional[str] = None
+    # assemble the next micro-batches on a background thread while the current one runs
+    # (the same batches either way: it only hides the reading time)
+    prefetch: bool = True
 
 
 @dataclass
@@ -239,8 +242,8 @@ class CheckpointConfig:
     every_steps: Optional[int] = positive(None, null="disabled")
     every_seconds: Optional[float] = positive(600.0, null="disabled")
     save_final: bool = True
-    # also save every step to the memory tier alone (a copy on a second node), skipped
-    # while the last save persists: a sharded layout that loses a node redoes <= 1 step
+    # also save every step to the memory tier alone (a copy on a second node); a step waits
+    # for the last save to persist: a sharded layout that loses a node redoes <= 1 step
     snapshot_every_step: bool = False
     async_save: bool = True
     write_threads: int = positive(2)  # DCP writer threads per rank (2 doubles write bandwidth here)

@@ -17,14 +17,15 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import numpy as np
 import pyarrow as pa
 
 from raytrain_ext.data.text_sources import COLUMN_KEY, PATH_KEY, Columns
-from raytrain_ext.data.tokenizer import TOKENIZER_KEY, has_chat_template
+from raytrain_ext.data.tokenizer import TOKENIZER_KEY, encode_documents, has_chat_template
 from raytrain_ext.inputs.errors import InputError
 
 Where = Callable[[int], str]  # global record index -> "FILE record j"
@@ -59,16 +60,12 @@ def render_text(tok, eos_id: int, texts: List[Any], first: int, where: Where) ->
                 f"{_short(text)}, not text. Clean the data or set data.text_column to the "
                 "column of documents."
             )
-    ids = tok(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
-    total = sum(len(x) for x in ids) + len(ids)
-    flat = np.fromiter(_with_eos(ids, eos_id), dtype=np.int32, count=total)
-    return Rendered(pa.table({"tokens": pa.array(flat, pa.int32())}), total)
-
-
-def _with_eos(ids: Sequence[List[int]], eos_id: int):
+    ids = encode_documents(tok, texts)
     for doc in ids:
-        yield from doc
-        yield eos_id
+        doc.append(eos_id)
+    total = sum(map(len, ids))
+    flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32, count=total)
+    return Rendered(pa.table({"tokens": pa.array(flat, pa.int32())}), total)
 
 
 def render_chat(tok, eos_id: int, columns: Columns, first: int, where: Where) -> Rendered:

@@ -52,6 +52,14 @@ class GlobalSampler:
                 self.epoch, self.cursor = self.epoch + 1, 0
         return np.concatenate(parts)
 
+    def peek_global_batch(self) -> np.ndarray:
+        """The indices the next :meth:`next_global_batch` returns, without advancing."""
+        epoch, cursor = self.epoch, self.cursor
+        try:
+            return self.next_global_batch()
+        finally:
+            self.epoch, self.cursor = epoch, cursor
+
     def state_dict(self) -> Dict[str, Any]:
         return {
             "num_samples": self.num_samples,

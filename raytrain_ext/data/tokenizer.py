@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 from raytrain_ext.data.prepared_index import TokenizerInfo
 from raytrain_ext.inputs.errors import InputError
@@ -109,6 +109,27 @@ def _backend_description(tok) -> Dict[str, Any]:
         "vocab": sorted(tok.get_vocab().items()),
         "special_tokens": tok.special_tokens_map,
     }
+
+
+def encode_documents(tok, texts: List[str]) -> List[List[int]]:
+    """Each text's ids without special tokens: the ids of ``tok(texts,
+    add_special_tokens=False)["input_ids"]``.
+
+    A fast tokenizer's Rust backend is called directly, set up as that call sets it (no
+    truncation, no padding, the tokenizer's ``split_special_tokens``), with
+    ``encode_batch_fast``: it skips the character offsets, which packing never reads,
+    and the per-document dictionaries the ``transformers`` call builds around each
+    encoding.  A slow tokenizer takes the ``transformers`` call itself."""
+    if not tok.is_fast:
+        return tok(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+    backend = tok.backend_tokenizer
+    if backend.truncation is not None:
+        backend.no_truncation()
+    if backend.padding is not None:
+        backend.no_padding()
+    if backend.encode_special_tokens != tok.split_special_tokens:
+        backend.encode_special_tokens = tok.split_special_tokens
+    return [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=False)]
 
 
 def has_chat_template(tok) -> bool:

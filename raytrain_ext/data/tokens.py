@@ -20,6 +20,7 @@ import torch
 
 from raytrain_ext.data.batch import Batch
 from raytrain_ext.data.corpus import builtin_corpus_path
+from raytrain_ext.data.s3_fs import s3_filesystem
 
 TOKEN_COLUMN = "tokens"
 SUFFIXES = (".arrow", ".feather", ".ipc", ".parquet")
@@ -126,14 +127,6 @@ def local_token_files(path: Path) -> List[Path]:
     if not path.is_dir():
         return [path]
     return sorted(p for p in path.rglob("*") if p.suffix in SUFFIXES and p.is_file())
-
-
-def s3_filesystem(endpoint_url: Optional[str], region: Optional[str], **options) -> pafs.FileSystem:
-    """pyarrow's S3 filesystem for ``data.s3_endpoint_url`` (http or https) and region."""
-    scheme = "http" if (endpoint_url or "").startswith("http://") else "https"
-    return pafs.S3FileSystem(
-        endpoint_override=endpoint_url, region=region, scheme=scheme, **options
-    )
 
 
 def remote_token_files(fs: pafs.FileSystem, path: str) -> List[str]:

@@ -34,6 +34,7 @@ from raytrain_ext.config import config_digest
 from raytrain_ext.data import GlobalSampler, rank_slice
 from raytrain_ext.data.batch import Batch
 from raytrain_ext.data.open import open_dataset
+from raytrain_ext.data.prefetch import BatchPrefetcher
 from raytrain_ext.elastic.failure_text import is_peer_loss
 from raytrain_ext.faults import FaultInjector
 from raytrain_ext.metrics.flops import mfu, model_flops_per_token, peak_flops_for
@@ -195,6 +196,7 @@ class TrainLoop:
             cfg.data.seed,
             cfg.data.shuffle,
         )
+        self.prefetch = BatchPrefetcher(self.dataset.batch, cfg.data.prefetch)
 
     def _compute_reference(self) -> None:
         """DPO: the starting weights' log-probs of every training and evaluation sample,
@@ -265,6 +267,7 @@ class TrainLoop:
             raise
         finally:
             self.profiler.close()
+            self.prefetch.close()
         if self.ckpt is not None:
             self.ckpt.close()
         params = self.strategy.full_parameters(self.model)
@@ -290,6 +293,8 @@ class TrainLoop:
         self._position = BATCH_TAKEN
         global_batch = self.sampler.next_global_batch()
         local = rank_slice(global_batch, ctx.dp_rank, ctx.dp_size)
+        upcoming = rank_slice(self.sampler.peek_global_batch(), ctx.dp_rank, ctx.dp_size)
+        self.prefetch.ahead(self._micro_batches(local) + self._micro_batches(upcoming))
         units = max(float(self.dataset.target_weights(global_batch).sum()), 1e-12)
         self._metric_sums = [0.0] * len(self.objective.metric_names)
         self._data_s = 0.0
@@ -421,8 +426,7 @@ class TrainLoop:
         becomes the time from ``start`` to the synchronising backward: this rank's own
         work, before it can wait for any peer.
         """
-        ctx, micro = self.ctx, self.cfg.data.micro_batch_size
-        chunks = [local[i : i + micro] for i in range(0, len(local), micro)]
+        ctx, chunks = self.ctx, self._micro_batches(local)
         scale = ctx.dp_size / units
         if self.strategy.runs_microbatches:  # a pipeline schedule: compute_s includes waiting
             batches = [self._fetch(i) for i in chunks]
@@ -451,11 +455,16 @@ class TrainLoop:
             loss_sum += terms.loss_sum.detach()
         return loss_sum
 
+    def _micro_batches(self, local: np.ndarray) -> List[np.ndarray]:
+        micro = self.cfg.data.micro_batch_size
+        return [local[i : i + micro] for i in range(0, len(local), micro)]
+
     def _fetch(self, indices: np.ndarray) -> Batch:
-        """A micro-batch on this rank's device; the time it took adds to the step's ``data_s``
-        (the input pipeline's cost: reading memory-mapped samples, no prefetch needed)."""
+        """A micro-batch on this rank's device; the time this step waited for it adds to
+        the step's ``data_s`` (the input pipeline's cost; usually assembled ahead by
+        :class:`BatchPrefetcher` while the previous micro-batch computed)."""
         start = time.perf_counter()
-        batch = self.dataset.batch(indices).to(self.ctx.device)
+        batch = self.prefetch.take(indices).to(self.ctx.device)
         self._data_s += time.perf_counter() - start
         return batch
 

@@ -69,6 +69,25 @@ class EventBuffer:
             return {"step": self.last_step, "beat": self.last_beat, "records": records}
 
 
+def exit_when_orphaned(raylet_pid: int, period_s: float = 1.0) -> threading.Thread:
+    """End this process once its raylet (the parent that started it) is gone.
+
+    Why: a worker must not outlive its node.  When a drained node's raylet exited, a
+    worker of ours was seen (once, in CI) still sleeping 55 s later, re-parented, its actor
+    long dead in the GCS, out of anyone's reach: the raylet that would kill it is gone and
+    the SIGTERM that preemption handling catches does not end it.  Checks the parent pid
+    every ``period_s`` from a daemon thread."""
+
+    def watch() -> None:
+        while os.getppid() == raylet_pid:
+            time.sleep(period_s)
+        os._exit(1)
+
+    thread = threading.Thread(target=watch, name="orphan-watch", daemon=True)
+    thread.start()
+    return thread
+
+
 class TrainWorker:
     """Remote methods are called by :class:`raytrain_ext.worker.group.WorkerGroup`."""
 
@@ -82,6 +101,7 @@ class TrainWorker:
         self.grace_s = 30.0
         # Actor __init__ runs on the process's main thread, where handlers can be installed.
         signal.signal(signal.SIGTERM, self._on_sigterm)
+        exit_when_orphaned(os.getppid())
 
     def _reset_run_state(self) -> None:
         """What one group's run accumulates: heartbeats and records, save requests, the

@@ -13,7 +13,7 @@ import pytest
 
 from raytrain_ext.data.render import render_records
 from raytrain_ext.data.text_sources import check_source, open_source
-from raytrain_ext.data.tokenizer import load_tokenizer, tokenizer_info
+from raytrain_ext.data.tokenizer import encode_documents, load_tokenizer, tokenizer_info
 from raytrain_ext.inputs.errors import InputError
 from tests.helpers.text_data import (
     build_tokenizer,
@@ -58,6 +58,17 @@ def test_text_documents_are_packed_each_followed_by_eos(tokenizers):
     expected = ids(tok, "the cat") + [eos, eos] + ids(tok, "a dog sun") + [eos]
     assert out.table.column("tokens").to_pylist() == expected
     assert out.tokens == len(expected) == 8
+
+
+def test_encode_documents_gives_the_ids_of_the_transformers_call(tokenizers):
+    """The backend called directly, even when it was left truncating and padding."""
+    tok = tokenizers["plain"]
+    texts = ["the cat </s> a dog", "", "sun sun the a"]
+    want = tok(texts, add_special_tokens=False)["input_ids"]
+    tok.backend_tokenizer.enable_truncation(2)
+    tok.backend_tokenizer.enable_padding(length=9)
+    assert encode_documents(tok, texts) == want
+    assert tok(texts, add_special_tokens=False)["input_ids"] == want
 
 
 def test_text_that_is_not_a_string_names_the_column_and_record(tokenizers):

@@ -104,3 +104,17 @@ def test_the_package_has_no_import_cycle():
     assert not found, "import cycles (break them; see docs/architecture.md):\n" + "\n".join(
         " -> ".join(cycle) for cycle in found
     )
+
+
+def test_a_data_prepare_worker_imports_neither_torch_nor_the_trainer():
+    """What a ``data prepare`` Ray task imports: its module, not torch (3.3 s per worker
+    process when the package's ``__init__`` imported the trainer)."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, raytrain_ext.data.prepare; "
+        "print(sorted(m for m in ('torch', 'raytrain_ext.trainer') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

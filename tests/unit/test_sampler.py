@@ -68,3 +68,12 @@ def test_state_dict_refuses_a_different_dataset():
     sampler = GlobalSampler(N, G, seed=3)
     with pytest.raises(ValueError, match="resume with the same data.path"):
         GlobalSampler(N + 1, G, seed=3).load_state_dict(sampler.state_dict())
+
+
+def test_peek_names_the_next_batch_without_advancing():
+    sampler = GlobalSampler(N, G, seed=7)
+    for _ in range(20):  # crosses epoch boundaries (N is prime)
+        before = sampler.state_dict()
+        peeked = sampler.peek_global_batch()
+        assert sampler.state_dict() == before
+        assert np.array_equal(peeked, sampler.next_global_batch())
