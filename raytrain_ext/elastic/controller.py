@@ -407,12 +407,15 @@ class Controller:
             self._in_place = plan
             action = Action.SHRINK if plan.shrinks else Action.REPLACE
             recovery.decide(self.clock(), action, plan.size)
+            recovery.lost = [{"rank": r, "fate": f} for r, f in sorted(plan.fates.items())]
             self.world_size = plan.size
             self.attempt += 1
+            lost = ", ".join(f"rank {r} ({f})" for r, f in sorted(plan.fates.items()))
             left_out = plan.from_size - plan.size
             return RunState.SCHEDULING, (
                 f"re-forming {plan.size} workers in place: {len(plan.keep)} surviving "
                 f"process(es) kept"
+                + (f"; lost {lost}" if lost else "")
                 + (f", {left_out} lost rank(s) left out (node lost)" if left_out > 0 else "")
             )
         self.group.shutdown()

@@ -8,7 +8,7 @@ group's finished ``fit`` calls and Ray's verdict on each lost process.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 from raytrain_ext.elastic.policy import ScalingPolicy
 
@@ -22,7 +22,9 @@ class InPlacePlan:
     ranks whose node is alive but whose new process joins later, at a step boundary
     (``elastic.replace_in_background``).  ``spares``: warm
     spares ready to take a lost rank's place.  ``size``: the next group's world size,
-    ``from_size``: the failed group's (both set by ``sized``)."""
+    ``from_size``: the failed group's (both set by ``sized``).  ``fates``: Ray's verdict
+    on each lost rank (``death.Fate`` values), the record of who was lost and how; the
+    failure's first error may come from a survivor whose collective broke (an echo)."""
 
     keep: List[int]
     refill: List[int]
@@ -31,6 +33,7 @@ class InPlacePlan:
     spares: int = 0
     size: int = 0
     from_size: int = 0
+    fates: Dict[int, str] = field(default_factory=dict)
 
     @property
     def shrinks(self) -> bool:

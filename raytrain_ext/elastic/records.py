@@ -74,6 +74,8 @@ class Recovery:
     decision: Optional[Action] = None
     world_size: Optional[int] = None  # of the next group
     reformed: Optional[Dict[str, int]] = None  # how a re-form in place filled the slots
+    # a re-form in place: each lost rank and Ray's verdict on it (process_died, node_died...)
+    lost: Optional[List[Dict[str, Any]]] = None
     reform_s: Optional[float] = None  # placing and joining the new group (after deciding)
     restore_s: Optional[float] = None
     restored_from: Optional[str] = None  # the checkpoint tier
@@ -108,6 +110,8 @@ class Recovery:
             out["decision"] = self.decision.value
         if self.reformed is None:
             del out["reformed"]
+        if self.lost is None:
+            del out["lost"]
         if self.reform_s is None:
             del out["reform_s"]
         if self.first_step_after_s is None:

@@ -110,4 +110,11 @@ def plan_in_place(
     on_live_nodes = [r for r, fate in zip(lost, fates) if fate in (Fate.PROCESS_DIED, Fate.ALIVE)]
     left_out = [r for r in lost if r not in on_live_nodes]
     refill, deferred = ([], on_live_nodes) if background else (on_live_nodes, [])
-    return InPlacePlan(keep, refill, left_out, deferred, spares=group.ready_spare_count())
+    return InPlacePlan(
+        keep,
+        refill,
+        left_out,
+        deferred,
+        spares=group.ready_spare_count(),
+        fates={r: str(fate) for r, fate in zip(lost, fates)},
+    )

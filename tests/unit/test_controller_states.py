@@ -363,9 +363,11 @@ def test_failure_with_survivors_reforms_in_place():
     run = make_run(
         {"n1": 1, "n2": 1}, ["elastic.max_failures=1"], faults=[Fault(0, 3, rank=1, error=died)]
     )
-    run.group.plan = InPlacePlan(keep=[0], refill=[1], left_out=[])
+    run.group.plan = InPlacePlan(keep=[0], refill=[1], left_out=[], fates={1: "process_died"})
     result = run.controller.run()
     (recovery,) = result.recoveries
+    assert recovery["lost"] == [{"rank": 1, "fate": "process_died"}]
+    assert any("lost rank 1 (process_died)" in t.reason for t in result.transitions)
     assert recovery["decision"] == Action.REPLACE == "replace"
     assert recovery["world_size"] == 2
     assert recovery["reformed"] == {"kept": 1, "spares_used": 0, "started": 1}
