@@ -11,9 +11,9 @@ The names below are imported on first use: a process that needs one submodule (a
 and the trainer (3.3 s of imports per worker here).
 """
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from raytrain_ext.lazy_exports import exporter
 from raytrain_ext.version import __version__
 
 _EXPORTS = {
@@ -29,12 +29,7 @@ if TYPE_CHECKING:
     from raytrain_ext.trainer import Trainer
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'raytrain_ext' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
+__getattr__ = exporter(globals(), _EXPORTS)
 
 
 __all__ = ["ConfigError", "Trainer", "TrainingFailed", "load_config", "__version__"]

@@ -5,8 +5,9 @@ which ``parallel.dims`` uses) must be importable without the loader, whose valid
 imports ``parallel.dims`` in turn.
 """
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from raytrain_ext.lazy_exports import exporter
 
 _EXPORTS = {
     "ConfigError": "raytrain_ext.config.errors",
@@ -37,12 +38,7 @@ if TYPE_CHECKING:
     from raytrain_ext.config.schema import TrainConfig
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'raytrain_ext.config' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
+__getattr__ = exporter(globals(), _EXPORTS)
 
 
 __all__ = [

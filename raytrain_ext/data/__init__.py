@@ -4,8 +4,9 @@ The names below are imported on first use, so that importing one data module (a
 ``data prepare`` worker's ``raytrain_ext.data.prepare``) does not import torch.
 """
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from raytrain_ext.lazy_exports import exporter
 
 _EXPORTS = {
     "GlobalSampler": "raytrain_ext.data.sampler",
@@ -19,12 +20,7 @@ if TYPE_CHECKING:
     from raytrain_ext.data.tokens import TokenDataset, open_token_dataset
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'raytrain_ext.data' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
+__getattr__ = exporter(globals(), _EXPORTS)
 
 
 __all__ = ["GlobalSampler", "TokenDataset", "open_token_dataset", "rank_slice"]
