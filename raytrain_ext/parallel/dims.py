@@ -49,6 +49,11 @@ class ParallelDims:
     def dp_rank(self, rank: int) -> int:
         return (rank // self.tp) % self.dp_size
 
+    def shard_index(self, rank: int) -> int:
+        """This rank's place along ``dp_shard``: which shard of the state it holds (ranks
+        of equal index in different ``dp_replicate`` groups hold the same shard)."""
+        return (rank // self.tp) % self.dp_shard
+
     def pp_rank(self, rank: int) -> int:
         """This rank's pipeline stage (stage 0 embeds, stage ``pp - 1`` computes the loss)."""
         return rank // (self.dp_size * self.tp)
@@ -349,6 +354,22 @@ def state_from_peers(cfg) -> bool:
     """Whether a group re-formed in place takes its state from its live ranks (else from
     the newest checkpoint): a replicated layout, unless ``elastic.state_from_peers`` is off."""
     return cfg.elastic.state_from_peers and replicates_state(cfg.parallel)
+
+
+def shards_from_replicas(cfg) -> bool:
+    """Whether a group re-formed in place at the same ``dp_shard`` degree takes each shard
+    from a live rank of another replica that holds it (HSDP: FSDP with ``dp_replicate``
+    > 1 and no tensor, pipeline or expert sharding); ``elastic.state_from_peers`` off
+    turns it off."""
+    p = cfg.parallel
+    return (
+        cfg.elastic.state_from_peers
+        and p.strategy == "fsdp"
+        and p.dp_replicate > 1
+        and p.tp == 1
+        and p.pp == 1
+        and p.ep <= 1
+    )
 
 
 def resize_unit(parallel_cfg) -> int:

@@ -3,11 +3,15 @@
 When a group breaks (a peer died) or pauses (it is about to grow), each surviving
 worker keeps its training state in memory as a :class:`LiveState` instead of
 dropping it with the process group.  The next group's ranks call
-:func:`restore_from_peers` together before any checkpoint is read: when the layout
-replicates the whole state on every rank (``parallel.dims.replicates_state``: DDP), the rank
-holding the newest live state broadcasts it and every rank installs it, so nothing is
-read from storage and no step is redone.  Otherwise (sharded layouts, or no rank
-holds state) it returns None and the checkpoint restore runs as before.
+:func:`restore_from_peers` together before any checkpoint is read.  Each live state is
+one shard ``(degree, index)`` of the whole: ``(1, 0)`` when the layout replicates the
+whole state on every rank (``parallel.dims.replicates_state``: DDP), ``(dp_shard,
+shard_index)`` under HSDP (``parallel.dims.shards_from_replicas``), where the ranks of
+every replica hold the same shards.  When live ranks hold every shard of the next group's
+degree at the same newest step, each shard is broadcast by one of its holders and the
+ranks that hold it in the new layout install it: nothing is read from storage and no
+step is redone.  Otherwise (another shard degree, a shard nobody holds, or no live
+state at all) it returns None and the checkpoint restore runs as before.
 
 Invariants: a ``LiveState`` is at a step boundary (model and optimizer after step
 ``step``'s update, the sampler, scheduler and ledger of that same boundary; see
@@ -27,6 +31,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.tensor import DTensor
 
 from raytrain_ext.checkpoint.state import REFERENCE_KEY, TRAIN_KEY, apply_train, train_items
 from raytrain_ext.checkpoint.train_state import TrainState
@@ -44,22 +49,40 @@ class LiveState:
     optim: Dict[str, Any]  # the optimizer's state_dict (index-keyed)
     train: Dict[str, Any]  # the replicated train items (``checkpoint.state.train_items``)
     reference: Optional[bytes] = None  # DPO's reference log-probs
+    shard: Tuple[int, int] = (1, 0)  # (degree, index): which part of the whole state
 
 
-def capture_live(state: TrainState, sampler_at_boundary: Optional[Dict[str, Any]]) -> LiveState:
-    """This rank's ``state`` as a live state (references, not copies); the sampler's
-    position is ``sampler_at_boundary`` when given (the step under way took its batch)."""
+def capture_live(
+    state: TrainState,
+    sampler_at_boundary: Optional[Dict[str, Any]],
+    shard: Tuple[int, int] = (1, 0),
+) -> LiveState:
+    """This rank's ``state`` as a live state (references, not copies; a sharded tensor
+    as its local shard); the sampler's position is ``sampler_at_boundary`` when given
+    (the step under way took its batch).  ``shard``: the part of the whole it holds."""
     items = train_items(state)
     if sampler_at_boundary is not None:
         items["sampler"] = sampler_at_boundary
     return LiveState(
         state.progress.step,
         state.config_digest,
-        state.strategy.unwrap(state.model).state_dict(),
-        state.optimizer.state_dict(),
+        _local(state.strategy.unwrap(state.model).state_dict()),
+        _local(state.optimizer.state_dict()),
         items,
         None if state.reference is None else state.reference.to_bytes(),
+        shard,
     )
+
+
+def _local(value: Any) -> Any:
+    """``value`` with each DTensor replaced by its local shard (a view, not a copy)."""
+    if isinstance(value, DTensor):
+        return value.to_local()
+    if isinstance(value, dict):
+        return {k: _local(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_local(v) for v in value]
+    return value
 
 
 @dataclass(frozen=True)
@@ -115,35 +138,84 @@ def _broadcast_tensors(
     return out  # type: ignore[return-value]
 
 
-def _offers(live: Optional[LiveState], digest: str) -> List[int]:
-    """Every rank's live step (-1: none, or one from another config), from one all-gather."""
-    mine = live.step if live is not None and live.config_digest == digest else -1
+Offer = Tuple[int, Tuple[int, int]]  # (live step or -1, shard) of one rank
+
+
+def _offers(live: Optional[LiveState], digest: str) -> List[Offer]:
+    """Every rank's live step (-1: none, or one from another config) and shard, from one
+    all-gather."""
+    mine = (live.step, live.shard) if live is not None and live.config_digest == digest else None
     offers: List[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(offers, mine)
-    return [int(o) for o in offers]
+    dist.all_gather_object(offers, mine if mine is not None else (-1, (0, 0)))
+    return [(int(step), (int(shard[0]), int(shard[1]))) for step, shard in offers]
+
+
+def _sources(offers: List[Offer], degree: int) -> Optional[Tuple[int, List[int]]]:
+    """(step, the rank broadcasting each shard ``0..degree-1``): the newest step whose
+    every shard of ``degree`` some rank holds, each from its lowest such rank; None when
+    no step is complete.  Pure, and identical on every rank (it reads the all-gather)."""
+    steps = sorted({step for step, shard in offers if step >= 0 and shard[0] == degree})
+    for step in reversed(steps):
+        holders = {}
+        for rank, (held, shard) in enumerate(offers):
+            if held == step and shard[0] == degree:
+                holders.setdefault(shard[1], rank)
+        if len(holders) == degree:
+            return step, [holders[index] for index in range(degree)]
+    return None
 
 
 def restore_from_peers(
-    state: TrainState, live: Optional[LiveState], enabled: bool
+    state: TrainState,
+    live: Optional[LiveState],
+    enabled: bool,
+    shard: Tuple[int, int] = (1, 0),
 ) -> Optional[Dict[str, Any]]:
-    """Install the newest live state held by any rank (a collective: every rank calls it).
+    """Install the newest complete live state the ranks hold (a collective: every rank
+    calls it).  ``shard``: the part of the whole this rank holds in the new layout.
 
     Returns the restore record (``tier`` is ``"peers"``), or None when not ``enabled`` (a
-    sharded layout, or ``elastic.state_from_peers`` off) or no rank holds a live state
-    of this run's config.
+    layout whose state is not handed over, or ``elastic.state_from_peers`` off) or no
+    step's shards are all held (by ranks of this run's config).
     """
     if not enabled:  # decided from the config: identical on every rank, no collective needed
         return None
     started = time.perf_counter()
-    offers = _offers(live, state.config_digest)
-    best = max(offers)
-    if best < 0:
+    found = _sources(_offers(live, state.config_digest), shard[0])
+    if found is None:
         return None
-    src = offers.index(best)
-    rank, device = dist.get_rank(), state.ctx.device
+    step, sources = found
+    mine, moved = None, 0
+    for index, src in enumerate(sources):  # one shard at a time: its holders keep it
+        whole, nbytes = _broadcast_state(live, src, state.ctx.device)
+        moved += nbytes
+        if index == shard[1]:
+            mine = whole
+    transferred = time.perf_counter()
+    _install(state, mine)
+    return {
+        "step": step,
+        "tier": PEERS,
+        "source_rank": sources[shard[1]],
+        "path": None,
+        "saved_world_size": None,
+        "bytes": moved,
+        "total_s": time.perf_counter() - started,
+        "phases": {
+            "transfer": transferred - started,
+            "install": time.perf_counter() - transferred,
+        },
+    }
+
+
+def _broadcast_state(
+    live: Optional[LiveState], src: int, device: torch.device
+) -> Tuple[Dict[str, Any], int]:
+    """``src``'s live state on every rank (its structure, then its tensors coalesced per
+    dtype), and the bytes of its tensors."""
     tensors: List[torch.Tensor] = []
     skeleton = None
-    if rank == src:
+    if dist.get_rank() == src:
         assert live is not None
         skeleton = _split(
             {"model": live.model, "optim": live.optim, TRAIN_KEY: live.train}, tensors, device
@@ -156,22 +228,8 @@ def restore_from_peers(
     _collect(skeleton, placeholders)
     placeholders.sort(key=lambda p: p.index)
     received = _broadcast_tensors(placeholders, tensors, src, device)
-    transferred = time.perf_counter()
-    sent = tensors if rank == src else received
-    _install(state, _join(skeleton, sent))
-    return {
-        "step": best,
-        "tier": PEERS,
-        "source_rank": src,
-        "path": None,
-        "saved_world_size": None,
-        "bytes": sum(t.numel() * t.element_size() for t in sent),
-        "total_s": time.perf_counter() - started,
-        "phases": {
-            "transfer": transferred - started,
-            "install": time.perf_counter() - transferred,
-        },
-    }
+    sent = tensors if dist.get_rank() == src else received
+    return _join(skeleton, sent), sum(t.numel() * t.element_size() for t in sent)
 
 
 def _collect(value: Any, into: List[_Placeholder]) -> None:
@@ -186,12 +244,41 @@ def _collect(value: Any, into: List[_Placeholder]) -> None:
 
 
 def _install(state: TrainState, whole: Dict[str, Any]) -> None:
-    """Load the handed-over state into this rank's freshly built loop."""
+    """Load the handed-over state into this rank's freshly built loop (local shards go
+    back into DTensors laid out like this rank's parameters)."""
     module = state.strategy.unwrap(state.model)
     with torch.no_grad():
-        module.load_state_dict(whole["model"])
-    state.optimizer.load_state_dict(whole["optim"])
+        module.load_state_dict(_like(whole["model"], module.state_dict()))
+    params = [p for group in state.optimizer.param_groups for p in group["params"]]
+    optim = whole["optim"]
+    optim["state"] = {
+        index: {key: _as_param(value, params[int(index)]) for key, value in entry.items()}
+        for index, entry in optim["state"].items()
+    }
+    state.optimizer.load_state_dict(optim)
     loaded = {TRAIN_KEY: io.BytesIO(json.dumps(whole[TRAIN_KEY]).encode())}
     if state.reference is not None:
         loaded[REFERENCE_KEY] = io.BytesIO(whole[REFERENCE_KEY])
     apply_train(state, loaded)
+
+
+def _like(values: Dict[str, Any], targets: Dict[str, Any]) -> Dict[str, Any]:
+    """``values`` with each local shard wrapped as a DTensor like its target."""
+    return {key: _as_param(value, targets.get(key)) for key, value in values.items()}
+
+
+def _as_param(value: Any, like: Any) -> Any:
+    """A local shard as a DTensor with ``like``'s mesh, placements and global shape, when
+    ``like`` is a DTensor and ``value`` has its local shape; else ``value`` as it is."""
+    if not (isinstance(like, DTensor) and isinstance(value, torch.Tensor)):
+        return value
+    if tuple(value.shape) != tuple(like.to_local().shape):
+        return value
+    return DTensor.from_local(
+        value,
+        like.device_mesh,
+        like.placements,
+        run_check=False,
+        shape=like.shape,
+        stride=like.stride(),
+    )

@@ -43,7 +43,7 @@ from raytrain_ext.models.moe import moe_aux_loss, moe_layers
 from raytrain_ext.models.spec import batch_logits
 from raytrain_ext.objectives import build_objective
 from raytrain_ext.parallel import DistContext, dims_for_run
-from raytrain_ext.parallel.dims import state_from_peers
+from raytrain_ext.parallel.dims import shards_from_replicas, state_from_peers
 from raytrain_ext.parallel.registry import build_strategy
 from raytrain_ext.train.evaluation import Evaluator, split_eval
 from raytrain_ext.train.exchange import exchange
@@ -162,14 +162,18 @@ class TrainLoop:
         self.peak_flops = (
             peak_flops_for(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
         )
-        self.hands_over = state_from_peers(cfg)
+        self.hands_over = state_from_peers(cfg)  # every rank holds the whole state (DDP)
+        # HSDP: each rank holds a shard that the ranks of the other replicas hold too
+        self.keeps_live = self.hands_over or shards_from_replicas(cfg)
+        dims = self.ctx.dims
+        self.shard = (dims.dp_shard, dims.shard_index(rank)) if not self.hands_over else (1, 0)
         self.paused_at: Optional[int] = None
         self._position = BOUNDARY
         self._sampler_at_boundary: Optional[Dict[str, Any]] = None  # set as a step begins
         self.ckpt: Optional[CheckpointManager] = None
         if cfg.checkpoint.enabled:
             self._open_checkpoints(cfg)
-        self.restored = restore_from_peers(self.state, live, self.hands_over)
+        self.restored = restore_from_peers(self.state, live, self.keeps_live, self.shard)
         if self.restored is None and self.ckpt is not None:
             self.restored = self.ckpt.restore(self.state)
         self.nonfinite = NonFiniteGuard(cfg.guards, self.state, self.ckpt)
@@ -397,15 +401,16 @@ class TrainLoop:
         return exchanged.request
 
     def live_state(self) -> Optional[LiveState]:
-        """This rank's state at the last step boundary, for the next group's ranks; None
-        when it is not handed over (``state_from_peers``) or the failure struck mid-update (between the optimizer
+        """This rank's state (or shard) at the last step boundary, for the next group's
+        ranks; None when it is not handed over (``state_from_peers``,
+        ``shards_from_replicas``) or the failure struck mid-update (between the optimizer
         step and the step count), where model and bookkeeping may disagree.  A failure
         after the step's batch was taken hands over the boundary before it: the sampler's
         position saved at the step's start."""
-        if not self.hands_over or self._position == UPDATING:
+        if not self.keeps_live or self._position == UPDATING:
             return None
         boundary = self._sampler_at_boundary if self._position == BATCH_TAKEN else None
-        return capture_live(self.state, boundary)
+        return capture_live(self.state, boundary, self.shard)
 
     def _objective_fields(self, metric_sums: List[float], units: float) -> Dict[str, float]:
         """The objective's metrics for the step, per loss unit (DPO: accuracy, margins)."""

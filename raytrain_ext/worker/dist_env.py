@@ -246,6 +246,23 @@ def destroy_distributed() -> None:
         else:
             dist.destroy_process_group()
     del handles  # the groups' destructors run here, with the GIL released
+    forget_dtensor_meshes()
+
+
+def forget_dtensor_meshes() -> None:
+    """Empty DTensor's sharding caches.
+
+    Why: they are keyed by device meshes, which compare equal by shape and names, and
+    their entries hold the mesh they were computed on.  The next group's mesh of the same
+    shape (an FSDP/HSDP group re-formed in place at the same size) hit them and got the
+    old mesh back, with process groups destroyed: "Could not resolve the process group
+    registered under the name 8" in the first gradient-norm all-reduce (seen here).
+    """
+    from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    _redistribute._gen_transform_infos.cache_clear()
 
 
 def assign_ranks(

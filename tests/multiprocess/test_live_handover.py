@@ -81,3 +81,58 @@ def test_new_group_takes_the_state_of_live_peers(first_size, uninterrupted, tmp_
         assert runs[1]["result"]["params_sha256"] == straight["result"]["params_sha256"]
     else:
         assert max_param_diff(runs[0]["params"], straight["params"]) < ATOL_UNEVEN
+
+
+HSDP = [
+    "run.max_steps=8",
+    "data.global_batch_size=16",
+    "data.micro_batch_size=2",
+    "scaling.num_workers=4",
+    "parallel.strategy=fsdp",
+    "parallel.dp_replicate=2",
+    "checkpoint.enabled=false",
+]
+
+
+def _hsdp_regroup(rank: int, ports, cfg_dict: dict, out_dir: str) -> None:
+    """4 HSDP ranks (2 replicas x 2 shards) train 4 steps; rank 0 loses its state (a
+    replacement process) and every process takes the next rank in the new group, so the
+    survivors hold shards that are not theirs in the new layout."""
+    from raytrain_ext.train.loop import TrainLoop
+
+    cfg = config_from_dict(cfg_dict)
+    device = init_local_rank(rank, 4, ports[0])
+    loop = TrainLoop(cfg, rank, 4, rank, device, lambda record: None)
+    for _ in range(HANDOVER_AT):
+        loop.train_step()
+    live = loop.live_state() if rank != 0 else None
+    del loop
+    destroy_distributed()
+    new_rank = (rank + 1) % 4
+    device = init_local_rank(new_rank, 4, ports[1])
+    try:
+        loop = TrainLoop(cfg, new_rank, 4, new_rank, device, lambda record: None, live=live)
+        result = loop.fit()
+        del loop
+    finally:
+        destroy_distributed()
+    torch.save({"result": result}, Path(out_dir) / f"rank{new_rank}.pt")
+
+
+def test_hsdp_replacement_takes_each_shard_from_a_live_replica(tmp_path):
+    """Same world size, same mesh: each shard comes from a rank of another replica that
+    holds it, nothing is read from a checkpoint, and the run ends bit-identical to the
+    uninterrupted one."""
+    straight = train_processes(4, HSDP, tmp_path / "straight")[0]["result"]
+    cfg = load_config(None, HSDP)
+    ports = (free_port("127.0.0.1"), free_port("127.0.0.1"))
+    (tmp_path / "regroup").mkdir()
+    spawn_ranks(_hsdp_regroup, (ports, to_dict(cfg), str(tmp_path / "regroup")), 4)
+    runs = [torch.load(tmp_path / "regroup" / f"rank{r}.pt", weights_only=False) for r in range(4)]
+    for new_rank, run in enumerate(runs):
+        restored = run["result"]["restored"]
+        assert restored["tier"] == "peers" and restored["step"] == HANDOVER_AT
+        # shard 0's lowest holder is old rank 2 (new 3), shard 1's is old rank 3 (new 0)
+        assert restored["source_rank"] == (3 if new_rank % 2 == 0 else 0)
+        assert run["result"]["samples_digest"] == straight["samples_digest"]
+        assert run["result"]["params_sha256"] == straight["params_sha256"]
