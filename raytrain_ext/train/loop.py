@@ -164,9 +164,10 @@ class TrainLoop:
         )
         self.hands_over = state_from_peers(cfg)  # every rank holds the whole state (DDP)
         # HSDP: each rank holds a shard that the ranks of the other replicas hold too
-        self.keeps_live = self.hands_over or shards_from_replicas(cfg)
+        replicas = shards_from_replicas(cfg)
+        self.keeps_live = self.hands_over or replicas
         dims = self.ctx.dims
-        self.shard = (dims.dp_shard, dims.shard_index(rank)) if not self.hands_over else (1, 0)
+        self.shard = (dims.dp_shard, dims.shard_index(rank)) if replicas else (1, 0)
         self.paused_at: Optional[int] = None
         self._position = BOUNDARY
         self._sampler_at_boundary: Optional[Dict[str, Any]] = None  # set as a step begins
