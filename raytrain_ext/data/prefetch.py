@@ -52,8 +52,8 @@ class BatchPrefetcher:
     def take(self, indices: np.ndarray) -> Batch:
         """The batch of ``indices``: prefetched (waiting for it if it is still being
         assembled) or assembled now.  An error in assembling it is raised here."""
-        future = self._pending.pop(_key(indices), None)
-        if future is None or future.cancelled():
+        future = self._pending.pop(_key(indices), None)  # never a cancelled one
+        if future is None:
             return self._assemble(indices)
         return future.result()
 

@@ -346,8 +346,12 @@ def dims_for_run(cfg, world_size: int) -> ParallelDims:
 def replicates_state(parallel_cfg) -> bool:
     """Whether every rank holds the whole training state, so that any one rank can hand it
     to a re-formed group: plain data parallelism, no tensor, pipeline or expert sharding."""
-    p = parallel_cfg
-    return p.strategy == "ddp" and p.tp == 1 and p.pp == 1 and p.ep <= 1
+    return parallel_cfg.strategy == "ddp" and _data_parallel_only(parallel_cfg)
+
+
+def _data_parallel_only(p) -> bool:
+    """No tensor, pipeline or expert sharding."""
+    return p.tp == 1 and p.pp == 1 and p.ep <= 1
 
 
 def state_from_peers(cfg) -> bool:
@@ -366,9 +370,7 @@ def shards_from_replicas(cfg) -> bool:
         cfg.elastic.state_from_peers
         and p.strategy == "fsdp"
         and p.dp_replicate > 1
-        and p.tp == 1
-        and p.pp == 1
-        and p.ep <= 1
+        and _data_parallel_only(p)
     )
 
 

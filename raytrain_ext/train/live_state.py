@@ -26,7 +26,7 @@ import io
 import json
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -74,15 +74,18 @@ def capture_live(
     )
 
 
+def _map_leaves(value: Any, leaf: Callable[[Any], Any]) -> Any:
+    """``value``'s structure of dicts and lists, with ``leaf`` applied to everything else."""
+    if isinstance(value, dict):
+        return {k: _map_leaves(v, leaf) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_map_leaves(v, leaf) for v in value]
+    return leaf(value)
+
+
 def _local(value: Any) -> Any:
     """``value`` with each DTensor replaced by its local shard (a view, not a copy)."""
-    if isinstance(value, DTensor):
-        return value.to_local()
-    if isinstance(value, dict):
-        return {k: _local(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_local(v) for v in value]
-    return value
+    return _map_leaves(value, lambda v: v.to_local() if isinstance(v, DTensor) else v)
 
 
 @dataclass(frozen=True)
@@ -97,24 +100,25 @@ class _Placeholder:
 def _split(value: Any, tensors: List[torch.Tensor], device: torch.device) -> Any:
     """The structure of ``value`` with each tensor on ``device`` replaced by a placeholder
     (collected into ``tensors``); other values (CPU scalars, ints) stay inline."""
-    if isinstance(value, torch.Tensor) and value.device == device and value.numel() > 1:
-        tensors.append(value)
-        return _Placeholder(len(tensors) - 1, tuple(value.shape), value.dtype)
-    if isinstance(value, dict):
-        return {k: _split(v, tensors, device) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_split(v, tensors, device) for v in value]
-    return value
+
+    def leaf(v: Any) -> Any:
+        if isinstance(v, torch.Tensor) and v.device == device and v.numel() > 1:
+            tensors.append(v)
+            return _Placeholder(len(tensors) - 1, tuple(v.shape), v.dtype)
+        return v
+
+    return _map_leaves(value, leaf)
 
 
 def _join(value: Any, tensors: List[torch.Tensor]) -> Any:
-    if isinstance(value, _Placeholder):
-        return tensors[value.index]
-    if isinstance(value, dict):
-        return {k: _join(v, tensors) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_join(v, tensors) for v in value]
-    return value
+    return _map_leaves(value, lambda v: tensors[v.index] if isinstance(v, _Placeholder) else v)
+
+
+def _placeholders(skeleton: Any) -> List[_Placeholder]:
+    """The skeleton's placeholders, in tensor order."""
+    found: List[_Placeholder] = []
+    _map_leaves(skeleton, lambda v: found.append(v) if isinstance(v, _Placeholder) else None)
+    return sorted(found, key=lambda p: p.index)
 
 
 def _broadcast_tensors(
@@ -144,9 +148,9 @@ Offer = Tuple[int, Tuple[int, int]]  # (live step or -1, shard) of one rank
 def _offers(live: Optional[LiveState], digest: str) -> List[Offer]:
     """Every rank's live step (-1: none, or one from another config) and shard, from one
     all-gather."""
-    mine = (live.step, live.shard) if live is not None and live.config_digest == digest else None
+    held = live is not None and live.config_digest == digest
     offers: List[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(offers, mine if mine is not None else (-1, (0, 0)))
+    dist.all_gather_object(offers, (live.step, live.shard) if held else (-1, (0, 0)))
     return [(int(step), (int(shard[0]), int(shard[1]))) for step, shard in offers]
 
 
@@ -224,23 +228,9 @@ def _broadcast_state(
     box = [skeleton]
     dist.broadcast_object_list(box, src=src)
     skeleton = box[0]
-    placeholders: List[_Placeholder] = []
-    _collect(skeleton, placeholders)
-    placeholders.sort(key=lambda p: p.index)
-    received = _broadcast_tensors(placeholders, tensors, src, device)
+    received = _broadcast_tensors(_placeholders(skeleton), tensors, src, device)
     sent = tensors if dist.get_rank() == src else received
     return _join(skeleton, sent), sum(t.numel() * t.element_size() for t in sent)
-
-
-def _collect(value: Any, into: List[_Placeholder]) -> None:
-    if isinstance(value, _Placeholder):
-        into.append(value)
-    elif isinstance(value, dict):
-        for v in value.values():
-            _collect(v, into)
-    elif isinstance(value, list):
-        for v in value:
-            _collect(v, into)
 
 
 def _install(state: TrainState, whole: Dict[str, Any]) -> None:
