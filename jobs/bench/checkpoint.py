@@ -237,27 +237,36 @@ def run_framework(args, endpoint, bucket, workdir, nbytes):
             ("local", ["checkpoint.memory=false"]),
             ("s3", ["checkpoint.memory=false", "checkpoint.local=false"]),
         ):
-            if tier not in args.tiers:
-                continue
-            if tier == "local":  # a restore after a node's restart reads from the disk
-                drop_from_page_cache(step_files(newest_step_dir(workdir)))
-            summary = Trainer(load_config(None, common + extra)).fit()
-            restored = summary["restored"]
-            assert restored["tier"] == tier, restored
-            restores[tier] = restored
-        reference_s = {"memory": object_store_get_s(restored_bytes(workdir), args.workers)}
+            if tier in args.tiers:
+                restores[tier] = [
+                    restore_once(tier, workdir, common + extra) for _ in range(args.restores)
+                ]
+        reference_s = {
+            "memory": object_store_get_s(restored_bytes(workdir), args.workers, args.restores)
+        }
     finally:
         stop_memory_tier(memory)
         ray.shutdown()
-    reference_s["local"] = min(
-        local_read_s(newest_step_dir(workdir), args.workers) for _ in range(2)
-    )
+    reference_s["local"] = [
+        local_read_s(newest_step_dir(workdir), args.workers) for _ in range(args.restores)
+    ]
     if "s3" in args.tiers:
-        prefix = f"bench/{step_dir_name(restores['s3']['step'])}/"
-        reference_s["s3"] = min(
-            s3_download_s(endpoint, bucket, prefix, args.workers) for _ in range(2)
-        )
+        prefix = f"bench/{step_dir_name(restores['s3'][0]['step'])}/"
+        reference_s["s3"] = [
+            s3_download_s(endpoint, bucket, prefix, args.workers) for _ in range(args.restores)
+        ]
     return saved, paused, restores, put_s, reference_s
+
+
+def restore_once(tier, workdir, overrides):
+    """One run that only restores (it starts at its last step): the restore record."""
+    from raytrain_ext import Trainer
+
+    if tier == "local":  # a restore after a node's restart reads from the disk
+        drop_from_page_cache(step_files(newest_step_dir(workdir)))
+    restored = Trainer(load_config(None, overrides)).fit()["restored"]
+    assert restored["tier"] == tier, restored
+    return restored
 
 
 def newest_step_dir(workdir):
@@ -366,6 +375,12 @@ def main():
         "--skip-paused", action="store_true", help="no second run with training paused during saves"
     )
     parser.add_argument(
+        "--restores",
+        type=int,
+        default=3,
+        help="restores per tier, each in fresh workers (the reference is measured as often)",
+    )
+    parser.add_argument(
         "--sizes",
         default="",
         help="e.g. 0.3,1,3: one run per state size (GB, of %s), then a table of "
@@ -428,8 +443,8 @@ def trend_row(ref, saved, paused, restores, peer):
     }
     for tier in timings[0]["tiers_s"]:
         row[f"persist {tier} s"] = statistics.median(t["tiers_s"][tier] for t in timings)
-    for tier, restored in restores.items():
-        row[f"restore {tier} s"] = restore_seconds(restored)
+    for tier, runs in restores.items():
+        row[f"restore {tier} s"] = statistics.median(restore_seconds(r) for r in runs)
     return row
 
 
@@ -546,27 +561,8 @@ def report(args, ref, saved, paused, restores, peer):
         "reference gets the same bytes into each worker from the same medium, "
         "see restore_reference.py):"
     )
-    for tier, restored in restores.items():
-        seconds, reference = restore_seconds(restored), ref["restore_s"][tier]
-        print(
-            f"restore from {tier}: {seconds:.2f} s, {saved_bytes / seconds:.2f} GB/s, "
-            f"reference {saved_bytes / reference:.2f} GB/s, ratio {reference / seconds:.2f}"
-        )
-        print(
-            "  phases (s): "
-            + ", ".join(
-                f"{name[:-2]} {value:.3f}"
-                for name, value in restored["phases"].items()
-                if value >= 0.0005
-            )
-        )
-        memory = restored["memory"]
-        if memory:
-            print(
-                f"  peak private memory: this rank's state {memory['state_mb']:.0f} MB + "
-                f"{memory['transient_peak_mb']:.0f} MB held by the restore at its peak = "
-                f"{memory['peak_over_state']:.2f} x the state"
-            )
+    for tier, runs in restores.items():
+        print_restores(tier, runs, ref["restore_s"][tier], saved_bytes)
     if peer:
         print(
             f"Ray Train report(checkpoint) blocks {peer['report_with_ckpt_s']:.2f} s per save "
@@ -574,6 +570,43 @@ def report(args, ref, saved, paused, restores, peer):
             f"{peer['compute_s'] * 1e3:.0f} ms); "
             f"raytrain-ext stall {stall_s:.3f} s -> "
             f"{peer['report_with_ckpt_s'] / stall_s:.0f}x less blocking"
+        )
+
+
+def print_restores(tier, runs, reference_runs, saved_gb):
+    """The required line (medians), the ranges over the runs, then the median run's phases."""
+    seconds = [restore_seconds(r) for r in runs]
+    references = reference_runs["fresh"] if tier == "memory" else reference_runs
+    ours, theirs = statistics.median(seconds), statistics.median(references)
+    print(
+        f"restore from {tier}: {ours:.2f} s, {saved_gb / ours:.2f} GB/s, "
+        f"reference {saved_gb / theirs:.2f} GB/s, ratio {theirs / ours:.2f}"
+    )
+    print(
+        f"  {len(runs)} restores {min(seconds):.3f}-{max(seconds):.3f} s; reference "
+        f"{min(references):.3f}-{max(references):.3f} s"
+    )
+    if tier == "memory":
+        warm = reference_runs["warm"]
+        print(
+            f"  reference with the store already mapped in the getter (a second get): "
+            f"{warm:.3f} s, {saved_gb / warm:.2f} GB/s, ratio {warm / ours:.2f}"
+        )
+    median_run = sorted(runs, key=restore_seconds)[len(runs) // 2]
+    print(
+        "  phases (s): "
+        + ", ".join(
+            f"{name[:-2]} {value:.3f}"
+            for name, value in median_run["phases"].items()
+            if value >= 0.0005
+        )
+    )
+    memory = median_run["memory"]
+    if memory:
+        print(
+            f"  peak private memory: this rank's state {memory['state_mb']:.0f} MB + "
+            f"{memory['transient_peak_mb']:.0f} MB held by the restore at its peak = "
+            f"{memory['peak_over_state']:.2f} x the state"
         )
 
 

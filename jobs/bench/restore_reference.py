@@ -3,8 +3,9 @@
 Each reference does what a restore of a replicated (DDP) state must do at the least:
 every one of the W workers ends up with all of the state's bytes in its own memory, all
 W at once, from the same medium:
-- memory: W processes each ``ray.get`` an object holding the bytes (put by another
-  process, as a holder puts the files) and copy it into a buffer of their own;
+- memory: W new processes each ``ray.get`` an object holding the bytes (put by another
+  process, as a holder puts the files) and copy it into a buffer of their own (a second
+  get by the same processes, with the store already mapped, is printed beside it);
 - local: W threads each read the step's files into fresh buffers, after the files were
   written back and dropped from the page cache (``sync``, then ``posix_fadvise(DONTNEED)``),
   so the first reader goes to the disk; the restore being measured starts the same way;
@@ -19,7 +20,7 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import List
+from typing import Dict, List
 
 MB = 1024 * 1024
 
@@ -84,9 +85,14 @@ def s3_download_s(endpoint: str, bucket: str, prefix: str, workers: int) -> floa
     return time.perf_counter() - start
 
 
-def object_store_get_s(nbytes: int, workers: int) -> float:
+def object_store_get_s(nbytes: int, workers: int, tries: int) -> Dict[str, object]:
     """Seconds for ``workers`` zero-CPU actors to each ``ray.get`` an ``nbytes`` object put
-    by another actor and copy it into a fresh buffer of their own, at once; best of 3."""
+    by another actor and copy it into a fresh buffer of their own, at once.
+
+    ``fresh``: one figure per try, each the first get of new actors, as a restore is (it
+    runs in new worker processes, which map the object store's pages for the first time);
+    ``warm``: the best second get of the same actors, the store's pages already mapped.
+    """
     import numpy as np
     import ray
 
@@ -98,6 +104,9 @@ def object_store_get_s(nbytes: int, workers: int) -> float:
 
     @ray.remote(num_cpus=0)
     class Getter:
+        def ready(self):
+            return True
+
         def get(self, wrapped):
             start = time.perf_counter()
             held = ray.get(wrapped[0])
@@ -107,9 +116,15 @@ def object_store_get_s(nbytes: int, workers: int) -> float:
 
     holder = Holder.remote()
     wrapped = ray.get(holder.put.remote(nbytes))
-    getters = [Getter.remote() for _ in range(workers)]
+    fresh, warm = [], []
     try:
-        return min(max(ray.get([g.get.remote(wrapped) for g in getters])) for _ in range(3))
+        for _ in range(tries):
+            getters = [Getter.remote() for _ in range(workers)]
+            ray.get([g.ready.remote() for g in getters])
+            fresh.append(max(ray.get([g.get.remote(wrapped) for g in getters])))
+            warm.append(max(ray.get([g.get.remote(wrapped) for g in getters])))
+            for getter in getters:
+                ray.kill(getter)
     finally:
-        for actor in [holder, *getters]:
-            ray.kill(actor)
+        ray.kill(holder)
+    return {"fresh": fresh, "warm": min(warm)}

@@ -18,12 +18,14 @@ from __future__ import annotations
 import gc
 import logging
 import time
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from raytrain_ext.checkpoint import native
 from raytrain_ext.checkpoint import state as ckpt_state
@@ -158,8 +160,7 @@ class Restorer:
         if use_native:  # model and optimizer come from the strategy's own files
             targets = ckpt_state.without_model(targets)
         with phases.time("read"):  # VerifiedReader checks each chunk as it loads it
-            dcp.load(targets, storage_reader=fetched.reader, process_group=self.group)
-        late = fetched.reader.problem if isinstance(fetched.reader, VerifiedReader) else None
+            late = load_planned(targets, fetched.reader)
         if self._unusable(_of_step(tier, step, late), problems_seen):
             return None
         info = self._install(
@@ -236,6 +237,24 @@ class Restorer:
         names = [name for name in manifest.files if native.is_native(name)]
         tree = native.rebuild(directory, names, self.cache / f"native-{manifest.step}")
         state.strategy.native_load(state.model, tree, manifest.native["tag"])
+
+
+def load_planned(targets: Dict[str, Any], reader) -> Optional[str]:
+    """Load ``targets`` through ``reader`` on this rank alone; the problem, or None.
+
+    Why alone: DCP's coordinated load gathers every rank's plan and gathers again after
+    the reads, two collectives that only re-check what this rank planned (a load plan
+    reads each rank's own targets; DCP's global load plan changes nothing).  The ranks
+    agree on the outcome afterwards instead (``Restorer._unusable``), so a rank that
+    fails here reports it rather than raising alone while its peers wait.
+    """
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(targets, storage_reader=reader, no_dist=True)
+    except (Exception, CheckpointException) as e:  # DCP's wrapper is a BaseException
+        return f"cannot load: {e}"
+    return reader.problem if isinstance(reader, VerifiedReader) else None
 
 
 def _of_step(tier: Tier, step: int, problem: Optional[str]) -> Optional[str]:

@@ -221,3 +221,23 @@ def test_memory_watch_sees_a_transient_peak_and_not_what_stays():
     assert 56 <= record["transient_peak_mb"] <= 80, record
     assert record["peak_over_state"] == round((32 + record["transient_peak_mb"]) / 32, 3)
     assert kept.sum() > 0
+
+
+def test_a_load_that_raises_on_one_rank_is_reported_not_raised(tmp_path):
+    """Each rank loads alone (no DCP collectives), so a rank whose load fails must report
+    it for the ranks' agreement instead of raising while its peers wait in it."""
+    import torch
+
+    from raytrain_ext.checkpoint.reader import VerifiedReader, map_files
+    from raytrain_ext.checkpoint.restore import load_planned
+
+    saved, manifest = _saved_step(tmp_path)
+    reader = VerifiedReader(map_files(tmp_path, sorted(manifest.files)), manifest, "r", threads=2)
+    targets = {"w": torch.zeros(64, 32), "absent": torch.zeros(3)}
+    problem = load_planned(targets, reader)
+    assert problem is not None and problem.startswith("cannot load:") and "absent" in problem
+
+    reader = VerifiedReader(map_files(tmp_path, sorted(manifest.files)), manifest, "r", threads=2)
+    targets = {"w": torch.zeros(64, 32), "step": 0}
+    assert load_planned(targets, reader) is None
+    assert torch.equal(targets["w"], saved["w"]) and targets["step"] == 12
