@@ -24,6 +24,7 @@ from typing import Any, Dict, Optional, Sequence
 import ray
 
 from raytrain_ext.worker.actor import TrainWorker
+from raytrain_ext.worker.form_options import FormOptions
 from raytrain_ext.worker.group import PlacementTimeout, WorkerGroup
 
 NCCL_CAPTURE_SUBSYS = "INIT,NET,GRAPH,ENV"
@@ -95,9 +96,7 @@ def run_benchmark(
         try:
             group.start(
                 num_workers,
-                backend="nccl" if use_gpu else "gloo",
-                timeout_s=timeout_s,
-                placement_timeout_s=min(timeout_s, 120),
+                FormOptions("nccl" if use_gpu else "gloo", timeout_s, min(timeout_s, 120)),
                 runtime_env=_nccl_env(log_dir, use_gpu),
             )
         except PlacementTimeout as e:

@@ -53,6 +53,7 @@ from raytrain_ext.elastic.records import (
 from raytrain_ext.elastic.recovery import Recoveries
 from raytrain_ext.metrics import MetricsSink
 from raytrain_ext.parallel.dims import state_from_peers
+from raytrain_ext.worker.form_options import FormOptions
 
 log = logging.getLogger(__name__)
 
@@ -166,27 +167,14 @@ class Controller:
 
     def _form(self, plan: Optional[InPlacePlan]) -> None:
         """Re-form in place as ``plan`` says, or start a group of ``world_size``."""
-        s, p = self.cfg.scaling, self.cfg.parallel
+        p = self.cfg.parallel
+        form = FormOptions(p.backend, p.timeout_s, self.cfg.scaling.placement_timeout_s)
         if plan is not None:
-            reformed = self.group.reform(
-                plan.keep,
-                size=plan.size,
-                refill_ranks=plan.refill,
-                deferred_ranks=plan.deferred,
-                backend=p.backend,
-                timeout_s=p.timeout_s,
-                placement_timeout_s=s.placement_timeout_s,
-            )
+            reformed = self.group.reform(plan, form)
             if isinstance(self._books, Recovery):
                 self._books.reformed = reformed
             return
-        self.group.start(
-            self.world_size,
-            backend=p.backend,
-            timeout_s=p.timeout_s,
-            placement_timeout_s=s.placement_timeout_s,
-            spares=self.cfg.elastic.spare_workers,
-        )
+        self.group.start(self.world_size, form, spares=self.cfg.elastic.spare_workers)
 
     def _formed(self) -> None:
         """Write down the group just formed."""

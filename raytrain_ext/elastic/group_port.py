@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Protocol, Sequence, Set, Tuple
 
 from raytrain_ext.elastic.in_place import InPlacePlan
+from raytrain_ext.worker.form_options import FormOptions
 
 
 @dataclass(frozen=True)
@@ -45,33 +46,15 @@ class GroupPort(Protocol):
     @property
     def world_size(self) -> int: ...
 
-    def start(
-        self,
-        num_workers: int,
-        *,
-        backend: str,
-        timeout_s: float,
-        placement_timeout_s: float,
-        spares: int,
-    ) -> None:
+    def start(self, num_workers: int, form: FormOptions, *, spares: int) -> None:
         """Place and form a new group (raises when it cannot be placed or formed)."""
         ...
 
-    def reform(
-        self,
-        keep_ranks: List[int],
-        *,
-        size: int,
-        refill_ranks: List[int],
-        deferred_ranks: List[int],
-        backend: str,
-        timeout_s: float,
-        placement_timeout_s: float,
-    ) -> Dict[str, int]:
-        """Re-form with ``size`` ranks keeping ``keep_ranks``' processes, lost ranks' places
-        taken by ready spares, then by new processes in ``refill_ranks``' slots (the rest
-        left out; ``deferred_ranks``' slots get spares that join later); how the places
-        were filled."""
+    def reform(self, plan: InPlacePlan, form: FormOptions) -> Dict[str, int]:
+        """Re-form with ``plan.size`` ranks keeping ``plan.keep``'s processes, lost ranks'
+        places taken by ready spares, then by new processes in ``plan.refill``'s slots (the
+        rest left out; ``plan.deferred``'s slots get spares that join later); how the
+        places were filled."""
         ...
 
     def start_fit(self, cfg_dict: Dict[str, Any], attempt: int) -> None:

@@ -18,6 +18,7 @@ from raytrain_ext.elastic.diagnostics import dump_worker_stacks
 from raytrain_ext.elastic.group_port import FitStatus
 from raytrain_ext.elastic.survivors import InPlacePlan, first_error, plan_in_place
 from raytrain_ext.user_code import UserCode
+from raytrain_ext.worker.form_options import FormOptions
 from raytrain_ext.worker.group import WorkerGroup
 
 NO_ANSWER = (ray.exceptions.RayError, ray.exceptions.GetTimeoutError)
@@ -58,44 +59,18 @@ class RayGroup:
     def world_size(self) -> int:
         return self._group.world_size
 
-    def start(
-        self,
-        num_workers: int,
-        *,
-        backend: str,
-        timeout_s: float,
-        placement_timeout_s: float,
-        spares: int,
-    ) -> None:
+    def start(self, num_workers: int, form: FormOptions, *, spares: int) -> None:
         self._fit_refs, self._pending = [], []  # a group that fails to form ran nothing
-        self._group.start(
-            num_workers,
-            backend=backend,
-            timeout_s=timeout_s,
-            placement_timeout_s=placement_timeout_s,
-            spares=spares,
-        )
+        self._group.start(num_workers, form, spares=spares)
 
-    def reform(
-        self,
-        keep_ranks: List[int],
-        *,
-        size: int,
-        refill_ranks: List[int],
-        deferred_ranks: List[int],
-        backend: str,
-        timeout_s: float,
-        placement_timeout_s: float,
-    ) -> Dict[str, int]:
+    def reform(self, plan: InPlacePlan, form: FormOptions) -> Dict[str, int]:
         self._fit_refs, self._pending = [], []
         return self._group.reform(
-            keep_ranks,
-            size=size,
-            refill_ranks=refill_ranks,
-            deferred_ranks=deferred_ranks,
-            backend=backend,
-            timeout_s=timeout_s,
-            placement_timeout_s=placement_timeout_s,
+            plan.keep,
+            form,
+            size=plan.size,
+            refill_ranks=plan.refill,
+            deferred_ranks=plan.deferred,
         )
 
     def start_fit(self, cfg_dict: Dict[str, Any], attempt: int) -> None:

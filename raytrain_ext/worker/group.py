@@ -30,6 +30,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raytrain_ext.worker.actor import remote_worker_class
 from raytrain_ext.worker.dist_env import WorkerEnv, assign_ranks
+from raytrain_ext.worker.form_options import FormOptions
 
 log = logging.getLogger(__name__)
 
@@ -79,10 +80,8 @@ class WorkerGroup:
     def start(
         self,
         num_workers: int,
+        form: FormOptions,
         *,
-        backend: str,
-        timeout_s: float,
-        placement_timeout_s: float,
         runtime_env: Optional[dict] = None,
         spares: int = 0,
     ) -> None:
@@ -97,11 +96,11 @@ class WorkerGroup:
             strategy=self.placement_strategy,
             bundle_label_selector=selector,
         )
-        ready, _ = ray.wait([self.pg.ready()], timeout=placement_timeout_s)
+        ready, _ = ray.wait([self.pg.ready()], timeout=form.placement_timeout_s)
         if not ready:
             raise PlacementTimeout(
                 f"could not place {total} workers with {self.resources} each "
-                f"({self.placement_strategy}) within {placement_timeout_s:.0f} s; cluster "
+                f"({self.placement_strategy}) within {form.placement_timeout_s:.0f} s; cluster "
                 f"resources: {ray.cluster_resources()}. Lower scaling.num_workers, "
                 "scaling.resources_per_worker or elastic.spare_workers, or add nodes."
             )
@@ -110,18 +109,16 @@ class WorkerGroup:
         self.spares = [self._create_spare(i) for i in range(num_workers, total)]
         self.vacant, self.unplaced = [], {}
         infos = ray.get([a.node_info.remote() for a in actors])
-        self._form(list(zip(actors, range(num_workers), infos)), backend, timeout_s)
+        self._form(list(zip(actors, range(num_workers), infos)), form)
 
     def reform(
         self,
         keep_ranks: List[int],
+        form: FormOptions,
         *,
         size: int,
         refill_ranks: List[int],
         deferred_ranks: List[int],
-        backend: str,
-        timeout_s: float,
-        placement_timeout_s: float,
     ) -> Dict[str, int]:
         """Re-form with ``size`` ranks keeping the ``keep_ranks`` processes (their
         collectives failed cleanly, or they paused); the other ranks are killed.  The
@@ -150,11 +147,11 @@ class WorkerGroup:
         self.unplaced.update({self.bundles[r]: self.infos[r]["node_id"] for r in unplaced})
         infos = ray.get(
             [a.node_info.remote() for a, _ in fresh],  # a process start, in a
-            timeout=min(placement_timeout_s, 30.0),
+            timeout=min(form.placement_timeout_s, 30.0),
         )  # bundle the gang holds
         members += [(a, b, info) for (a, b), info in zip(fresh, infos)]
         self.vacant += slots[need - len(ready) :] + later
-        self._form(members, backend, timeout_s)
+        self._form(members, form)
         return {
             "kept": len(keep),
             "spares_used": len(ready),
@@ -232,9 +229,7 @@ class WorkerGroup:
         actor = self._create(bundle)
         return Spare(actor, bundle, actor.warm.remote())
 
-    def _form(
-        self, members: List[Tuple[Any, int, Dict[str, Any]]], backend: str, timeout_s: float
-    ) -> None:
+    def _form(self, members: List[Tuple[Any, int, Dict[str, Any]]], form: FormOptions) -> None:
         """Rank ``members`` (actor, bundle, node info) node by node and join them in one group."""
         envs = assign_ranks(
             [i["node_id"] for _, _, i in members],
@@ -246,14 +241,14 @@ class WorkerGroup:
         self.actors = [members[i][0] for i in order]
         self.bundles = [members[i][1] for i in order]
         self.infos = [members[i][2] for i in order]
-        port = ray.get(self.actors[0].host_rendezvous.remote(timeout_s))
+        port = ray.get(self.actors[0].host_rendezvous.remote(form.timeout_s))
         self.envs = [WorkerEnv(**{**envs[i].to_dict(), "master_port": port}) for i in order]
         backends = ray.get(
             [
-                a.setup.remote(e.to_dict(), backend, timeout_s)
+                a.setup.remote(e.to_dict(), form.backend, form.timeout_s)
                 for a, e in zip(self.actors, self.envs)
             ],
-            timeout=timeout_s + 30,
+            timeout=form.timeout_s + 30,
         )
         self.backend = backends[0]
         log.info(

@@ -9,6 +9,7 @@ import ray
 
 from raytrain_ext import Trainer, TrainingFailed, load_config
 from raytrain_ext.worker.dist_env import assign_ranks
+from raytrain_ext.worker.form_options import FormOptions
 from raytrain_ext.worker.group import PlacementTimeout, WorkerGroup
 from tests.helpers.leaks import assert_nothing_left
 from tests.helpers.reference import uninterrupted
@@ -35,7 +36,7 @@ def test_ranks_are_contiguous_per_node_and_gpus_are_mapped():
 def test_workers_get_torchrun_environment_and_one_gloo_group(ray_local):
     group = WorkerGroup({"CPU": 1})
     try:
-        group.start(3, backend="auto", timeout_s=30, placement_timeout_s=30)
+        group.start(3, FormOptions("auto", timeout_s=30, placement_timeout_s=30))
         environs = ray.get(
             [a.__ray_call__.remote(lambda self: dict(os.environ)) for a in group.actors]
         )
@@ -64,7 +65,7 @@ def test_workers_get_torchrun_environment_and_one_gloo_group(ray_local):
 def test_impossible_placement_fails_fast_and_cleans_up(ray_local):
     group = WorkerGroup({"CPU": 64})
     with pytest.raises(PlacementTimeout, match=r"could not place 2 workers with \{'CPU': 64.0\}"):
-        group.start(2, backend="auto", timeout_s=10, placement_timeout_s=1)
+        group.start(2, FormOptions("auto", timeout_s=10, placement_timeout_s=1))
     group.shutdown()
     assert_nothing_left()
 

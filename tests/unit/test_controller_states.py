@@ -127,7 +127,7 @@ class FakeGroup:
             used[info["node_id"]] = used.get(info["node_id"], 0) + 1
         return used
 
-    def start(self, num_workers, *, backend, timeout_s, placement_timeout_s, spares):
+    def start(self, num_workers, form, *, spares):
         self.calls.append(("start", num_workers))
         slots = [
             node
@@ -140,17 +140,14 @@ class FakeGroup:
         self.infos = [_info(node, rank) for rank, node in enumerate(slots[:num_workers])]
         self.world, self.backend = num_workers, "gloo"
 
-    def reform(
-        self, keep_ranks, *, size, refill_ranks, deferred_ranks, backend, timeout_s,
-        placement_timeout_s,
-    ):  # fmt: skip
+    def reform(self, plan, form):
         """Kept ranks keep their state: the new group resumes where they stopped."""
-        self.calls.append(("reform", list(keep_ranks), size))
-        spares = min(self.spares_ready, size - len(keep_ranks))
+        self.calls.append(("reform", list(plan.keep), plan.size))
+        spares = min(self.spares_ready, plan.size - len(plan.keep))
         self.spares_ready -= spares
-        started = size - len(keep_ranks) - spares
-        self.world, self.committed = size, self.step
-        return {"kept": len(keep_ranks), "spares_used": spares, "started": started}
+        started = plan.size - len(plan.keep) - spares
+        self.world, self.committed = plan.size, self.step
+        return {"kept": len(plan.keep), "spares_used": spares, "started": started}
 
     def start_fit(self, cfg_dict, attempt):
         self.attempt, self.step, self.first = attempt, self.committed, True
