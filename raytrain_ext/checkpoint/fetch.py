@@ -19,6 +19,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch.distributed.checkpoint as dcp
 
+from raytrain_ext.checkpoint.held_chunks import HeldChunks
 from raytrain_ext.checkpoint.manifest import Manifest, step_dir_name, verify_dir
 from raytrain_ext.checkpoint.phases import RestorePhases
 from raytrain_ext.checkpoint.reader import (
@@ -56,6 +57,7 @@ class StepLoad:
     is_coordinator: bool  # rank 0 (DCP's planner plans the replicated items there)
     check_shapes: ShapeCheck
     read_threads: int
+    held: Optional[HeldChunks] = None  # this rank's own chunks of ``step``, not read
 
 
 def fetch_step(tier: Tier, load: StepLoad, whole: bool = False) -> Fetched:
@@ -81,7 +83,9 @@ def _fetch_planned(read: ReadViews, load: StepLoad, where: str) -> Fetched:
     if METADATA not in manifest.files:
         return Fetched(None, f"{where}: the manifest lists no {METADATA}")
     try:
-        reader = VerifiedReader(read([METADATA]), manifest, where, load.read_threads)
+        reader = VerifiedReader(
+            read([METADATA]), manifest, where, load.read_threads, held=load.held
+        )
     except FileNotFoundError as e:
         return Fetched(None, f"{where}/{METADATA} is missing ({e})")
     with load.phases.time("verify"):
@@ -91,7 +95,7 @@ def _fetch_planned(read: ReadViews, load: StepLoad, where: str) -> Fetched:
     metadata = reader.read_metadata()
     load.check_shapes(metadata, load.targets, where)
     with load.phases.time("plan"):
-        names = plan_files(load.targets, metadata, load.is_coordinator)
+        names = plan_files(load.targets, metadata, load.is_coordinator, load.held)
     unknown = [name for name in names if name not in manifest.files]
     if unknown:
         return Fetched(None, f"{where}/{unknown[0]} is read by the load but not in the manifest")

@@ -39,6 +39,7 @@ import torch.distributed.checkpoint as dcp
 from raytrain_ext.checkpoint import native
 from raytrain_ext.checkpoint import state as ckpt_state
 from raytrain_ext.checkpoint.agreement import gather_from_all
+from raytrain_ext.checkpoint.held_chunks import HeldChunks
 from raytrain_ext.checkpoint.manifest import (
     Manifest,
     checksum_file,
@@ -381,10 +382,13 @@ class CheckpointManager:
         return self.local_rank == 0 if tier.name == "local" else self.rank == 0
 
     # ---- restoring ------------------------------------------------------------------------
-    def restore(self, state: TrainState, newest: bool = False) -> Optional[Dict[str, Any]]:
+    def restore(
+        self, state: TrainState, newest: bool = False, held: Optional[HeldChunks] = None
+    ) -> Optional[Dict[str, Any]]:
         """Load the newest committed checkpoint that verifies (``checkpoint.restore``); the
-        time-based save clock restarts from a restore."""
-        loaded = self.restorer.restore(state, newest)
+        time-based save clock restarts from a restore.  ``held``: this rank's own shards,
+        copied instead of read when the step loaded is theirs."""
+        loaded = self.restorer.restore(state, newest, held)
         if loaded is not None:
             self._last_save_time = time.time()
         return loaded

@@ -18,7 +18,9 @@ import time
 from contextlib import contextmanager
 from typing import Dict, Iterator, Optional
 
-PHASES = ("plan", "targets", "fetch", "verify", "read", "model", "optim", "train")
+# "agree": the ranks' agreements on a step's problems, after fetching and after loading;
+# each rank loads alone, so a rank waits there for the slowest one
+PHASES = ("plan", "targets", "fetch", "verify", "read", "agree", "model", "optim", "train")
 
 
 class RestorePhases:

@@ -30,22 +30,38 @@ from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
+from raytrain_ext.checkpoint.held_chunks import HeldChunks
 from raytrain_ext.checkpoint.manifest import FileEntry, Manifest, checksum_bytes
 from raytrain_ext.checkpoint.saved_tensor import tensor_view
 
 METADATA = ".metadata"
 
 
-def plan_files(targets: Dict, metadata, is_coordinator: bool) -> List[str]:
-    """The data files this rank's DCP load plan reads (DCP plans loads the same way)."""
+def plan_files(
+    targets: Dict, metadata, is_coordinator: bool, held: Optional[HeldChunks] = None
+) -> List[str]:
+    """The data files this rank's DCP load plan reads (DCP plans loads the same way),
+    leaving out items this rank holds itself (``held``)."""
     planner = DefaultLoadPlanner()
     planner.set_up_planner(targets, metadata, is_coordinator)
     return sorted(
         {
             metadata.storage_data[item.storage_index].relative_path
             for item in planner.create_local_plan().items
+            if held_source(held, metadata, item) is None
         }
     )
+
+
+def held_source(held: Optional[HeldChunks], metadata, item: ReadItem) -> Optional[torch.Tensor]:
+    """This rank's own tensor saved as ``item``'s chunk, when ``held`` has it."""
+    if held is None or item.type == LoadItemType.BYTE_IO:
+        return None
+    index = item.storage_index
+    chunk = metadata.state_dict_metadata[index.fqn].chunks[index.index]
+    if tuple(chunk.offsets) != tuple(index.offset):
+        return None
+    return held.find(index.fqn, chunk.offsets, chunk.sizes)
 
 
 def map_files(directory: Path, names: Iterable[str]) -> Dict[str, memoryview]:
@@ -90,16 +106,25 @@ class VerifiedReader(dcp.FileSystemReader):
 
     ``views`` holds ``.metadata`` and, once ``add_views`` has run, every data file this
     rank's plan reads.  ``problem_before_load`` is the check a caller makes before
-    ``dcp.load``.  ``path`` only names the checkpoint in messages and records.
+    ``dcp.load``.  ``path`` only names the checkpoint in messages and records.  ``held``:
+    this rank's own chunks of the step being loaded (:mod:`.held_chunks`), copied from
+    memory rather than read; ``held_bytes`` and ``read_bytes`` count both sources.
     """
 
     def __init__(
-        self, views: Dict[str, memoryview], manifest: Manifest, path: str, threads: int = 4
+        self,
+        views: Dict[str, memoryview],
+        manifest: Manifest,
+        path: str,
+        threads: int = 4,
+        held: Optional[HeldChunks] = None,
     ):
         super().__init__(path)
         self.where = path  # ``path`` is normalised as a local path ("memory:/run/...")
         self.views, self.manifest, self.threads = dict(views), manifest, max(1, threads)
+        self.held = held
         self.problem: Optional[str] = None
+        self.held_bytes = self.read_bytes = 0
         self._metadata = None
 
     def add_views(self, views: Dict[str, memoryview]) -> None:
@@ -128,9 +153,16 @@ class VerifiedReader(dcp.FileSystemReader):
         return self._metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future:
-        items = sorted(plan.items, key=self._position)
+        metadata = self.read_metadata()
+        owned = {id(item): held_source(self.held, metadata, item) for item in plan.items}
+        items = sorted((item for item in plan.items if owned[id(item)] is None), key=self._position)
         with ThreadPoolExecutor(self.threads, thread_name_prefix="ckpt-read") as pool:
             checks = self._submit_checks(pool, {self._file(item) for item in items})
+            from_memory = [
+                pool.submit(self._copy_held, item, planner, owned[id(item)])
+                for item in plan.items
+                if owned[id(item)] is not None
+            ]
             loads = [
                 pool.submit(self._load_tensor, item, planner, checks)
                 for item in items
@@ -139,8 +171,8 @@ class VerifiedReader(dcp.FileSystemReader):
             for item in items:  # small, and the planner stores them: on this thread
                 if item.type == LoadItemType.BYTE_IO and self._verified(item, checks):
                     planner.load_bytes(item, io.BytesIO(self._slice(item).tobytes()))
-            for load in loads:
-                load.result()
+            self.read_bytes += sum(load.result() for load in loads)
+            self.held_bytes += sum(load.result() for load in from_memory)
         done: torch.futures.Future = torch.futures.Future()
         done.set_result(None)
         return done
@@ -192,9 +224,10 @@ class VerifiedReader(dcp.FileSystemReader):
     # ---- loading ----------------------------------------------------------------------
     def _load_tensor(
         self, item: ReadItem, planner: LoadPlanner, checks: Dict[str, List[Future]]
-    ) -> None:
+    ) -> int:
+        """Copy ``item`` from its verified view into its target; the bytes copied."""
         if not self._verified(item, checks):
-            return
+            return 0
         info = self.storage_data[item.storage_index]
         try:
             blob = self._slice(item)
@@ -207,19 +240,21 @@ class VerifiedReader(dcp.FileSystemReader):
                 )
             else:
                 source = _saved_tensor(blob)
-            source = narrow_tensor_by_index(source, item.storage_offsets, item.lengths)
-            target = planner.resolve_tensor(item).detach()
-            if target.size() != source.size():
-                raise ValueError(
-                    f"{item.storage_index.fqn}: saved {list(source.size())}, "
-                    f"target {list(target.size())}"
-                )
-            target.copy_(source)
-            planner.commit_tensor(item, target)
+            return _copy_item(item, planner, source)
         except Exception as e:  # unreadable though its checksum passed: a format problem
             self.problem = self.problem or (
                 f"{self.where}/{info.relative_path}: cannot load {item.storage_index.fqn} ({e})"
             )
+            return 0
+
+    def _copy_held(self, item: ReadItem, planner: LoadPlanner, source: torch.Tensor) -> int:
+        try:
+            return _copy_item(item, planner, source)
+        except Exception as e:
+            self.problem = self.problem or (
+                f"{self.where}: cannot load {item.storage_index.fqn} from this rank's memory ({e})"
+            )
+            return 0
 
     def _file(self, item: ReadItem) -> str:
         return self.storage_data[item.storage_index].relative_path
@@ -231,6 +266,19 @@ class VerifiedReader(dcp.FileSystemReader):
     def _slice(self, item: ReadItem) -> memoryview:
         info = self.storage_data[item.storage_index]
         return self.views[info.relative_path][info.offset : info.offset + info.length]
+
+
+def _copy_item(item: ReadItem, planner: LoadPlanner, saved: torch.Tensor) -> int:
+    """Copy ``item``'s part of the ``saved`` chunk into its target; the bytes copied."""
+    source = narrow_tensor_by_index(saved, item.storage_offsets, item.lengths)
+    target = planner.resolve_tensor(item).detach()
+    if target.size() != source.size():
+        raise ValueError(
+            f"{item.storage_index.fqn}: saved {list(source.size())}, target {list(target.size())}"
+        )
+    target.copy_(source)
+    planner.commit_tensor(item, target)
+    return source.numel() * source.element_size()
 
 
 def _saved_tensor(blob: memoryview) -> torch.Tensor:

@@ -31,6 +31,7 @@ from raytrain_ext.checkpoint import native
 from raytrain_ext.checkpoint import state as ckpt_state
 from raytrain_ext.checkpoint.agreement import gather_from_all
 from raytrain_ext.checkpoint.fetch import Fetched, StepLoad, fetch_step
+from raytrain_ext.checkpoint.held_chunks import HeldChunks
 from raytrain_ext.checkpoint.manifest import Manifest, parse_step_dir
 from raytrain_ext.checkpoint.phases import MemoryWatch, RestorePhases
 from raytrain_ext.checkpoint.reader import VerifiedReader
@@ -58,17 +59,21 @@ class Restorer:
         self.cfg, self.tiers, self.group, self.cache = ckpt_cfg, tiers, group, cache
         self.rank, self.world_size = rank, world_size
 
-    def restore(self, state: TrainState, newest: bool = False) -> Optional[Dict[str, Any]]:
+    def restore(
+        self, state: TrainState, newest: bool = False, held: Optional[HeldChunks] = None
+    ) -> Optional[Dict[str, Any]]:
         """Load the newest committed checkpoint that verifies; None when there is none.
 
         ``newest`` ignores ``checkpoint.resume`` (a NaN rollback goes back to this
         run's newest checkpoint even when the run started from an explicit one).
+        ``held``: this rank's own shards of a step; a candidate of that step copies them
+        from memory and reads the rest (:mod:`.held_chunks`).
         """
         if self.cfg.resume == "never" and not newest:
             return None
         started = time.perf_counter()
         with collection_paused(), MemoryWatch() as memory:
-            loaded = self._restore(state, newest)
+            loaded = self._restore(state, newest, held)
         if loaded is not None:
             loaded["total_s"] = time.perf_counter() - started
             loaded["memory"] = memory.record(loaded.pop("state_bytes"))
@@ -84,7 +89,9 @@ class Restorer:
                 )
         return loaded
 
-    def _restore(self, state: TrainState, newest: bool) -> Optional[Dict[str, Any]]:
+    def _restore(
+        self, state: TrainState, newest: bool, held: Optional[HeldChunks]
+    ) -> Optional[Dict[str, Any]]:
         phases = RestorePhases()
         with phases.time("plan"):
             plan: List[Any] = [self._plan(newest) if self.rank == 0 else None]
@@ -93,7 +100,8 @@ class Restorer:
         tiers = [tier_for_location(self.cfg, location)] if location else self.tiers
         problems_seen: List[str] = []
         for step, index in candidates:
-            loaded = self._try_load(state, tiers[index], step, problems_seen, phases)
+            own = held if held is not None and held.usable_for(step, state.config_digest) else None
+            loaded = self._try_load(state, tiers[index], step, problems_seen, phases, own)
             if loaded is not None:
                 loaded["skipped"] = problems_seen
                 loaded["phases"] = phases.as_dict()
@@ -126,6 +134,7 @@ class Restorer:
         step: int,
         problems_seen: List[str],
         phases: RestorePhases,
+        held: Optional[HeldChunks] = None,
     ):
         started = time.perf_counter()
         with phases.time("plan"):
@@ -146,6 +155,7 @@ class Restorer:
                     self.rank == 0,
                     self._check_shapes,
                     self.cfg.read_threads,
+                    held,
                 )
                 fetched = fetch_step(tier, load, whole=use_native)
                 problem = fetched.problem
@@ -153,7 +163,9 @@ class Restorer:
                 raise
             except Exception as e:
                 problem = f"cannot fetch: {e}"
-        if self._unusable(_of_step(tier, step, problem), problems_seen):
+        with phases.time("agree"):
+            unusable = self._unusable(_of_step(tier, step, problem), problems_seen)
+        if unusable:
             return None
         fetched_s = time.perf_counter() - started
         start = time.perf_counter()
@@ -161,13 +173,18 @@ class Restorer:
             targets = ckpt_state.without_model(targets)
         with phases.time("read"):  # VerifiedReader checks each chunk as it loads it
             late = load_planned(targets, fetched.reader)
-        if self._unusable(_of_step(tier, step, late), problems_seen):
+        with phases.time("agree"):
+            unusable = self._unusable(_of_step(tier, step, late), problems_seen)
+        if unusable:
             return None
         info = self._install(
             state, manifest, fetched.reader, targets, tier.name, phases, use_native
         )
         info["state_bytes"] = 0 if use_native else ckpt_state.tensor_bytes(targets)
         info["fetch_verify_s"] = fetched_s
+        if isinstance(fetched.reader, VerifiedReader):  # bytes from the medium, from memory
+            info["read_bytes"] = fetched.reader.read_bytes
+            info["held_bytes"] = fetched.reader.held_bytes
         info["seconds"] = time.perf_counter() - start
         return info
 

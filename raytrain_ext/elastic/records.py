@@ -49,6 +49,7 @@ _ACCOUNTED = (
     "restored_from",
     "restored_step",
     "restore_phases",
+    "restore_bytes",
     "steps_redone",
     "first_step_after_s",
 )
@@ -81,6 +82,9 @@ class Recovery:
     restored_from: Optional[str] = None  # the checkpoint tier
     restored_step: Optional[int] = None
     restore_phases: Optional[Dict[str, float]] = None
+    # rank 0's restore: bytes read from the tier ("read") and copied from its own shards
+    # ("held", checkpoint.held_chunks); None when it read no checkpoint
+    restore_bytes: Optional[Dict[str, int]] = None
     steps_redone: Optional[int] = None
     first_step_after_s: Optional[float] = None  # detection -> end of the first step after
 
@@ -97,6 +101,7 @@ class Recovery:
         self.restore_s = restored.get("total_s", 0.0)
         self.restored_from = restored.get("tier")
         self.restore_phases = restored.get("phases")
+        self.restore_bytes = restore_bytes(restored)
         self.steps_redone = max(0, self.last_step - self.restored_step)
         self.first_step_after_s = step_end - self.detected_at
 
@@ -138,9 +143,11 @@ class Resize:
     reform_s: Optional[float] = None  # placing and joining the grown group
     pause_s: Optional[float] = None
     state_from: Optional[str] = None
+    restore_bytes: Optional[Dict[str, int]] = None  # as ``Recovery.restore_bytes``
 
     def account(self, restored: Optional[Mapping[str, Any]], step_end: float) -> None:
         self.state_from = (restored or {}).get("tier")
+        self.restore_bytes = restore_bytes(restored or {})
         if self.last_step_at is not None:
             self.pause_s = step_end - self.last_step_at
 
@@ -155,7 +162,17 @@ class Resize:
         }
         if self.pause_s is not None or self.state_from is not None:
             out.update(pause_s=self.pause_s, state_from=self.state_from, reform_s=self.reform_s)
+        if self.restore_bytes is not None:
+            out["restore_bytes"] = self.restore_bytes
         return out
+
+
+def restore_bytes(restored: Mapping[str, Any]) -> Optional[Dict[str, int]]:
+    """Rank 0's checkpoint restore: bytes read from the tier and bytes copied from its own
+    shards (``checkpoint.held_chunks``); None when no checkpoint was read."""
+    if "read_bytes" not in restored:
+        return None
+    return {"read": restored["read_bytes"], "held": restored.get("held_bytes", 0)}
 
 
 @dataclass(frozen=True)

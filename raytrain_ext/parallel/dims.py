@@ -374,6 +374,15 @@ def shards_from_replicas(cfg) -> bool:
     )
 
 
+def restores_own_shards(cfg) -> bool:
+    """Whether a rank keeps its own shards when its group breaks, so that a checkpoint
+    restore of their step copies them from memory and reads only the others (FSDP or
+    HSDP without tensor, pipeline or expert sharding: their shards are DTensor chunks
+    that DCP saves as they are); ``elastic.state_from_peers`` off turns it off."""
+    p = cfg.parallel
+    return cfg.elastic.state_from_peers and p.strategy == "fsdp" and _data_parallel_only(p)
+
+
 def resize_unit(parallel_cfg) -> int:
     """The step by which the world may shrink or grow: whole model-parallel groups.
 

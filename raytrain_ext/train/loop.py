@@ -28,6 +28,7 @@ from typing import Any, Callable, Dict, List, Optional
 import numpy as np
 import torch
 
+from raytrain_ext.checkpoint.held_chunks import HeldChunks, hold_chunks
 from raytrain_ext.checkpoint.manager import REQUEST_EMERGENCY, CheckpointManager, SaveRequests
 from raytrain_ext.checkpoint.train_state import Progress, TrainState
 from raytrain_ext.config import config_digest
@@ -43,7 +44,11 @@ from raytrain_ext.models.moe import moe_aux_loss, moe_layers
 from raytrain_ext.models.spec import batch_logits
 from raytrain_ext.objectives import build_objective
 from raytrain_ext.parallel import DistContext, dims_for_run
-from raytrain_ext.parallel.dims import shards_from_replicas, state_from_peers
+from raytrain_ext.parallel.dims import (
+    restores_own_shards,
+    shards_from_replicas,
+    state_from_peers,
+)
 from raytrain_ext.parallel.registry import build_strategy
 from raytrain_ext.train.evaluation import Evaluator, split_eval
 from raytrain_ext.train.exchange import exchange
@@ -112,9 +117,12 @@ class TrainLoop:
         mark: Callable[[str], None] = lambda phase: None,
         user: UserCode = UserCode(),
         live: Optional[LiveState] = None,
+        held: Optional[HeldChunks] = None,
     ):
         """``live``: this process's state from its previous group, offered to the new
-        group's ranks (:mod:`raytrain_ext.train.live_state`)."""
+        group's ranks (:mod:`raytrain_ext.train.live_state`); ``held``: its own shards
+        from that group, which a checkpoint restore of their step copies instead of
+        reading (:mod:`raytrain_ext.checkpoint.held_chunks`)."""
         self.cfg = cfg
         self.report = report
         self.mark = mark  # phase marks let the controller tell a hung rank from its waiting peers
@@ -166,6 +174,7 @@ class TrainLoop:
         # HSDP: each rank holds a shard that the ranks of the other replicas hold too
         replicas = shards_from_replicas(cfg)
         self.keeps_live = self.hands_over or replicas
+        self.holds_shards = restores_own_shards(cfg)
         dims = self.ctx.dims
         self.shard = (dims.dp_shard, dims.shard_index(rank)) if replicas else (1, 0)
         self.paused_at: Optional[int] = None
@@ -176,7 +185,7 @@ class TrainLoop:
             self._open_checkpoints(cfg)
         self.restored = restore_from_peers(self.state, live, self.keeps_live, self.shard)
         if self.restored is None and self.ckpt is not None:
-            self.restored = self.ckpt.restore(self.state)
+            self.restored = self.ckpt.restore(self.state, held=held)
         self.nonfinite = NonFiniteGuard(cfg.guards, self.state, self.ckpt)
         if self.reference is not None and not self.reference.ready:
             self._compute_reference()
@@ -412,6 +421,18 @@ class TrainLoop:
             return None
         boundary = self._sampler_at_boundary if self._position == BATCH_TAKEN else None
         return capture_live(self.state, boundary, self.shard)
+
+    def held_chunks(self) -> Optional[HeldChunks]:
+        """This rank's own shards at the last step boundary, for a checkpoint restore of
+        that step in the next group (``parallel.dims.restores_own_shards``); None as for
+        ``live_state``, or when capturing them fails (the restore then reads them)."""
+        if not self.holds_shards or self._position == UPDATING:
+            return None
+        try:
+            return hold_chunks(self.state)
+        except Exception:  # a broken group's state dict: read from storage instead
+            log.warning("could not keep this rank's shards for the next group", exc_info=True)
+            return None
 
     def _objective_fields(self, metric_sums: List[float], units: float) -> Dict[str, float]:
         """The objective's metrics for the step, per loss unit (DPO: accuracy, margins)."""

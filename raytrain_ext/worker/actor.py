@@ -97,6 +97,7 @@ class TrainWorker:
         self.device = None
         self.hosted_store = None  # rank 0's rendezvous store, between host_rendezvous and setup
         self.live = None  # this process's state from its last group (a LiveState), if any
+        self.held = None  # its own shards from that group (a HeldChunks), if any
         self._loop = None  # the running TrainLoop, while fit runs
         self.grace_s = 30.0
         # Actor __init__ runs on the process's main thread, where handlers can be installed.
@@ -198,6 +199,7 @@ class TrainWorker:
         loop, self._loop = self._loop, None
         if loop is not None:
             self.live = loop.live_state()
+            self.held = loop.held_chunks()
 
     def _release_peers(self) -> None:
         """Close this rank's gloo connections after it raised: peers blocked in a collective
@@ -236,8 +238,9 @@ class TrainWorker:
             mark=self.events.mark,
             user=user,
             live=self.live,
+            held=self.held,
         )
-        self._loop, self.live = loop, None  # the loop holds the state from here on
+        self._loop, self.live, self.held = loop, None, None  # the loop holds the state now
         faults.after_restore()
         return loop.fit()
 

@@ -194,9 +194,16 @@ def test_fsdp_node_loss_with_the_per_step_snapshot_redoes_at_most_one_step(ray_c
     (recovery,) = summary["recoveries"]
     assert recovery["decision"] == "shrink" and recovery["world_size"] == 2
     assert recovery["restored_from"] == "memory" and recovery["steps_redone"] <= 1
+    # the snapshot of the step the survivors stopped at: each copies its own shards
+    # (checkpoint.held_chunks) and reads only what the lost rank held; one step older: all
+    held = recovery["restore_bytes"]["held"]
+    assert (held > 0) == (recovery["steps_redone"] == 0), recovery["restore_bytes"]
+    assert recovery["restore_bytes"]["read"] > 0
     sizes = [h["world_size"] for h in summary["world_size_history"]]
     assert sizes in ([3, 2], [3, 2, 3])  # the spare joins if it warms up before the end
     for resize in summary["resizes"]:  # sharded: the pause saved, the spare restored it
         assert resize["state_from"] == "memory" and resize["in_place"]
+        # the survivors held the step they paused at: rank 0 copied its own shards
+        assert resize["restore_bytes"]["held"] > 0, resize
     assert summary["samples_digest"] == reference["samples_digest"]
     assert_nothing_left()

@@ -177,6 +177,7 @@ class FakeGroup:
         if self.first:
             phases = {"fetch_s": 0.5}
             restored = {"step": self.committed, "total_s": 0.5, "tier": "memory", "phases": phases}
+            restored.update(read_bytes=3000, held_bytes=1000)
             record["restored"] = restored if self.committed else None
             self.first = False
         self.pending.append(record)
@@ -342,6 +343,7 @@ def test_worker_failure_recovers_at_the_same_size():
         "restored_from": "memory",
         "restored_step": 4,
         "restore_phases": {"fetch_s": 0.5},
+        "restore_bytes": {"read": 3000, "held": 1000},
         "steps_redone": 1,
         "first_step_after_s": POLL_S,
     }
@@ -504,6 +506,7 @@ def test_grows_back_when_capacity_returns():
     assert resize == {
         "step": 9, "from": 1, "to": 2, "wanted": 2, "decided_s": 0.0, "in_place": False,
         "pause_s": 0.5, "state_from": "memory", "reform_s": 0.0,
+        "restore_bytes": {"read": 3000, "held": 1000},
     }  # fmt: skip
     assert result.transitions[1].reason == "checkpoint at step 9 committed; growing to 2 workers"
     assert result.world_size_history[-1] == {"step": 9, "world_size": 2}
