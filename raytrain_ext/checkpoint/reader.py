@@ -9,9 +9,11 @@ checksum chunks, which also brings a cold file in from the disk, several chunks 
 time, while each item whose chunks have passed is copied straight from the view into
 its target.  The medium is read once and each byte is copied once.
 
-Invariants: no item is copied before every checksum chunk it overlaps has verified; the
-first failed chunk (or unreadable item) stops the load and is kept in ``problem``, so
-the caller falls back to an older checkpoint, whose load overwrites every target.
+Invariants: no item is copied from the medium before every checksum chunk it overlaps
+has verified (an item this rank holds itself, :mod:`.held_chunks`, is copied from its
+memory and its file is not fetched for it); the first failed chunk (or unreadable item)
+stops the load and is kept in ``problem``, so the caller falls back to an older
+checkpoint, whose load overwrites every target.
 """
 
 from __future__ import annotations
