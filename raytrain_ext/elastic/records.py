@@ -146,8 +146,9 @@ class Resize:
     restore_bytes: Optional[Dict[str, int]] = None  # as ``Recovery.restore_bytes``
 
     def account(self, restored: Optional[Mapping[str, Any]], step_end: float) -> None:
-        self.state_from = (restored or {}).get("tier")
-        self.restore_bytes = restore_bytes(restored or {})
+        restored = restored or {}
+        self.state_from = restored.get("tier")
+        self.restore_bytes = restore_bytes(restored)
         if self.last_step_at is not None:
             self.pause_s = step_end - self.last_step_at
 

@@ -365,13 +365,7 @@ def shards_from_replicas(cfg) -> bool:
     from a live rank of another replica that holds it (HSDP: FSDP with ``dp_replicate``
     > 1 and no tensor, pipeline or expert sharding); ``elastic.state_from_peers`` off
     turns it off."""
-    p = cfg.parallel
-    return (
-        cfg.elastic.state_from_peers
-        and p.strategy == "fsdp"
-        and p.dp_replicate > 1
-        and _data_parallel_only(p)
-    )
+    return restores_own_shards(cfg) and cfg.parallel.dp_replicate > 1
 
 
 def restores_own_shards(cfg) -> bool:
