@@ -7,8 +7,10 @@ Same tiny model, 2 workers, same fault (rank 1's process exits right after step
 - Ray Train: `TorchTrainer` with `FailureConfig(max_failures=1)`, a checkpoint every
   `--ray-every` steps through `ray.train.report`, restarted from `get_checkpoint()`.
 Prints fault -> detect / decide / re-form / restore / first step after, and steps redone.
-Ours runs three times: survivors kept and the dead rank restarted in its freed slot
-(the group waits for it); the same with `elastic.replace_in_background=true` (the
+Ours runs four times: survivors kept and the dead rank restarted in its freed slot
+(the group waits for it; the new actor takes the idle process with torch imported that
+`elastic.prestart_processes` keeps on the node); the same without that idle process (an
+interpreter starts); with `elastic.replace_in_background=true` (the
 survivor trains on alone at once and the new process joins at a step boundary once
 warm); and with one warm spare (`elastic.spare_workers=1`, one more slot reserved)
 taking its place.  The node-loss scenario and the trends are in recovery_node_loss.py.
@@ -33,14 +35,16 @@ os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 from raytrain_ext.config import load_config  # noqa: E402
 
 
-def ours(args, workdir: Path, spares: int = 0, background: bool = False) -> dict:
+def ours(
+    args, workdir: Path, spares: int = 0, background: bool = False, prestart: bool = True
+) -> dict:
     from raytrain_ext import Trainer
 
     cfg = load_config(
         None,
         [
             f"run.output_dir={workdir}",
-            f"run.name=ours-{spares}-{int(background)}",
+            f"run.name=ours-{spares}-{int(background)}-{int(prestart)}",
             "run.tensorboard=false",
             f"elastic.spare_workers={spares}",
             f"run.max_steps={args.steps}",
@@ -52,6 +56,7 @@ def ours(args, workdir: Path, spares: int = 0, background: bool = False) -> dict
             "chaos.kill_rank=1",
             f"chaos.kill_at_step={args.kill_at}",
             f"elastic.replace_in_background={str(background).lower()}",
+            f"elastic.prestart_processes={str(prestart).lower()}",
             "scaling.min_workers=1",
         ],
     )
@@ -170,10 +175,11 @@ def ray_train(args, workdir: Path) -> dict:
     }
 
 
-VARIANTS = (  # (label, elastic.spare_workers, elastic.replace_in_background)
-    ("0 spares, replaced in place", 0, False),
-    ("0 spares, replaced in the background", 0, True),
-    ("1 warm spare", 1, False),
+VARIANTS = (  # (label, spare_workers, replace_in_background, prestart_processes), elastic.*
+    ("0 spares, replaced in place", 0, False, True),
+    ("0 spares, replaced in place, no idle process", 0, False, False),
+    ("0 spares, replaced in the background", 0, True, True),
+    ("1 warm spare", 1, False, True),
 )
 
 
@@ -192,8 +198,8 @@ def main():
     try:
         try:
             runs = {
-                label: ours(args, workdir, spares, background)
-                for label, spares, background in VARIANTS
+                label: ours(args, workdir, spares, background, prestart)
+                for label, spares, background, prestart in VARIANTS
             }
         finally:
             ray.shutdown()

@@ -259,7 +259,7 @@ class Controller:
             return
         world, s = self.group.world_size, self.cfg.scaling
         if world < s.max_workers and (self.cfg.checkpoint.enabled or state_from_peers(self.cfg)):
-            self.group.replenish_spares(self.cfg.elastic.spare_workers + s.max_workers - world)
+            self.group.replenish(self.cfg.elastic.spare_workers + s.max_workers - world)
             target = self.capacity.scaling.size_for(world + self.group.ready_spare_count())
             if target > world:
                 self._resize_target, self._grow_in_place = target, True

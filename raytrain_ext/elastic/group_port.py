@@ -99,7 +99,10 @@ class GroupPort(Protocol):
         """Ask every rank to stop at the next step boundary, keeping its state in memory."""
         ...
 
-    def replenish_spares(self, spares: int) -> None: ...
+    def replenish(self, spares: int) -> None:
+        """Refill what a recovery used up, off its path: spares up to ``spares``, and the
+        idle warmed processes a new rank would take."""
+        ...
 
     def dump_stacks(self, out: Path, attempt: int) -> None:
         """Every rank's Python stacks into files under ``out``."""

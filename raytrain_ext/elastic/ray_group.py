@@ -20,6 +20,7 @@ from raytrain_ext.elastic.survivors import InPlacePlan, first_error, plan_in_pla
 from raytrain_ext.user_code import UserCode
 from raytrain_ext.worker.form_options import FormOptions
 from raytrain_ext.worker.group import WorkerGroup
+from raytrain_ext.worker.process_pool import ProcessPool
 
 NO_ANSWER = (ray.exceptions.RayError, ray.exceptions.GetTimeoutError)
 
@@ -40,7 +41,8 @@ class RayGroup:
     @classmethod
     def for_config(cls, cfg, user: UserCode = UserCode()) -> RayGroup:
         s = cfg.scaling
-        group = WorkerGroup(dict(s.resources_per_worker), s.placement_strategy)
+        pool = ProcessPool() if cfg.elastic.prestart_processes else None
+        group = WorkerGroup(dict(s.resources_per_worker), s.placement_strategy, process_pool=pool)
         return cls(group, user=user)
 
     @property
@@ -133,8 +135,8 @@ class RayGroup:
     def pause(self) -> None:
         self._group.pause()
 
-    def replenish_spares(self, spares: int) -> None:
-        self._group.replenish_spares(spares)
+    def replenish(self, spares: int) -> None:
+        self._group.replenish(spares)
 
     def dump_stacks(self, out: Path, attempt: int) -> None:
         dump_worker_stacks(self._group.actors, self._group.infos, out, attempt)

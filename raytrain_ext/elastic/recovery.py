@@ -83,4 +83,4 @@ class Recoveries:
             recovery.restored_from,
             recovery.steps_redone,
         )
-        self.group.replenish_spares(self.cfg.elastic.spare_workers)
+        self.group.replenish(self.cfg.elastic.spare_workers)

@@ -38,6 +38,7 @@ from raytrain_ext.worker.dist_env import (
     host_store,
     init_distributed,
 )
+from raytrain_ext.worker.process_pool import WARM_MODULES, adopt_thread_count, process_age_s
 
 
 class EventBuffer:
@@ -100,6 +101,7 @@ class TrainWorker:
         self.held = None  # its own shards from that group (a HeldChunks), if any
         self._loop = None  # the running TrainLoop, while fit runs
         self.grace_s = 30.0
+        adopt_thread_count()  # the same numbers in a stocked process as in a new one
         # Actor __init__ runs on the process's main thread, where handlers can be installed.
         signal.signal(signal.SIGTERM, self._on_sigterm)
         exit_when_orphaned(os.getppid())
@@ -144,7 +146,13 @@ class TrainWorker:
             "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
             "pid": os.getpid(),
             "hostname": os.uname().nodename,
+            "process_age_s": process_age_s(),
         }
+
+    def serialized_runtime_env(self) -> str:
+        """The runtime environment this process was started with, as its raylet matches
+        it (``ProcessPool.stock`` asks for idle processes started with the same)."""
+        return ray.get_runtime_context().get_runtime_env_string()
 
     def host_rendezvous(self, timeout_s: float) -> int:
         """Start the rendezvous store this worker will host as rank 0; returns its port."""
@@ -268,24 +276,6 @@ class TrainWorker:
 
     def shutdown(self) -> None:
         destroy_distributed()
-
-
-# What a first ``fit`` imports (measured: ``sys.modules`` after a spare's first step), so a
-# spare pays none of it on the recovery path.  ``torch._dynamo`` (imported by the first
-# DDP construction) alone takes 0.5-2 s, and the peers wait for it in DDP's first broadcast.
-WARM_MODULES = (
-    "torch",
-    "torch.distributed",
-    "torch.distributed.checkpoint",
-    "torch._dynamo",
-    "pandas",
-    "pyarrow.compute",
-    "pyarrow.json",
-    "pydantic",
-    "raytrain_ext.train.loop",
-    "raytrain_ext.checkpoint.manager",
-    "raytrain_ext.checkpoint.tiers.memory",
-)
 
 
 def remote_worker_class(max_concurrency: int = 4):

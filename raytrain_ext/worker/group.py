@@ -9,7 +9,10 @@ bundles of the gang, ``elastic.spare_workers``) or by fresh actors in their
 freed bundles, or left out (the group shrinks).  A bundle whose node died is
 re-placed by Ray when a node has room (the placement group reschedules it); a
 spare is started in it then and warms up while the group trains, so growing
-back costs a pause at a step boundary, not a process start.  ``shutdown`` kills
+back costs a pause at a step boundary, not a process start.  With a
+``ProcessPool``, each node of the gang keeps one idle worker process with torch
+imported in Ray's own pool, which a fresh actor there takes instead of starting
+one (``worker.process_pool``).  ``shutdown`` kills
 the actors and spares and removes the placement group; it is safe to call more
 than once and after a partial start, so nothing is left behind.
 """
@@ -17,6 +20,7 @@ than once and after a partial start, so nothing is left behind.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -31,6 +35,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from raytrain_ext.worker.actor import remote_worker_class
 from raytrain_ext.worker.dist_env import WorkerEnv, assign_ranks
 from raytrain_ext.worker.form_options import FormOptions
+from raytrain_ext.worker.process_pool import ProcessPool
 
 log = logging.getLogger(__name__)
 
@@ -57,10 +62,12 @@ class WorkerGroup:
         resources_per_worker: Dict[str, float],
         placement_strategy: str = "PACK",
         worker_class: Callable[[], Any] = remote_worker_class,
+        process_pool: Optional[ProcessPool] = None,
     ):
         self.resources = {k: float(v) for k, v in resources_per_worker.items() if v}
         self.placement_strategy = placement_strategy
         self.worker_class = worker_class
+        self.process_pool = process_pool
         self.pg = None
         self.actors: List[Any] = []  # in rank order once started
         self.bundles: List[int] = []  # each rank's bundle in ``pg``
@@ -71,7 +78,9 @@ class WorkerGroup:
         self.unplaced: Dict[int, str] = {}  # bundle -> its lost node, until Ray re-places it
         self.backend: Optional[str] = None
         self.avoid_nodes: set = set()  # node ids the next start() must not use
-        self._runtime_env: Optional[dict] = None
+        self._runtime_env: Optional[dict] = None  # the caller's, a spare's
+        self._rank_env: Optional[dict] = None  # a rank's: the pool's setup hook added
+        self._runtime_env_string: Optional[str] = None  # as the actors' raylets see it
 
     @property
     def world_size(self) -> int:
@@ -105,11 +114,18 @@ class WorkerGroup:
                 "scaling.resources_per_worker or elastic.spare_workers, or add nodes."
             )
         self._runtime_env = runtime_env
-        actors = [self._create(i) for i in range(num_workers)]
+        self._rank_env = (
+            self.process_pool.runtime_env(runtime_env) if self.process_pool else runtime_env
+        )
+        asked_at = time.time()
+        actors = [self._create(i, self._rank_env) for i in range(num_workers)]
         self.spares = [self._create_spare(i) for i in range(num_workers, total)]
         self.vacant, self.unplaced = [], {}
         infos = ray.get([a.node_info.remote() for a in actors])
         self._form(list(zip(actors, range(num_workers), infos)), form)
+        self._runtime_env_string = None
+        self._taken_from_pool(infos, asked_at)  # a previous run's stock, in this job
+        self.stock_pool()
 
     def reform(
         self,
@@ -122,16 +138,16 @@ class WorkerGroup:
     ) -> Dict[str, int]:
         """Re-form with ``size`` ranks keeping the ``keep_ranks`` processes (their
         collectives failed cleanly, or they paused); the other ranks are killed.  The
-        places left are taken by ready spares first, then by fresh actors in the bundles
-        of ``refill_ranks`` (lost processes whose node is alive).  The bundles of the
-        other lost ranks (their node died) wait in ``unplaced`` until Ray re-places them
-        on a node with room; ``replenish_spares`` then starts a spare there, which warms
-        up while the group trains and joins it at a step boundary.  The bundles of
-        ``deferred_ranks`` (node alive, replaced in the background) are vacant at once,
-        to be filled the same way.  A refill bundle
-        left over stays vacant until ``replenish_spares`` (once training has resumed: a
-        starting process would compete with the recovery for CPU).  Returns how each
-        place was filled."""
+        places left are taken by ready spares first, then by fresh actors (on an idle
+        process the pool kept, where there is one) in the bundles of ``refill_ranks``
+        (lost processes whose node is alive).  The bundles of the other lost ranks (their
+        node died) wait in ``unplaced`` until Ray re-places them on a node with room;
+        ``replenish`` then starts a spare there, which warms up while the group trains and
+        joins it at a step boundary.  The bundles of ``deferred_ranks`` (node alive,
+        replaced in the background) are vacant at once, to be filled the same way.  A
+        refill bundle left over stays vacant until ``replenish`` (once training has
+        resumed: a starting process would compete with the recovery for CPU).  Returns
+        how each place was filled (``prestarted``: new actors that took an idle process)."""
         keep, refill = set(keep_ranks), set(refill_ranks)
         members = [(self.actors[r], self.bundles[r], self.infos[r]) for r in sorted(keep)]
         lost = [r for r in range(self.world_size) if r not in keep]
@@ -141,7 +157,8 @@ class WorkerGroup:
         ready = self._ready_spares(need)
         members += ready
         slots = [self.bundles[r] for r in lost if r in refill]
-        fresh = [(self._create(b), b) for b in slots[: need - len(ready)]]
+        asked_at = time.time()
+        fresh = [(self._create(b, self._rank_env), b) for b in slots[: need - len(ready)]]
         later = [self.bundles[r] for r in deferred_ranks]
         unplaced = [r for r in lost if r not in refill and r not in deferred_ranks]
         self.unplaced.update({self.bundles[r]: self.infos[r]["node_id"] for r in unplaced})
@@ -150,21 +167,53 @@ class WorkerGroup:
             timeout=min(form.placement_timeout_s, 30.0),
         )  # bundle the gang holds
         members += [(a, b, info) for (a, b), info in zip(fresh, infos)]
+        prestarted = self._taken_from_pool(infos, asked_at)
         self.vacant += slots[need - len(ready) :] + later
         self._form(members, form)
         return {
             "kept": len(keep),
             "spares_used": len(ready),
             "started": len(fresh),
+            "prestarted": prestarted,
             "left_out": len(keep) + len(lost) - size,
         }
 
-    def replenish_spares(self, spares: int) -> None:
-        """Start a spare in each lost node's bundle Ray has re-placed, and new spares in
-        vacant bundles up to ``spares`` in all; they warm up meanwhile."""
+    def _taken_from_pool(self, infos: List[Dict[str, Any]], asked_at: float) -> int:
+        """How many of these new actors' processes had started before they were asked
+        for (stocked by the pool, whose nodes then need another).  Each process's age is
+        read on its own node's clock, so no two machines' clocks are compared: a process
+        started for the actor is at most as old as the time since it was asked for."""
+        elapsed = time.time() - asked_at
+        taken = [i for i in infos if i["process_age_s"] > elapsed + 0.1]
+        if self.process_pool is not None and taken:
+            env = self._actor_env_string()
+            for info in taken:
+                self.process_pool.taken(info["node_id"], env)
+        return len(taken)
+
+    def replenish(self, spares: int) -> None:
+        """Refill what a recovery used up, once training runs again: a spare in each lost
+        node's bundle Ray has re-placed, new spares in vacant bundles up to ``spares`` in
+        all (they warm up meanwhile), and an idle process in the pool on each node of the
+        group that has none."""
+        self.stock_pool()
         self._start_spares_where_replaced()
         while self.vacant and len(self.spares) < spares:
             self.spares.append(self._create_spare(self.vacant.pop()))
+
+    def stock_pool(self) -> None:
+        """Ask the pool for an idle process on each node of the group without one."""
+        if self.process_pool is None or not self.actors:
+            return
+        self.process_pool.stock({i["node_id"] for i in self.infos}, self._actor_env_string())
+
+    def _actor_env_string(self) -> str:
+        """The ranks' runtime environment as their raylets match it (asked of rank 0 once
+        per start, before any spare can have become a rank: every rank started with it)."""
+        if self._runtime_env_string is None:
+            ref = self.actors[0].serialized_runtime_env.remote()
+            self._runtime_env_string = ray.get(ref, timeout=30)
+        return self._runtime_env_string
 
     def _start_spares_where_replaced(self) -> None:
         """A spare for each bundle of ``unplaced`` that Ray has placed on another node.
@@ -208,7 +257,7 @@ class WorkerGroup:
             self.spares.remove(spare)
         return [(s.actor, s.bundle, ray.get(s.ready)) for s in taken]
 
-    def _create(self, bundle: int):
+    def _create(self, bundle: int, runtime_env: Optional[dict]):
         gpus = self.resources.get("GPU", 0.0)
         custom = {k: v for k, v in self.resources.items() if k not in ("CPU", "GPU")}
         return (
@@ -220,13 +269,15 @@ class WorkerGroup:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self.pg, placement_group_bundle_index=bundle
                 ),
-                runtime_env=self._runtime_env,
+                runtime_env=runtime_env,
             )
             .remote()
         )
 
     def _create_spare(self, bundle: int) -> Spare:
-        actor = self._create(bundle)
+        # the caller's environment, not a rank's: a spare warms up by itself, and must not
+        # take the pool's idle process (the pool could not tell it was taken)
+        actor = self._create(bundle, self._runtime_env)
         return Spare(actor, bundle, actor.warm.remote())
 
     def _form(self, members: List[Tuple[Any, int, Dict[str, Any]]], form: FormOptions) -> None:

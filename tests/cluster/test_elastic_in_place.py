@@ -111,7 +111,13 @@ def test_node_loss_shrinks_in_place_from_peers_then_grows_back_in_place(ray_clus
     assert [h["world_size"] for h in summary["world_size_history"]] == [3, 2, 3]
     (recovery,) = summary["recoveries"]
     assert recovery["decision"] == "shrink" and recovery["world_size"] == 2
-    assert recovery["reformed"] == {"kept": 2, "spares_used": 0, "started": 0, "left_out": 1}
+    assert recovery["reformed"] == {
+        "kept": 2,
+        "spares_used": 0,
+        "started": 0,
+        "prestarted": 0,
+        "left_out": 1,
+    }
     assert recovery["lost"] == [{"rank": 0, "fate": "node_died"}]  # Ray's verdict, recorded
     assert recovery["restored_from"] == "peers"  # no checkpoint was read
     assert recovery["steps_redone"] == 0 and recovery["restored_step"] == recovery["last_step"]
@@ -151,7 +157,14 @@ def test_lone_worker_killed_on_a_live_node_is_replaced_in_place_bit_identical(
     assert summary["status"] == "finished" and summary["steps_completed"] == steps
     (recovery,) = summary["recoveries"]
     assert recovery["decision"] == "replace" and recovery["world_size"] == 2
-    assert recovery["reformed"] == {"kept": 1, "spares_used": 0, "started": 1, "left_out": 0}
+    # the new process is the idle one the pool kept on that node, torch already imported
+    assert recovery["reformed"] == {
+        "kept": 1,
+        "spares_used": 0,
+        "started": 1,
+        "prestarted": 1,
+        "left_out": 0,
+    }
     assert recovery["lost"] == [{"rank": 1, "fate": "process_died"}]
     assert recovery["restored_from"] == "peers" and recovery["steps_redone"] == 0
     assert [h["world_size"] for h in summary["world_size_history"]] == [2, 2]

@@ -107,7 +107,13 @@ def test_killed_worker_of_an_hf_model_on_a_ray_dataset_ends_bit_identical(
         recovery["reason"].startswith("worker rank 1 ") and "ActorDiedError" in recovery["reason"]
     )
     assert recovery["decision"] == "replace" and recovery["world_size"] == 2
-    assert recovery["reformed"] == {"kept": 1, "spares_used": 0, "started": 1, "left_out": 0}
+    assert recovery["reformed"] == {
+        "kept": 1,
+        "spares_used": 0,
+        "started": 1,
+        "prestarted": 1,
+        "left_out": 0,
+    }
     assert recovery["restored_from"] == "memory"
     assert recovery["restored_step"] == 4 and recovery["steps_redone"] == 3
     assert 0 < recovery["first_step_after_s"] < 60

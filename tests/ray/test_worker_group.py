@@ -3,7 +3,10 @@
 import json
 import os
 import re
+import signal
+import time
 
+import psutil
 import pytest
 import ray
 
@@ -11,6 +14,7 @@ from raytrain_ext import Trainer, TrainingFailed, load_config
 from raytrain_ext.worker.dist_env import assign_ranks
 from raytrain_ext.worker.form_options import FormOptions
 from raytrain_ext.worker.group import PlacementTimeout, WorkerGroup
+from raytrain_ext.worker.process_pool import ProcessPool
 from tests.helpers.leaks import assert_nothing_left
 from tests.helpers.reference import uninterrupted
 from tests.helpers.runs import FitThread, tiny_overrides, wait_for_checkpoint
@@ -57,6 +61,63 @@ def test_workers_get_torchrun_environment_and_one_gloo_group(ray_local):
             return t.item(), dist.get_world_size()
 
         assert ray.get([a.__ray_call__.remote(all_reduce) for a in group.actors]) == [(6.0, 3)] * 3
+    finally:
+        group.shutdown()
+    assert_nothing_left()
+
+
+def idle_processes_with_torch() -> set:
+    """Ray's idle worker processes on this machine that have torch loaded."""
+    found = set()
+    for proc in psutil.process_iter(["cmdline"]):
+        if "ray::IDLE" not in " ".join(proc.info["cmdline"] or []):
+            continue
+        try:
+            if any("libtorch_cpu" in m.path for m in proc.memory_maps()):
+                found.add(proc.pid)
+        except psutil.Error:
+            continue  # gone meanwhile
+    return found
+
+
+def wait_for(predicate, what: str, timeout_s: float = 90.0):
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.25)
+    raise AssertionError(f"no {what} within {timeout_s:.0f} s")
+
+
+@pytest.mark.slow
+def test_a_killed_rank_is_replaced_by_the_idle_warmed_process_the_pool_kept(ray_local):
+    """The pool keeps an idle worker process with torch imported on the gang's node; a rank
+    SIGKILLed from outside is replaced by exactly that process (no interpreter start), the
+    new group works, and the pool is stocked again afterwards."""
+    group = WorkerGroup({"CPU": 1}, process_pool=ProcessPool(keep_alive_s=600))
+    form = FormOptions("auto", timeout_s=30, placement_timeout_s=30)
+    try:
+        group.start(2, form)
+        idle = wait_for(idle_processes_with_torch, "idle process with torch")
+        os.kill(group.infos[1]["pid"], signal.SIGKILL)
+        wait_for(lambda: not psutil.pid_exists(group.infos[1]["pid"]), "death of rank 1")
+        filled = group.reform([0], form, size=2, refill_ranks=[1], deferred_ranks=[])
+        assert filled == {"kept": 1, "spares_used": 0, "started": 1, "prestarted": 1, "left_out": 0}
+        assert {i["pid"] for i in group.infos} - {group.infos[0]["pid"]} <= idle
+
+        def all_reduce(self):
+            import torch
+            import torch.distributed as dist
+
+            t = torch.tensor([float(dist.get_rank() + 1)])
+            dist.all_reduce(t)
+            return t.item(), torch.get_num_threads()
+
+        # the stocked process runs with Ray's thread count for its actor, like a new one
+        assert ray.get([a.__ray_call__.remote(all_reduce) for a in group.actors]) == [(3.0, 1)] * 2
+        group.replenish(0)
+        wait_for(lambda: idle_processes_with_torch() - idle, "newly stocked process")
     finally:
         group.shutdown()
     assert_nothing_left()
@@ -158,7 +219,13 @@ def test_hung_rank_is_detected_named_and_replaced(ray_local, tmp_path):
     (recovery,) = summary["recoveries"]
     # the hung rank is killed; the spare, warm since the start, takes its place beside rank 0
     # and gets the state from it: no checkpoint read, nothing redone
-    assert recovery["reformed"] == {"kept": 1, "spares_used": 1, "started": 0, "left_out": 0}
+    assert recovery["reformed"] == {
+        "kept": 1,
+        "spares_used": 1,
+        "started": 0,
+        "prestarted": 0,
+        "left_out": 0,
+    }
     assert re.match(
         r"hang: rank 1 \(node 127\.0\.0\.1, pid \d+\) made no progress for "
         r"[\d.]+ s \(deadline [\d.]+ s",

@@ -236,8 +236,8 @@ class FakeGroup:
         self.calls.append(("pause",))
         self.pausing = True
 
-    def replenish_spares(self, spares):
-        self.calls.append(("replenish_spares", spares))
+    def replenish(self, spares):
+        self.calls.append(("replenish", spares))
 
     def dump_stacks(self, out, attempt):
         self.calls.append(("dump_stacks", attempt))
@@ -350,7 +350,7 @@ def test_worker_failure_recovers_at_the_same_size():
     assert run.steps() == [1, 2, 3, 4, 5, 5, 6, 7, 8]  # step 5 redone from the step-4 checkpoint
     assert [r["recoveries"] for r in result.records] == [0] * 5 + [1] * 4
     assert ("plan_in_place", []) in run.group.calls  # survivors were considered first
-    assert ("replenish_spares", 0) in run.group.calls  # after the first step, off the path
+    assert ("replenish", 0) in run.group.calls  # after the first step, off the path
     assert result.world_size_history == [
         {"step": 0, "world_size": 2},
         {"step": 5, "world_size": 2},

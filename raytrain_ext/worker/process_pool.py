@@ -1,0 +1,167 @@
+"""Ray's worker pool, kept stocked with one idle interpreter per node, torch imported.
+
+Why: a dead rank replaced in place waits for its new process, and on the machines
+measured here that start was the largest phase of the recovery (about 3 s, nearly all
+of it importing torch and the training loop).  A raylet can start idle worker processes
+for a job ahead of time (its ``PrestartWorkers`` call, which Ray itself uses for a
+job's first driver) and gives one to the next actor created on that node with the same
+runtime environment.  Our actors' runtime environment names a setup hook (Ray's
+``worker_process_setup_hook``, run by every worker process before it takes work) that
+imports :data:`WARM_MODULES`, so an idle process already has them when it is taken.
+
+This is not a warm spare: it holds no slot, no CPU or GPU, no model and no data, only
+its memory (about 300 MB here); the raylet ends it after ``keep_alive_s`` or with the job.
+
+Invariants: stocking is best effort, so a raylet that refuses (another Ray version, a
+node just lost) costs a warning and the recovery starts a process as before.  At most one
+idle process is asked for per job, node and runtime environment until a re-form takes it
+(``taken``): the record of what was asked is this driver's, not one run's, so the runs of
+one notebook or sweep share it instead of piling up idle processes.  A job whose own
+runtime environment sets a setup hook keeps it: our actors then start without ours.
+Only the group's ranks are created with the hook's environment, so only they can take a
+stocked process (a spare, which warms up by itself, starts with the caller's); a
+rank's new process was a stocked one exactly when it is older than the time since it
+was asked for, each read on its own clock (``WorkerGroup``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from typing import Dict, Iterable, Optional, Set, Tuple
+
+import ray
+from ray._private.ray_constants import WORKER_PROCESS_SETUP_HOOK_ENV_VAR
+
+log = logging.getLogger(__name__)
+
+# What a first ``fit`` imports (measured: ``sys.modules`` after a spare's first step), so a
+# spare or a stocked process pays none of it on the recovery path.  ``torch._dynamo``
+# (imported by the first DDP construction) alone takes 0.5-2 s, and the peers wait for it
+# in DDP's first broadcast.
+WARM_MODULES = (
+    "torch",
+    "torch.distributed",
+    "torch.distributed.checkpoint",
+    "torch._dynamo",
+    "pandas",
+    "pyarrow.compute",
+    "pyarrow.json",
+    "pydantic",
+    "raytrain_ext.train.loop",
+    "raytrain_ext.checkpoint.manager",
+    "raytrain_ext.checkpoint.tiers.memory",
+)
+
+SETUP_HOOK = f"{__name__}.import_warm_modules"
+
+# (job id, node id, serialized runtime env) with an idle process asked for and not taken
+_stocked: Set[Tuple[str, str, str]] = set()
+
+
+def import_warm_modules() -> None:
+    """The setup hook: import :data:`WARM_MODULES`.  Never raises (a hook that raises makes
+    Ray end the process, and with it the actor it was started for): a module that fails
+    here fails again, with its real error, where the loop imports it."""
+    for module in WARM_MODULES:
+        try:
+            importlib.import_module(module)
+        except Exception as e:  # noqa: BLE001 - reported where it is really imported
+            log.debug("setup hook: %s did not import: %s", module, e)
+
+
+def adopt_thread_count() -> None:
+    """Run torch with as many threads as Ray gave this actor (``OMP_NUM_THREADS``, set when
+    the actor takes the process).  A stocked process imported torch before that, so its
+    OpenMP runtime read no such variable and would use every core; the thread count
+    changes how CPU kernels split their sums, so without this the run's numbers would
+    depend on which kind of process a rank got."""
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if threads and threads.isdigit() and int(threads) > 0:
+        import torch
+
+        torch.set_num_threads(int(threads))
+
+
+def process_age_s() -> float:
+    """Seconds since this process started, from the kernel's own clock (``/proc``: the
+    start time in ticks since boot, against the uptime), precise to a tick; 0.0 where
+    there is no ``/proc``."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except OSError:
+        return 0.0
+    return uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22: starttime
+
+
+class ProcessPool:
+    """One idle, warmed process per node of the gang, asked of each node's raylet."""
+
+    def __init__(self, keep_alive_s: int = 24 * 3600):
+        self.keep_alive_s = keep_alive_s
+
+    def runtime_env(self, runtime_env: Optional[dict]) -> dict:
+        """``runtime_env`` (the actors' own, or none) with the setup hook added, unless the
+        job's environment already sets one."""
+        env = dict(runtime_env or {})
+        job_vars = ray.get_runtime_context().runtime_env.get("env_vars") or {}
+        if WORKER_PROCESS_SETUP_HOOK_ENV_VAR in job_vars:
+            return env
+        env["env_vars"] = {**env.get("env_vars", {}), WORKER_PROCESS_SETUP_HOOK_ENV_VAR: SETUP_HOOK}
+        return env
+
+    def taken(self, node_id: str, serialized_runtime_env: str) -> None:
+        """A re-form started an actor on a stocked process of ``node_id``."""
+        _stocked.discard((ray.get_runtime_context().get_job_id(), node_id, serialized_runtime_env))
+
+    def stock(self, node_ids: Iterable[str], serialized_runtime_env: str) -> int:
+        """Ask each node of ``node_ids`` not stocked yet for one idle process started with
+        ``serialized_runtime_env`` (exactly what our actors run with: the raylet matches
+        it byte for byte); how many nodes were asked."""
+        job = ray.get_runtime_context().get_job_id()
+        wanted = {n for n in node_ids if (job, n, serialized_runtime_env) not in _stocked}
+        if not wanted:
+            return 0
+        raylets = _raylet_addresses()
+        for node_id in sorted(wanted):
+            address = raylets.get(node_id)
+            if address is None:
+                continue  # lost since: nothing to stock
+            try:
+                _prestart(address, bytes.fromhex(job), serialized_runtime_env, self.keep_alive_s)
+            except Exception as e:  # noqa: BLE001 - best effort (module doc)
+                log.warning("could not prestart a worker process on %s: %s", address, e)
+                continue
+            _stocked.add((job, node_id, serialized_runtime_env))
+        return len(wanted)
+
+
+def _raylet_addresses() -> Dict[str, str]:
+    """Alive node id -> its raylet's gRPC address."""
+    return {
+        n["NodeID"]: f"{n['NodeManagerAddress']}:{n['NodeManagerPort']}"
+        for n in ray.nodes()
+        if n["Alive"]
+    }
+
+
+def _prestart(address: str, job_id: bytes, serialized_runtime_env: str, keep_alive_s: int) -> None:
+    from ray._private.grpc_utils import init_grpc_channel
+    from ray.core.generated import common_pb2, node_manager_pb2, node_manager_pb2_grpc
+
+    request = node_manager_pb2.PrestartWorkersRequest(
+        language=common_pb2.Language.PYTHON,
+        job_id=job_id,
+        keep_alive_duration_secs=keep_alive_s,
+        num_workers=1,
+    )
+    request.runtime_env_info.serialized_runtime_env = serialized_runtime_env
+    channel = init_grpc_channel(address)
+    try:
+        node_manager_pb2_grpc.NodeManagerServiceStub(channel).PrestartWorkers(request, timeout=5)
+    finally:
+        channel.close()

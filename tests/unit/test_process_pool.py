@@ -1,0 +1,80 @@
+"""The process pool's pieces that run in a worker process before Ray hands it an actor."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+from raytrain_ext.worker import process_pool
+
+
+def _run(code: str, **env) -> str:
+    """``code`` in a new interpreter (this one has imported everything already)."""
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **env},
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_the_setup_hook_imports_the_warm_modules_without_asking_cuda_anything():
+    """Ray sets CUDA_VISIBLE_DEVICES only when an actor takes the process: the hook runs
+    before, so nothing it imports may query CUDA (the driver would fix its device list)."""
+    out = _run(
+        """
+        import sys, torch, torch.cuda
+        calls = []
+        for name in ("device_count", "is_available", "_lazy_init", "init", "current_device"):
+            real = getattr(torch.cuda, name)
+            def spy(*a, _n=name, _real=real, **k):
+                calls.append(_n)
+                return _real(*a, **k)
+            setattr(torch.cuda, name, spy)
+        from raytrain_ext.worker.process_pool import WARM_MODULES, import_warm_modules
+        import_warm_modules()
+        print(calls, [m for m in WARM_MODULES if m not in sys.modules])
+        """
+    )
+    assert out == "[] []"
+
+
+def test_a_module_that_fails_to_import_does_not_fail_the_hook(monkeypatch):
+    monkeypatch.setattr(process_pool, "WARM_MODULES", ("json", "no_such_module_here"))
+    process_pool.import_warm_modules()  # a raising hook would end the process and its actor
+
+
+def test_the_thread_count_follows_what_ray_gave_the_actor_not_the_import():
+    """torch imported with no OMP_NUM_THREADS (a stocked process) uses every core; once
+    the actor's variable is set, ``adopt_thread_count`` brings it to that."""
+    out = _run(
+        """
+        import os, torch
+        before = torch.get_num_threads()
+        os.environ["OMP_NUM_THREADS"] = "1"
+        from raytrain_ext.worker.process_pool import adopt_thread_count
+        adopt_thread_count()
+        print(before, torch.get_num_threads())
+        """,
+        OMP_NUM_THREADS="",
+    )
+    before, after = map(int, out.split())
+    assert after == 1 and before >= after
+
+
+def test_process_age_is_read_on_the_kernel_clock():
+    age = float(
+        _run(
+            """
+            import time
+            time.sleep(1.0)
+            from raytrain_ext.worker.process_pool import process_age_s
+            print(process_age_s())
+            """
+        )
+    )
+    assert 1.0 <= age < 30
+    assert process_pool.process_age_s() > age  # this test's process started earlier
