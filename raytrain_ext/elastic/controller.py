@@ -423,12 +423,15 @@ class Controller:
         return RunState.SCHEDULING, decision.reason
 
     def _close_books(self, record: StepRecord) -> None:
-        """The new group's first step ends the recovery or resize that formed it."""
+        """The new group's first step ends the recovery or resize that formed it; what
+        forming it used up (spares, the pool's idle processes) is refilled now, off its
+        path: a starting process competes for CPU with the group's first step."""
         books, self._books = self._books, None
         if isinstance(books, Recovery):
             self.recoveries.account(record)
         elif isinstance(books, Resize):
             books.account(record.restored, record.time)
+        self.group.replenish(self.cfg.elastic.spare_workers)
 
     def _decide(self, wait_s: float) -> Decision:
         return self.capacity.decide(

@@ -70,8 +70,7 @@ class Recoveries:
         return None if plan is None else sized(plan, policy)
 
     def account(self, record: StepRecord) -> None:
-        """The first step after a re-form closes the books on the last recovery; spares used
-        up are replaced now, off the recovery's path."""
+        """The first step after a re-form closes the books on the last recovery."""
         recovery = self.current
         recovery.account(record.restored, record.time)
         log.info(
@@ -83,4 +82,3 @@ class Recoveries:
             recovery.restored_from,
             recovery.steps_redone,
         )
-        self.group.replenish(self.cfg.elastic.spare_workers)

@@ -365,16 +365,21 @@ def shards_from_replicas(cfg) -> bool:
     from a live rank of another replica that holds it (HSDP: FSDP with ``dp_replicate``
     > 1 and no tensor, pipeline or expert sharding); ``elastic.state_from_peers`` off
     turns it off."""
-    return restores_own_shards(cfg) and cfg.parallel.dp_replicate > 1
+    p = cfg.parallel
+    fsdp_only = p.strategy == "fsdp" and _data_parallel_only(p)
+    return cfg.elastic.state_from_peers and fsdp_only and p.dp_replicate > 1
 
 
 def restores_own_shards(cfg) -> bool:
     """Whether a rank keeps its own shards when its group breaks, so that a checkpoint
-    restore of their step copies them from memory and reads only the others (FSDP or
-    HSDP without tensor, pipeline or expert sharding: their shards are DTensor chunks
-    that DCP saves as they are); ``elastic.state_from_peers`` off turns it off."""
+    restore of their step copies them from memory and reads only the others: every
+    layout whose state DCP saves as the ranks hold it (FSDP and HSDP shards and TP's as
+    DTensor chunks; a pipeline stage's and EP's experts as plain tensors under their
+    global names, the same on every rank that holds them), but not a replicated one (its
+    state comes from a live peer) nor ZeRO (DeepSpeed saves its own).
+    ``elastic.state_from_peers`` off turns it off."""
     p = cfg.parallel
-    return cfg.elastic.state_from_peers and p.strategy == "fsdp" and _data_parallel_only(p)
+    return cfg.elastic.state_from_peers and p.strategy != "zero" and not replicates_state(p)
 
 
 def resize_unit(parallel_cfg) -> int:

@@ -117,15 +117,12 @@ class WorkerGroup:
         self._rank_env = (
             self.process_pool.runtime_env(runtime_env) if self.process_pool else runtime_env
         )
-        asked_at = time.time()
         actors = [self._create(i, self._rank_env) for i in range(num_workers)]
         self.spares = [self._create_spare(i) for i in range(num_workers, total)]
         self.vacant, self.unplaced = [], {}
         infos = ray.get([a.node_info.remote() for a in actors])
         self._form(list(zip(actors, range(num_workers), infos)), form)
         self._runtime_env_string = None
-        self._taken_from_pool(infos, asked_at)  # a previous run's stock, in this job
-        self.stock_pool()
 
     def reform(
         self,

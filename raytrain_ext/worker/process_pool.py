@@ -13,10 +13,10 @@ This is not a warm spare: it holds no slot, no CPU or GPU, no model and no data,
 its memory (about 300 MB here); the raylet ends it after ``keep_alive_s`` or with the job.
 
 Invariants: stocking is best effort, so a raylet that refuses (another Ray version, a
-node just lost) costs a warning and the recovery starts a process as before.  At most one
-idle process is asked for per job, node and runtime environment until a re-form takes it
-(``taken``): the record of what was asked is this driver's, not one run's, so the runs of
-one notebook or sweep share it instead of piling up idle processes.  A job whose own
+node just lost) costs a warning and the recovery starts a process as before.  A pool asks
+for at most one idle process per node until a re-form takes it (``taken``).  Runs one after
+another in one job (a notebook) do not pile them up: a new run's actors take the previous
+run's idle process on their node before its pool asks for one.  A job whose own
 runtime environment sets a setup hook keeps it: our actors then start without ours.
 Only the group's ranks are created with the hook's environment, so only they can take a
 stocked process (a spare, which warms up by itself, starts with the caller's); a
@@ -55,9 +55,6 @@ WARM_MODULES = (
 )
 
 SETUP_HOOK = f"{__name__}.import_warm_modules"
-
-# (job id, node id, serialized runtime env) with an idle process asked for and not taken
-_stocked: Set[Tuple[str, str, str]] = set()
 
 
 def import_warm_modules() -> None:
@@ -103,6 +100,8 @@ class ProcessPool:
 
     def __init__(self, keep_alive_s: int = 24 * 3600):
         self.keep_alive_s = keep_alive_s
+        # (node id, serialized runtime env) with an idle process asked for and not taken
+        self._stocked: Set[Tuple[str, str]] = set()
 
     def runtime_env(self, runtime_env: Optional[dict]) -> dict:
         """``runtime_env`` (the actors' own, or none) with the setup hook added, unless the
@@ -116,14 +115,13 @@ class ProcessPool:
 
     def taken(self, node_id: str, serialized_runtime_env: str) -> None:
         """A re-form started an actor on a stocked process of ``node_id``."""
-        _stocked.discard((ray.get_runtime_context().get_job_id(), node_id, serialized_runtime_env))
+        self._stocked.discard((node_id, serialized_runtime_env))
 
     def stock(self, node_ids: Iterable[str], serialized_runtime_env: str) -> int:
         """Ask each node of ``node_ids`` not stocked yet for one idle process started with
         ``serialized_runtime_env`` (exactly what our actors run with: the raylet matches
         it byte for byte); how many nodes were asked."""
-        job = ray.get_runtime_context().get_job_id()
-        wanted = {n for n in node_ids if (job, n, serialized_runtime_env) not in _stocked}
+        wanted = {n for n in node_ids if (n, serialized_runtime_env) not in self._stocked}
         if not wanted:
             return 0
         raylets = _raylet_addresses()
@@ -132,11 +130,12 @@ class ProcessPool:
             if address is None:
                 continue  # lost since: nothing to stock
             try:
-                _prestart(address, bytes.fromhex(job), serialized_runtime_env, self.keep_alive_s)
+                job = bytes.fromhex(ray.get_runtime_context().get_job_id())
+                _prestart(address, job, serialized_runtime_env, self.keep_alive_s)
             except Exception as e:  # noqa: BLE001 - best effort (module doc)
                 log.warning("could not prestart a worker process on %s: %s", address, e)
                 continue
-            _stocked.add((job, node_id, serialized_runtime_env))
+            self._stocked.add((node_id, serialized_runtime_env))
         return len(wanted)
 
 

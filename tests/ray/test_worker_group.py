@@ -92,14 +92,17 @@ def wait_for(predicate, what: str, timeout_s: float = 90.0):
 
 @pytest.mark.slow
 def test_a_killed_rank_is_replaced_by_the_idle_warmed_process_the_pool_kept(ray_local):
-    """The pool keeps an idle worker process with torch imported on the gang's node; a rank
-    SIGKILLed from outside is replaced by exactly that process (no interpreter start), the
-    new group works, and the pool is stocked again afterwards."""
+    """Once asked (after a group's first step, by the controller), the pool keeps an idle
+    worker process with torch imported on the gang's node; a rank SIGKILLed from outside is
+    replaced by exactly that process (no interpreter start), the new group works, and the
+    pool is stocked again afterwards."""
     group = WorkerGroup({"CPU": 1}, process_pool=ProcessPool(keep_alive_s=600))
     form = FormOptions("auto", timeout_s=30, placement_timeout_s=30)
     try:
+        before = idle_processes_with_torch()  # a task's worker: never given to an actor
         group.start(2, form)
-        idle = wait_for(idle_processes_with_torch, "idle process with torch")
+        group.replenish(0)
+        idle = wait_for(lambda: idle_processes_with_torch() - before, "stocked process")
         os.kill(group.infos[1]["pid"], signal.SIGKILL)
         wait_for(lambda: not psutil.pid_exists(group.infos[1]["pid"]), "death of rank 1")
         filled = group.reform([0], form, size=2, refill_ranks=[1], deferred_ranks=[])
@@ -117,7 +120,7 @@ def test_a_killed_rank_is_replaced_by_the_idle_warmed_process_the_pool_kept(ray_
         # the stocked process runs with Ray's thread count for its actor, like a new one
         assert ray.get([a.__ray_call__.remote(all_reduce) for a in group.actors]) == [(3.0, 1)] * 2
         group.replenish(0)
-        wait_for(lambda: idle_processes_with_torch() - idle, "newly stocked process")
+        wait_for(lambda: idle_processes_with_torch() - idle - before, "newly stocked process")
     finally:
         group.shutdown()
     assert_nothing_left()

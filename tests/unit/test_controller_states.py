@@ -315,7 +315,8 @@ def test_start_run_finish():
     assert all(r["recoveries"] == 0 for r in result.records)
     assert [w["node_id"] for w in result.workers] == ["n1", "n2"]
     assert result.recoveries == [] and result.resizes == []
-    assert run.group.calls == [("start", 2), ("shutdown",)]
+    # the pool (and spares) refilled once the group's first step is done, not before
+    assert run.group.calls == [("start", 2), ("replenish", 0), ("shutdown",)]
 
 
 def test_worker_failure_recovers_at_the_same_size():
