@@ -80,7 +80,8 @@ class WorkerGroup:
         self.avoid_nodes: set = set()  # node ids the next start() must not use
         self._runtime_env: Optional[dict] = None  # the caller's, a spare's
         self._rank_env: Optional[dict] = None  # a rank's: the pool's setup hook added
-        self._runtime_env_string: Optional[str] = None  # as the actors' raylets see it
+        # the ranks' runtime env as their raylets match it (the pool stocks processes with it)
+        self._runtime_env_string: Optional[str] = None
 
     @property
     def world_size(self) -> int:
@@ -123,6 +124,9 @@ class WorkerGroup:
         infos = ray.get([a.node_info.remote() for a in actors])
         self._form(list(zip(actors, range(num_workers), infos)), form)
         self._runtime_env_string = None
+        if self.process_pool is not None:  # asked now, while every rank is one started as such
+            ref = self.actors[0].serialized_runtime_env.remote()
+            self._runtime_env_string = ray.get(ref, timeout=30)
 
     def reform(
         self,
@@ -182,10 +186,9 @@ class WorkerGroup:
         started for the actor is at most as old as the time since it was asked for."""
         elapsed = time.time() - asked_at
         taken = [i for i in infos if i["process_age_s"] > elapsed + 0.1]
-        if self.process_pool is not None and taken:
-            env = self._actor_env_string()
+        if self.process_pool is not None and self._runtime_env_string is not None:
             for info in taken:
-                self.process_pool.taken(info["node_id"], env)
+                self.process_pool.taken(info["node_id"], self._runtime_env_string)
         return len(taken)
 
     def replenish(self, spares: int) -> None:
@@ -200,17 +203,9 @@ class WorkerGroup:
 
     def stock_pool(self) -> None:
         """Ask the pool for an idle process on each node of the group without one."""
-        if self.process_pool is None or not self.actors:
+        if self.process_pool is None or self._runtime_env_string is None:
             return
-        self.process_pool.stock({i["node_id"] for i in self.infos}, self._actor_env_string())
-
-    def _actor_env_string(self) -> str:
-        """The ranks' runtime environment as their raylets match it (asked of rank 0 once
-        per start, before any spare can have become a rank: every rank started with it)."""
-        if self._runtime_env_string is None:
-            ref = self.actors[0].serialized_runtime_env.remote()
-            self._runtime_env_string = ray.get(ref, timeout=30)
-        return self._runtime_env_string
+        self.process_pool.stock({i["node_id"] for i in self.infos}, self._runtime_env_string)
 
     def _start_spares_where_replaced(self) -> None:
         """A spare for each bundle of ``unplaced`` that Ray has placed on another node.
