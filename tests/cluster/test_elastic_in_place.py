@@ -24,7 +24,7 @@ from raytrain_ext.checkpoint.tiers.disk import DiskTier
 from tests.helpers.layouts import ATOL_UNEVEN
 from tests.helpers.leaks import assert_nothing_left
 from tests.helpers.reference import uninterrupted
-from tests.helpers.runs import FitThread, tiny_overrides
+from tests.helpers.runs import FitThread, tiny_overrides, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 
@@ -53,13 +53,6 @@ def run_config(tmp_path, steps: int, *extra: str):
             *extra,
         ),
     )
-
-
-def wait_until(predicate, what: str, timeout_s: float = 120.0) -> None:
-    deadline = time.time() + timeout_s
-    while not predicate():
-        assert time.time() < deadline, f"{what} did not happen within {timeout_s:.0f} s"
-        time.sleep(0.05)
 
 
 def last_step(trainer) -> int:

@@ -50,6 +50,16 @@ def wait_for_checkpoint(
     )
 
 
+def wait_until(predicate, what: str, timeout_s: float = 120.0):
+    """Poll ``predicate`` until it returns something truthy, and return that; fail naming
+    ``what`` after ``timeout_s``."""
+    deadline = time.time() + timeout_s
+    while not (value := predicate()):
+        assert time.time() < deadline, f"{what} did not happen within {timeout_s:.0f} s"
+        time.sleep(0.05)
+    return value
+
+
 class FitThread:
     """``trainer.fit()`` in a thread, for tests that inject faults while it runs.
 

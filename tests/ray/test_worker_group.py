@@ -4,7 +4,6 @@ import json
 import os
 import re
 import signal
-import time
 
 import psutil
 import pytest
@@ -17,7 +16,7 @@ from raytrain_ext.worker.group import PlacementTimeout, WorkerGroup
 from raytrain_ext.worker.process_pool import ProcessPool
 from tests.helpers.leaks import assert_nothing_left
 from tests.helpers.reference import uninterrupted
-from tests.helpers.runs import FitThread, tiny_overrides, wait_for_checkpoint
+from tests.helpers.runs import FitThread, tiny_overrides, wait_for_checkpoint, wait_until
 
 
 def test_ranks_are_contiguous_per_node_and_gpus_are_mapped():
@@ -80,16 +79,6 @@ def idle_processes_with_torch() -> set:
     return found
 
 
-def wait_for(predicate, what: str, timeout_s: float = 90.0):
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.25)
-    raise AssertionError(f"no {what} within {timeout_s:.0f} s")
-
-
 @pytest.mark.slow
 def test_a_killed_rank_is_replaced_by_the_idle_warmed_process_the_pool_kept(ray_local):
     """Once asked (after a group's first step, by the controller), the pool keeps an idle
@@ -102,9 +91,9 @@ def test_a_killed_rank_is_replaced_by_the_idle_warmed_process_the_pool_kept(ray_
         before = idle_processes_with_torch()  # a task's worker: never given to an actor
         group.start(2, form)
         group.replenish(0)
-        idle = wait_for(lambda: idle_processes_with_torch() - before, "stocked process")
+        idle = wait_until(lambda: idle_processes_with_torch() - before, "stocked process", 90)
         os.kill(group.infos[1]["pid"], signal.SIGKILL)
-        wait_for(lambda: not psutil.pid_exists(group.infos[1]["pid"]), "death of rank 1")
+        wait_until(lambda: not psutil.pid_exists(group.infos[1]["pid"]), "death of rank 1", 90)
         filled = group.reform([0], form, size=2, refill_ranks=[1], deferred_ranks=[])
         assert filled == {"kept": 1, "spares_used": 0, "started": 1, "prestarted": 1, "left_out": 0}
         assert {i["pid"] for i in group.infos} - {group.infos[0]["pid"]} <= idle
@@ -120,7 +109,7 @@ def test_a_killed_rank_is_replaced_by_the_idle_warmed_process_the_pool_kept(ray_
         # the stocked process runs with Ray's thread count for its actor, like a new one
         assert ray.get([a.__ray_call__.remote(all_reduce) for a in group.actors]) == [(3.0, 1)] * 2
         group.replenish(0)
-        wait_for(lambda: idle_processes_with_torch() - idle - before, "newly stocked process")
+        wait_until(lambda: idle_processes_with_torch() - idle - before, "newly stocked process", 90)
     finally:
         group.shutdown()
     assert_nothing_left()
