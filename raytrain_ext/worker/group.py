@@ -196,12 +196,12 @@ class WorkerGroup:
         node's bundle Ray has re-placed, new spares in vacant bundles up to ``spares`` in
         all (they warm up meanwhile), and an idle process in the pool on each node of the
         group that has none."""
-        self.stock_pool()
+        self._stock_pool()
         self._start_spares_where_replaced()
         while self.vacant and len(self.spares) < spares:
             self.spares.append(self._create_spare(self.vacant.pop()))
 
-    def stock_pool(self) -> None:
+    def _stock_pool(self) -> None:
         """Ask the pool for an idle process on each node of the group without one."""
         if self.process_pool is None or self._runtime_env_string is None:
             return

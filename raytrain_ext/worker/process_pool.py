@@ -13,8 +13,9 @@ This is not a warm spare: it holds no slot, no CPU or GPU, no model and no data,
 its memory (about 300 MB here); the raylet ends it after ``keep_alive_s`` or with the job.
 
 Invariants: stocking is best effort, so a raylet that refuses (another Ray version, a
-node just lost) costs a warning and the recovery starts a process as before.  A pool asks
-for at most one idle process per node until a re-form takes it (``taken``).  Runs one after
+node just lost) costs one warning and the recovery starts a process as before.  A pool
+asks each node at most once until a re-form takes its process (``taken``), refused or not:
+the controller refills the pool at every poll while the group is below its maximum.  Runs one after
 another in one job (a notebook) do not pile them up: a new run's actors take the previous
 run's idle process on their node before its pool asks for one.  A job whose own
 runtime environment sets a setup hook keeps it: our actors then start without ours.
@@ -100,7 +101,7 @@ class ProcessPool:
 
     def __init__(self, keep_alive_s: int = 24 * 3600):
         self.keep_alive_s = keep_alive_s
-        # (node id, serialized runtime env) with an idle process asked for and not taken
+        # (node id, serialized runtime env) asked for an idle process, not taken since
         self._stocked: Set[Tuple[str, str]] = set()
 
     def runtime_env(self, runtime_env: Optional[dict]) -> dict:
@@ -117,26 +118,24 @@ class ProcessPool:
         """A re-form started an actor on a stocked process of ``node_id``."""
         self._stocked.discard((node_id, serialized_runtime_env))
 
-    def stock(self, node_ids: Iterable[str], serialized_runtime_env: str) -> int:
-        """Ask each node of ``node_ids`` not stocked yet for one idle process started with
+    def stock(self, node_ids: Iterable[str], serialized_runtime_env: str) -> None:
+        """Ask each node of ``node_ids`` not asked yet for one idle process started with
         ``serialized_runtime_env`` (exactly what our actors run with: the raylet matches
-        it byte for byte); how many nodes were asked."""
+        it byte for byte)."""
         wanted = {n for n in node_ids if (n, serialized_runtime_env) not in self._stocked}
         if not wanted:
-            return 0
+            return
         raylets = _raylet_addresses()
+        job = bytes.fromhex(ray.get_runtime_context().get_job_id())
         for node_id in sorted(wanted):
             address = raylets.get(node_id)
             if address is None:
                 continue  # lost since: nothing to stock
+            self._stocked.add((node_id, serialized_runtime_env))  # asked: once (module doc)
             try:
-                job = bytes.fromhex(ray.get_runtime_context().get_job_id())
                 _prestart(address, job, serialized_runtime_env, self.keep_alive_s)
             except Exception as e:  # noqa: BLE001 - best effort (module doc)
                 log.warning("could not prestart a worker process on %s: %s", address, e)
-                continue
-            self._stocked.add((node_id, serialized_runtime_env))
-        return len(wanted)
 
 
 def _raylet_addresses() -> Dict[str, str]:
