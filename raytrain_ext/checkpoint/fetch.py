@@ -18,12 +18,14 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.planner import LoadPlanner
 
 from raytrain_ext.checkpoint.held_chunks import HeldChunks
 from raytrain_ext.checkpoint.manifest import Manifest, step_dir_name, verify_dir
 from raytrain_ext.checkpoint.phases import RestorePhases
 from raytrain_ext.checkpoint.reader import (
     METADATA,
+    PlannedOnce,
     VerifiedReader,
     map_files,
     plan_files,
@@ -43,6 +45,7 @@ class Fetched:
 
     reader: Optional[dcp.FileSystemReader]
     problem: Optional[str] = None
+    planner: Optional[LoadPlanner] = None  # the plan made while fetching, for the load
 
 
 @dataclass
@@ -94,8 +97,9 @@ def _fetch_planned(read: ReadViews, load: StepLoad, where: str) -> Fetched:
         return Fetched(None, problem)
     metadata = reader.read_metadata()
     load.check_shapes(metadata, load.targets, where)
+    planner = PlannedOnce()
     with load.phases.time("plan"):
-        names = plan_files(load.targets, metadata, load.is_coordinator, load.held)
+        names = plan_files(planner, load.targets, metadata, load.is_coordinator, load.held)
     unknown = [name for name in names if name not in manifest.files]
     if unknown:
         return Fetched(None, f"{where}/{unknown[0]} is read by the load but not in the manifest")
@@ -103,7 +107,7 @@ def _fetch_planned(read: ReadViews, load: StepLoad, where: str) -> Fetched:
         reader.add_views(read(names))
     except FileNotFoundError as e:
         return Fetched(None, f"{where}: {e}")
-    return Fetched(reader, reader.problem_before_load())
+    return Fetched(reader, reader.problem_before_load(), planner)
 
 
 def _fetch_s3(tier: S3Tier, load: StepLoad) -> Fetched:
@@ -113,7 +117,7 @@ def _fetch_s3(tier: S3Tier, load: StepLoad) -> Fetched:
         if problem is None:
             load.check_shapes(fetch.metadata, load.targets, tier.key(load.step))
             problem = fetch.prepare(load.targets, load.is_coordinator)
-    return Fetched(fetch.reader(load.read_threads), problem)
+    return Fetched(fetch.reader(load.read_threads), problem, fetch.planner)
 
 
 def _fetch_whole(tier: Tier, load: StepLoad) -> Fetched:

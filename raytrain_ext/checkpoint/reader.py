@@ -39,12 +39,45 @@ from raytrain_ext.checkpoint.saved_tensor import tensor_view
 METADATA = ".metadata"
 
 
+class PlannedOnce(DefaultLoadPlanner):
+    """DCP's default load planner, planning each restore once.
+
+    Why: a restore plans before it fetches (it fetches only the files its plan reads,
+    :func:`plan_files`), and ``dcp.load`` would plan the same targets again: flattening
+    the state dict and matching every chunk, 10-20 ms of Python per 292 MB restore here.
+    Given this planner, ``dcp.load`` gets the plan already made.
+
+    Invariant: one planner per load of one targets dict.  ``dcp.load`` hands the planner
+    a new top-level dict holding the same values; only ``load_bytes`` writes into it, so
+    that dict replaces the planned one, and the flattened leaves and their paths (the
+    same objects at the same places) stay.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._plan: Optional[LoadPlan] = None
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
+        if self._plan is None:
+            super().set_up_planner(state_dict, metadata, is_coordinator)
+        else:
+            self.original_state_dict = state_dict
+
+    def create_local_plan(self) -> LoadPlan:
+        if self._plan is None:
+            self._plan = super().create_local_plan()
+        return self._plan
+
+
 def plan_files(
-    targets: Dict, metadata, is_coordinator: bool, held: Optional[HeldChunks] = None
+    planner: PlannedOnce,
+    targets: Dict,
+    metadata,
+    is_coordinator: bool,
+    held: Optional[HeldChunks] = None,
 ) -> List[str]:
-    """The data files this rank's DCP load plan reads (DCP plans loads the same way),
-    leaving out items this rank holds itself (``held``)."""
-    planner = DefaultLoadPlanner()
+    """The data files this rank's DCP load plan reads, leaving out items this rank holds
+    itself (``held``); ``planner`` keeps the plan for the load."""
     planner.set_up_planner(targets, metadata, is_coordinator)
     return sorted(
         {

@@ -26,6 +26,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.planner import LoadPlanner
 
 from raytrain_ext.checkpoint import native
 from raytrain_ext.checkpoint import state as ckpt_state
@@ -172,7 +173,7 @@ class Restorer:
         if use_native:  # model and optimizer come from the strategy's own files
             targets = ckpt_state.without_model(targets)
         with phases.time("read"):  # VerifiedReader checks each chunk as it loads it
-            late = load_planned(targets, fetched.reader)
+            late = load_planned(targets, fetched.reader, fetched.planner)
         with phases.time("agree"):
             unusable = self._unusable(_of_step(tier, step, late), problems_seen)
         if unusable:
@@ -256,8 +257,11 @@ class Restorer:
         state.strategy.native_load(state.model, tree, manifest.native["tag"])
 
 
-def load_planned(targets: Dict[str, Any], reader) -> Optional[str]:
+def load_planned(
+    targets: Dict[str, Any], reader, planner: Optional[LoadPlanner] = None
+) -> Optional[str]:
     """Load ``targets`` through ``reader`` on this rank alone; the problem, or None.
+    ``planner``: the one that planned this load while fetching (DCP's default if None).
 
     Why alone: DCP's coordinated load gathers every rank's plan and gathers again after
     the reads, two collectives that only re-check what this rank planned (a load plan
@@ -268,7 +272,7 @@ def load_planned(targets: Dict[str, Any], reader) -> Optional[str]:
     try:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(targets, storage_reader=reader, no_dist=True)
+            dcp.load(targets, storage_reader=reader, planner=planner, no_dist=True)
     except (Exception, CheckpointException) as e:  # DCP's wrapper is a BaseException
         return f"cannot load: {e}"
     return reader.problem if isinstance(reader, VerifiedReader) else None

@@ -202,6 +202,35 @@ def test_saved_tensor_view_aliases_the_bytes_and_matches_torch_load():
             assert start <= view.data_ptr() < start + len(blob)  # inside the blob: no copy
 
 
+def test_archive_records_read_from_the_central_directory_match_zipfile():
+    """The restore's own reading of a saved tensor's zip index gives what zipfile gives,
+    and an archive it does not cover (here one with a comment) goes through zipfile."""
+    import io
+    import zipfile
+
+    import torch
+
+    from raytrain_ext.checkpoint.saved_tensor import archive_records, tensor_view
+
+    buffer = io.BytesIO()
+    torch.save(torch.randn(64, 33), buffer)
+    blob = bytearray(buffer.getvalue())
+    expected = {
+        info.filename.split("/", 1)[-1]: (info.header_offset, info.file_size, info.compress_type)
+        for info in zipfile.ZipFile(io.BytesIO(bytes(blob))).infolist()
+    }
+    assert {name: tuple(r) for name, r in archive_records(memoryview(blob)).items()} == expected
+    assert "data.pkl" in expected and "data/0" in expected
+
+    commented = io.BytesIO(bytes(blob))
+    with zipfile.ZipFile(commented, "a") as archive:
+        archive.comment = b"not written by torch"
+    with_comment = bytearray(commented.getvalue())
+    records = archive_records(memoryview(with_comment))
+    assert records["data/0"].size == 64 * 33 * 4
+    assert torch.equal(tensor_view(memoryview(with_comment)), torch.load(io.BytesIO(blob)))
+
+
 def test_memory_watch_sees_a_transient_peak_and_not_what_stays():
     """The restore record's peak memory: what a restore held only while it ran counts,
     the state it leaves behind does not."""

@@ -213,6 +213,7 @@ class MemoryTier(Tier):
     def __init__(self, run: str):
         self.run = run
         self._registry = None
+        self._handles: Dict[str, ray.actor.ActorHandle] = {}
 
     @property
     def registry(self):
@@ -288,13 +289,34 @@ class MemoryTier(Tier):
     def read_files(self, step: int, names: List[str]) -> Dict[str, memoryview]:
         """Each file's bytes as held, from this node's copy when there is one: then a
         zero-copy view of the object store (what a restore loads from, see
-        ``checkpoint.reader``); else pulled from the other holder."""
+        ``checkpoint.reader``); else pulled from the other holder.
+
+        Every file is asked for at once (one round trip to the holders, one get of all
+        the objects); when any is missing there, file by file, trying each holder.
+        """
         where = ray.get(self.registry.where.remote(step))
         here = holder_name(self.run, ray.get_runtime_context().get_node_id())
-        return {
-            name: memoryview(self._fetch(step, name, _local_first(where.get(name, []), here)))
-            for name in names
-        }
+        holders = {name: _local_first(where.get(name, []), here) for name in names}
+        try:
+            return self._read_at_once(step, holders)
+        except Exception:  # a holder gone or a file missing: the careful way, with warnings
+            self._handles.clear()  # a handle may name a holder that has died since
+            return {name: memoryview(self._fetch(step, name, holders[name])) for name in names}
+
+    def _read_at_once(self, step: int, holders: Dict[str, List[str]]) -> Dict[str, memoryview]:
+        names = list(holders)
+        asks = [self._holder(holders[name][0]).fetch.remote(step, name) for name in names]
+        wrapped = ray.get(asks, timeout=60)
+        if not all(wrapped):
+            raise FileNotFoundError(f"not every file of step {step} is held where listed")
+        data = ray.get([refs[0] for refs in wrapped], timeout=300)
+        return {name: memoryview(array) for name, array in zip(names, data)}
+
+    def _holder(self, name: str) -> ray.actor.ActorHandle:
+        """A holder's handle, looked up once per process (a lookup is a call to the GCS)."""
+        if name not in self._handles:
+            self._handles[name] = ray.get_actor(name, namespace=NAMESPACE)
+        return self._handles[name]
 
     def _fetch(self, step: int, name: str, holders: List[str]) -> np.ndarray:
         for holder in holders:

@@ -20,11 +20,16 @@ from pathlib import Path
 from typing import Any, Dict, Optional, Set, Tuple
 
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from raytrain_ext.checkpoint.manifest import Manifest, checksum_bytes, step_dir_name, verify_dir
-from raytrain_ext.checkpoint.reader import METADATA, VerifiedReader, map_files, size_problem
+from raytrain_ext.checkpoint.reader import (
+    METADATA,
+    PlannedOnce,
+    VerifiedReader,
+    map_files,
+    size_problem,
+)
 from raytrain_ext.checkpoint.tiers.s3 import S3Tier
 
 RANGED_FRACTION = 0.5
@@ -35,6 +40,7 @@ class PlannedS3Fetch:
 
     def __init__(self, tier: S3Tier, step: int, manifest: Manifest, cache: Path, threads: int = 8):
         self.tier, self.step, self.manifest = tier, step, manifest
+        self.planner = PlannedOnce()  # plans this rank's load once, for the fetch and the load
         self.directory = cache / step_dir_name(step)
         self.threads = threads
         self.chunks: Dict[Tuple[str, int], bytes] = {}
@@ -85,10 +91,9 @@ class PlannedS3Fetch:
         return data[start : start + length]
 
     def _needed_chunks(self, targets, metadata, is_coordinator: bool) -> Set[Tuple[str, int]]:
-        planner = DefaultLoadPlanner()
-        planner.set_up_planner(targets, metadata, is_coordinator)
+        self.planner.set_up_planner(targets, metadata, is_coordinator)
         needed: Set[Tuple[str, int]] = set()
-        for item in planner.create_local_plan().items:
+        for item in self.planner.create_local_plan().items:
             info = metadata.storage_data[item.storage_index]
             size = self.manifest.files[info.relative_path].chunk_size or 1
             first, last = info.offset // size, (info.offset + info.length - 1) // size
