@@ -98,7 +98,7 @@ def object_store_get_s(nbytes: int, workers: int, tries: int) -> Dict[str, objec
     ``warm``: the best second get of the same actors, the store's pages already mapped;
     ``numpy``: the first get of new actors into ``np.empty``, which ``madvise``s its
     allocations for 2 MiB pages: faster when the kernel has free huge pages, up to ten
-    times slower when it must compact memory first (0.07-0.86 s in one run here).
+    times slower when it must compact memory first (0.07-1.03 s, bimodal within each run here).
     """
     import numpy as np
     import ray

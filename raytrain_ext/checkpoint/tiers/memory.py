@@ -33,6 +33,8 @@ from raytrain_ext.checkpoint.tiers.base import Tier, TierError
 log = logging.getLogger(__name__)
 NAMESPACE = "raytrain_ext"
 HOLDER_CONCURRENCY = 8  # files in flight per holder: a node's ranks, and replicas to pull
+ASK_TIMEOUT_S = 60  # a holder answering which object holds a file
+OBJECT_TIMEOUT_S = 300  # the object's bytes reaching this process (a pull from another node)
 
 
 def registry_name(run: str) -> str:
@@ -306,10 +308,10 @@ class MemoryTier(Tier):
     def _read_at_once(self, step: int, holders: Dict[str, List[str]]) -> Dict[str, memoryview]:
         names = list(holders)
         asks = [self._holder(holders[name][0]).fetch.remote(step, name) for name in names]
-        wrapped = ray.get(asks, timeout=60)
+        wrapped = ray.get(asks, timeout=ASK_TIMEOUT_S)
         if not all(wrapped):
             raise FileNotFoundError(f"not every file of step {step} is held where listed")
-        data = ray.get([refs[0] for refs in wrapped], timeout=300)
+        data = ray.get([refs[0] for refs in wrapped], timeout=OBJECT_TIMEOUT_S)
         return {name: memoryview(array) for name, array in zip(names, data)}
 
     def _holder(self, name: str) -> ray.actor.ActorHandle:
@@ -322,11 +324,12 @@ class MemoryTier(Tier):
         for holder in holders:
             try:
                 wrapped = ray.get(
-                    ray.get_actor(holder, namespace=NAMESPACE).fetch.remote(step, name), timeout=60
+                    self._holder(holder).fetch.remote(step, name), timeout=ASK_TIMEOUT_S
                 )
                 if wrapped:
-                    return ray.get(wrapped[0], timeout=300)
+                    return ray.get(wrapped[0], timeout=OBJECT_TIMEOUT_S)
             except Exception as e:  # that holder's node is gone: try the replica
+                self._handles.pop(holder, None)
                 log.warning(
                     "memory tier: %s of step %d not available from %s (%s)",
                     name,
