@@ -1,8 +1,10 @@
 """Framework overhead: raytrain-ext vs a plain torchrun DDP script, same model and batch.
 
 Runs both as real commands (alternating, `--repeats` times each) and prints the
-median step time of each, their ratio, and the time from command start to the
-end of the first step. Usage: `python jobs/bench/overhead.py [--steps 60] [key=value ...]`.
+median step time of each (best run and the range over runs), their ratio, the time
+from command start to the end of the first step, and where a step's time goes: the
+median of each phase (``raytrain_ext.train.step_clock``) beside torchrun's, so that a
+regression names its phase. Usage: `python jobs/bench/overhead.py [--steps 60] [key=value ...]`.
 """
 
 import argparse
@@ -40,6 +42,7 @@ def run_raytrain_ext(workdir: Path, workers: int, overrides: list, name: str) ->
         "median_step_s": statistics.median(summary["step_times"][2:]),
         "first_step_s": summary["first_step_at"] - start,
         "final_loss": summary["final_loss"],
+        "phases_s": summary["step_phases_s"],
     }
 
 
@@ -62,11 +65,24 @@ def run_torchrun(workdir: Path, workers: int, overrides: list) -> dict:
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     subprocess.run(cmd, check=True, capture_output=True, cwd=workdir, env=env, timeout=600)
     result = json.loads(out.read_text())
+    steady = result["phases_s"][2:]
     return {
         "median_step_s": statistics.median(result["step_times"][2:]),
         "first_step_s": result["first_step_at"] - start,
         "final_loss": result["final_loss"],
+        "phases_s": {k: statistics.median(p[k] for p in steady) for k in steady[0]},
     }
+
+
+def print_phases(ours: list, theirs: list) -> None:
+    """Median ms per phase, from each side's best run (by median step time)."""
+    best_ours = min(ours, key=lambda r: r["median_step_s"])["phases_s"]
+    best_theirs = min(theirs, key=lambda r: r["median_step_s"])["phases_s"]
+    print(f"{'phase (median ms)':22}{'raytrain-ext':>14}{'torchrun DDP':>14}")
+    for name, seconds in best_ours.items():
+        peer = best_theirs.get(name)
+        peer_text = f"{peer * 1e3:14.2f}" if peer is not None else f"{'-':>14}"
+        print(f"{name:22}{seconds * 1e3:14.2f}{peer_text}")
 
 
 def main() -> None:
@@ -93,12 +109,16 @@ def main() -> None:
         f"{'median step time (ms)':22}{best_ours * 1e3:14.1f}{best_theirs * 1e3:14.1f}"
         f"{best_ours / best_theirs:8.3f}"
     )
+    for label, runs in (("raytrain-ext", ours), ("torchrun DDP", theirs)):
+        medians = ", ".join(f"{r['median_step_s'] * 1e3:.1f}" for r in runs)
+        print(f"  {label} median step per run (ms): {medians}")
     first_ours = min(r["first_step_s"] for r in ours)
     first_theirs = min(r["first_step_s"] for r in theirs)
     print(
         f"{'start to 1st step (s)':22}{first_ours:14.2f}{first_theirs:14.2f}"
         f"{first_ours / first_theirs:8.3f}"
     )
+    print_phases(ours, theirs)
 
 
 if __name__ == "__main__":

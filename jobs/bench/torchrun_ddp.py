@@ -47,26 +47,36 @@ def main() -> None:
     global_batch, micro = cfg.data.global_batch_size, cfg.data.micro_batch_size
     local_batch = global_batch // world
     tokens = global_batch * cfg.model.seq_len
-    times = []
+    times, phases = [], []
     for _ in range(cfg.run.max_steps):
         start = time.perf_counter()
+        spent = {"data": 0.0, "forward_backward": 0.0, "optimizer": 0.0, "exchange": 0.0}
         batch = rng.choice(data.num_samples, size=global_batch, replace=False)
         local = batch[rank * local_batch : (rank + 1) * local_batch]
         chunks = [local[i : i + micro] for i in range(0, len(local), micro)]
         total = torch.zeros(())
         for j, idx in enumerate(chunks):
+            lap = time.perf_counter()
             batch = data.batch(idx)
             x, y = batch.inputs, batch.targets
+            spent["data"] += time.perf_counter() - lap
+            lap = time.perf_counter()
             ctx = model.no_sync() if j < len(chunks) - 1 else torch.enable_grad()
             with ctx:
                 loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="sum")
                 (loss * world / tokens).backward()
             total += loss.detach()
+            spent["forward_backward"] += time.perf_counter() - lap
+        lap = time.perf_counter()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        spent["optimizer"] = time.perf_counter() - lap
+        lap = time.perf_counter()
         dist.all_reduce(total)  # the global loss, as any training script logs it
+        spent["exchange"] = time.perf_counter() - lap
         times.append((time.perf_counter() - start, time.time()))
+        phases.append(spent)
     if rank == 0:
         Path(args.out).write_text(
             json.dumps(
@@ -74,6 +84,7 @@ def main() -> None:
                     "step_times": [t for t, _ in times],
                     "first_step_at": times[0][1],
                     "final_loss": total.item() / tokens,
+                    "phases_s": phases,
                 }
             )
         )

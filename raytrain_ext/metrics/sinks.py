@@ -8,6 +8,7 @@ Ray exports metrics from worker processes.
 
 from __future__ import annotations
 
+import statistics
 import sys
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Protocol, TextIO
@@ -149,4 +150,13 @@ def summarize_records(records: List[Dict[str, Any]], skip_first: int = 1) -> Dic
         "mfu": mfus[len(mfus) // 2] if mfus else None,
         "peak_memory_gb": max(peaks) if peaks else None,
         "data_time_share": sum(r.get("data_s", 0.0) for r in steady) / total_time,
+        "step_phases_s": median_phases(steady),
     }
+
+
+def median_phases(records: List[Dict[str, Any]]) -> Dict[str, float]:
+    """The median seconds of each phase of a step (``train.step_clock``) over ``records``."""
+    phases = [r["phases_s"] for r in records if r.get("phases_s")]
+    if not phases:
+        return {}
+    return {name: statistics.median(p[name] for p in phases) for name in phases[0]}

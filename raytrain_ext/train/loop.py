@@ -67,6 +67,7 @@ from raytrain_ext.train.nonfinite import NonFiniteGuard
 from raytrain_ext.train.optim import build_optimizer, build_scheduler
 from raytrain_ext.train.profiler import StepProfiler
 from raytrain_ext.train.reference import ReferenceLogps, compute_logps
+from raytrain_ext.train.step_clock import StepClock
 from raytrain_ext.user_code import UserCode
 
 Report = Callable[[Dict[str, Any]], None]
@@ -75,10 +76,16 @@ BOUNDARY, BATCH_TAKEN, UPDATING = "boundary", "batch_taken", "updating"
 log = logging.getLogger(__name__)
 
 
-def seed_everything(seed: int) -> None:
+def seed_everything(seed: int, device: Optional[torch.device] = None) -> None:
+    """Seed Python's, numpy's and torch's generators: the CPU one, and CUDA's when the
+    rank computes there.  Not ``torch.manual_seed``: where CUDA is not initialised it
+    queues a CUDA seeding with a captured stack on every call (0.5 ms, and a list
+    that grows with every step), which a CPU run never runs."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
+    torch.random.default_generator.manual_seed(seed)
+    if device is not None and device.type == "cuda":
+        torch.cuda.manual_seed_all(seed)
 
 
 def step_seed(seed: int, step: int, rank: int) -> int:
@@ -134,7 +141,7 @@ class TrainLoop:
             autocast_dtype(cfg.parallel.mixed_precision, device),
             dims=dims_for_run(cfg, world_size),
         )
-        seed_everything(cfg.run.seed + rank)
+        seed_everything(cfg.run.seed + rank, device)
         self.objective = build_objective(cfg.objective, user.loss_fn)
         self._open_data(cfg)
         self._build_model(cfg, user.model)
@@ -162,6 +169,7 @@ class TrainLoop:
         self._first_report = True
         self._compute_s = 0.0
         self._data_s = 0.0
+        self._reported_s = 0.0  # the last step's reporting, after its clock stopped
         self.stragglers = StragglerDetector(
             cfg.guards.straggler_factor, cfg.guards.straggler_window
         )
@@ -299,10 +307,12 @@ class TrainLoop:
         }
 
     def train_step(self) -> float:
-        start = time.perf_counter()
+        clock = StepClock(self._reported_s)
+        self._reported_s = 0.0
+        start = clock.start
         step, ctx = self.progress.step, self.ctx
         self.mark("compute")
-        seed_everything(step_seed(self.cfg.run.seed, step, ctx.rank))
+        seed_everything(step_seed(self.cfg.run.seed, step, ctx.rank), ctx.device)
         self._sampler_at_boundary = self.sampler.state_dict()
         self._position = BATCH_TAKEN
         global_batch = self.sampler.next_global_batch()
@@ -322,14 +332,19 @@ class TrainLoop:
             )
         else:
             self.faults.before_compute()
+            clock.lap("bookkeeping")
             loss_sum = self._forward_backward(local, units, start)
+            clock.lap("forward_backward")
+            clock.move(self._data_s, "forward_backward", "data")
             self.mark("compute")
             grad_norm = self.strategy.clip_grad_norm(self.model, self.cfg.optim.grad_clip)
+            clock.lap("optimizer")
         vote = self.requests.vote()
         if self.ckpt is not None:
             vote = max(vote, self.ckpt.request_flag())
         busy = float(self.ckpt is not None and self.ckpt.busy())
         self.mark("exchange")
+        clock.lap("bookkeeping")
         exchanged = exchange(
             ctx,
             local,
@@ -339,13 +354,16 @@ class TrainLoop:
             self._metric_sums,
             self.expert_load.take(),
         )
+        clock.lap("exchange")
         loss = exchanged.loss_sum / units
         decision = self.nonfinite.decide(step, loss, float(grad_norm), exchanged.consumed)
         self._position = UPDATING
+        clock.lap("bookkeeping")
         if not skip_batch and decision.action == StepAction.OK:
             self.strategy.step(self.model, self.optimizer)
         self.scheduler.step()
         self.strategy.zero_grad(self.model, self.optimizer)
+        clock.lap("optimizer")
         self.ledger.record(step, exchanged.consumed)
         self.progress.step += 1
         rolled_back = decision.action == StepAction.ROLLBACK and self.nonfinite.rollback(step)
@@ -355,6 +373,7 @@ class TrainLoop:
         if exchanged.pause > 0:
             self.paused_at = self.progress.step
         stall = 0.0
+        clock.lap("bookkeeping")
         if self.ckpt is not None:
             stall = self.ckpt.after_step(
                 self.state,
@@ -364,9 +383,10 @@ class TrainLoop:
                 final=self.progress.step == self.cfg.run.max_steps,
                 deadline=self.requests.deadline,
             )
+            clock.lap("checkpoint")
         if exchanged.request >= REQUEST_EMERGENCY:
             self.preempted_at = self.progress.step
-        step_time = time.perf_counter() - start
+        step_time = clock.stop()
         record = {
             "step": self.progress.step,
             "loss": loss,
@@ -378,6 +398,7 @@ class TrainLoop:
             "data_s": self._data_s,
             "ckpt_stall_s": stall,
             "wait_s": max(0.0, step_time - self._compute_s - stall),  # comm + peers
+            "phases_s": clock.phases(),
             "world_size": ctx.world_size,
             "time": time.time(),
             "peak_memory_gb": peak_memory_bytes(ctx.device) / 2**30,
@@ -395,12 +416,16 @@ class TrainLoop:
             record["skipped"] = True
         if self.nonfinite.rollback_note is not None:
             record["rolled_back"], self.nonfinite.rollback_note = self.nonfinite.rollback_note, None
+        evaluated_s = 0.0
         if self.evaluator.due(self.progress.step):
+            evaluated_s = time.perf_counter()
             record.update(self.evaluator.run(self.model, self._autocast))
+            evaluated_s = time.perf_counter() - evaluated_s
         if self._first_report:  # tells the controller where this group resumed from
             record["restored"], self._first_report = self.restored, False
         self.report(record)
         self.faults.after_step(self.progress.step, self.mark)
+        self._reported_s = clock.since_stop() - evaluated_s
         return loss
 
     def _save_request(self, exchanged) -> float:
