@@ -10,6 +10,7 @@ controller.  A Ray instance that ``fit`` started is stopped again.
 from __future__ import annotations
 
 import copy
+import importlib.metadata
 import logging
 import os
 import time
@@ -208,7 +209,12 @@ def connect_ray(address: Optional[str]) -> bool:
         ray.init(address=address, log_to_driver=True)
         return False
     _pin_local_ray_to_loopback()
-    ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1")
+    ray.init(
+        address="local",
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        _system_config={"prestart_worker_first_driver": False},
+    )
     return True
 
 
@@ -235,10 +241,17 @@ def goodput(records, wall_time_s: float) -> Optional[float]:
     return sum(kept.values()) / wall_time_s
 
 
+def _installed_version(package: str) -> Optional[str]:
+    """A package's version as installed, without importing it (the driver imports no torch)."""
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def build_summary(cfg, result: Optional[ControllerResult], start: float) -> Dict[str, Any]:
     """What a run did, from the controller's result (None: it never got to run)."""
     import ray
-    import torch
 
     result = result or ControllerResult(state=RunState.FAILED)
     records = result.records
@@ -278,7 +291,7 @@ def build_summary(cfg, result: Optional[ControllerResult], start: float) -> Dict
         "backend": result.backend,
         "config_digest": config_digest(cfg),
         "transitions": [t.__dict__ for t in result.transitions],
-        "versions": {"torch": torch.__version__, "ray": ray.__version__},
+        "versions": {"torch": _installed_version("torch"), "ray": ray.__version__},
         "loss_history": [[r["step"], r["loss"]] for r in records],
         "eval_history": [{"step": r["step"], **eval_fields(r)} for r in records if eval_fields(r)],
         "step_times": [r["step_time_s"] for r in records],

@@ -19,10 +19,12 @@ Invariants:
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # the driver's data checks import this module, and need no torch
+    import torch
 
 
 @dataclass

@@ -21,7 +21,6 @@ from typing import List, Sequence, Tuple
 
 import numpy as np
 import pyarrow as pa
-import torch
 
 from raytrain_ext.data.batch import Batch
 
@@ -91,6 +90,8 @@ def fill_rows(pieces: Sequence[Tuple[np.ndarray, np.ndarray]], size: int, pad_id
 
 def rows_to_batch(tokens: np.ndarray, mask: np.ndarray, indices, pairs: int = 0) -> Batch:
     """``[rows, seq_len + 1]`` tokens and masks -> inputs, shifted targets, target weights."""
+    import torch  # here: the driver's data checks open these without torch
+
     t, m = torch.from_numpy(tokens), torch.from_numpy(mask)
     return Batch(t[:, :-1], t[:, 1:], m[:, 1:].contiguous(), pairs=pairs, indices=indices)
 

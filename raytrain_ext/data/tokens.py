@@ -10,15 +10,17 @@ are read into memory once per worker.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Optional
+from typing import TYPE_CHECKING, List, Optional
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
-import torch
 
 from raytrain_ext.data.batch import Batch
+
+if TYPE_CHECKING:
+    import torch
 from raytrain_ext.data.corpus import builtin_corpus_path
 from raytrain_ext.data.s3_fs import s3_filesystem
 
@@ -49,6 +51,8 @@ class TokenDataset:
 
     def batch(self, indices: np.ndarray) -> Batch:
         """Inputs and targets (int64, shape [len(indices), seq_len]); every target counts."""
+        import torch  # here: the driver's data checks read token files without torch
+
         starts = np.asarray(indices, dtype=np.int64) * self.seq_len
         offsets = np.arange(self.seq_len + 1, dtype=np.int64)
         rows = torch.from_numpy(self.tokens[starts[:, None] + offsets].astype(np.int64))
@@ -74,6 +78,8 @@ class TokenDataset:
 def document_positions(inputs: torch.Tensor, eos: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Each token's position within its document (0 at a row's start and after each EOS)
     and the target weights (0 for the target after an EOS: it is another document's)."""
+    import torch
+
     is_eos = inputs == eos
     begins = torch.zeros_like(is_eos)
     begins[:, 0] = True

@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Optional
 
 from raytrain_ext.config.choices import DataFormat, ModelSource
+from raytrain_ext.data.eval_split import held_out_samples
 from raytrain_ext.data.open import open_prepared, prepared_directory, tokenizer_spec
 from raytrain_ext.data.prepared_index import PreparedIndex, read_index
 from raytrain_ext.inputs.errors import InputError
-from raytrain_ext.train.evaluation import held_out_samples
 
 
 def uses_records(cfg) -> bool:

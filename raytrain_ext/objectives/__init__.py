@@ -6,19 +6,39 @@ cannot work with the data format or the parallel layout, naming the key and the 
 
 A loss function given from Python (``Trainer(cfg, loss_fn=...)``) makes the objective
 ``user``, exactly as ``objective.name=user`` with ``objective.fn`` does.
+
+The names below are imported on first use, so that the driver's check
+(``objectives.choice``) imports no torch.
 """
 
-from __future__ import annotations
+from typing import TYPE_CHECKING
 
-from typing import Callable, Optional
+from raytrain_ext.lazy_exports import exporter
 
-from raytrain_ext.config.choices import DataFormat, ObjectiveName
-from raytrain_ext.inputs.errors import InputError
-from raytrain_ext.objectives.base import LossTerms, Objective, sequence_logps
-from raytrain_ext.objectives.causal_lm import CausalLM
-from raytrain_ext.objectives.dpo import DPO
-from raytrain_ext.objectives.sft import SFT
-from raytrain_ext.objectives.user import UserObjective, load_loss_fn
+_EXPORTS = {
+    "CausalLM": "raytrain_ext.objectives.causal_lm",
+    "DPO": "raytrain_ext.objectives.dpo",
+    "LossTerms": "raytrain_ext.objectives.base",
+    "Objective": "raytrain_ext.objectives.base",
+    "SFT": "raytrain_ext.objectives.sft",
+    "UserObjective": "raytrain_ext.objectives.user",
+    "build_objective": "raytrain_ext.objectives.build",
+    "check_objective": "raytrain_ext.objectives.choice",
+    "load_loss_fn": "raytrain_ext.objectives.user",
+    "objective_name": "raytrain_ext.objectives.choice",
+    "sequence_logps": "raytrain_ext.objectives.base",
+}
+
+if TYPE_CHECKING:
+    from raytrain_ext.objectives.base import LossTerms, Objective, sequence_logps
+    from raytrain_ext.objectives.build import build_objective
+    from raytrain_ext.objectives.causal_lm import CausalLM
+    from raytrain_ext.objectives.choice import check_objective, objective_name
+    from raytrain_ext.objectives.dpo import DPO
+    from raytrain_ext.objectives.sft import SFT
+    from raytrain_ext.objectives.user import UserObjective, load_loss_fn
+
+__getattr__ = exporter(globals(), _EXPORTS)
 
 __all__ = [
     "CausalLM",
@@ -33,105 +53,3 @@ __all__ = [
     "objective_name",
     "sequence_logps",
 ]
-
-# the data format each built-in objective trains on
-FORMATS = {
-    ObjectiveName.causal_lm: (DataFormat.tokens, DataFormat.text),
-    ObjectiveName.sft: (DataFormat.chat,),
-    ObjectiveName.dpo: (DataFormat.preference,),
-}
-# the objective each non-packed data format needs
-OBJECTIVE_OF_FORMAT = {DataFormat.chat: ObjectiveName.sft, DataFormat.preference: ObjectiveName.dpo}
-
-
-def objective_name(objective_cfg, loss_fn: Optional[Callable] = None) -> str:
-    """The objective that runs: ``user`` when a loss function is given from Python, else
-    ``objective.name``; an InputError when ``objective.*`` and ``loss_fn`` contradict."""
-    name, fn = objective_cfg.name, objective_cfg.fn
-    if loss_fn is not None:
-        if not callable(loss_fn):
-            raise InputError(
-                f"loss_fn: {loss_fn!r} is not callable; pass a function (logits, batch) -> "
-                "the sum of its per-token losses."
-            )
-        if fn is not None:
-            raise InputError(
-                f"objective.fn: set to {fn!r} and a loss_fn was also given from Python; give "
-                "one of them."
-            )
-        if name not in (ObjectiveName.causal_lm, ObjectiveName.user):
-            raise InputError(
-                f"objective.name: a loss_fn given from Python makes the objective 'user', but "
-                f"objective.name={name}; remove one of them."
-            )
-        return ObjectiveName.user
-    if fn is not None and name != ObjectiveName.user:
-        raise InputError(
-            f"objective.fn: set to {fn!r} but objective.name={name}; set objective.name=user "
-            "to train with it, or remove objective.fn."
-        )
-    if name == ObjectiveName.user and fn is None:
-        raise InputError(
-            "objective.fn: objective.name=user needs objective.fn=pkg.module:loss, or the "
-            "loss passed from Python: Trainer(cfg, loss_fn=loss)."
-        )
-    return name
-
-
-def build_objective(objective_cfg, loss_fn: Optional[Callable] = None) -> Objective:
-    """The objective ``objective.*`` (or ``loss_fn``, which makes it ``user``) names."""
-    name = objective_name(objective_cfg, loss_fn)
-    if name == ObjectiveName.user:
-        if loss_fn is not None:
-            return UserObjective(loss_fn)
-        return UserObjective(load_loss_fn(objective_cfg.fn), label=objective_cfg.fn)
-    if name == ObjectiveName.sft:
-        return SFT()
-    if name == ObjectiveName.dpo:
-        return DPO(objective_cfg.dpo.beta, objective_cfg.dpo.label_smoothing)
-    return CausalLM()
-
-
-def check_objective(cfg, loss_fn: Optional[Callable] = None) -> None:
-    """Before Ray: the objective fits ``data.format`` and ``parallel.pp``, and its function
-    (``objective.fn``) imports."""
-    name = objective_name(cfg.objective, loss_fn)
-    data_format = cfg.data.format
-    if name in FORMATS and data_format not in FORMATS[name]:
-        raise InputError(_format_mismatch(name, data_format))
-    if cfg.parallel.pp > 1 and name != ObjectiveName.causal_lm:
-        given = " (the loss_fn given from Python)" if loss_fn is not None else ""
-        raise InputError(
-            f"parallel.pp: objective.name={name}{given} is not supported with pipeline "
-            f"parallelism yet (parallel.pp={cfg.parallel.pp}: the pipeline schedule computes "
-            "the causal-LM loss on its last stage). Set parallel.pp=1."
-        )
-    if name == ObjectiveName.user and data_format == DataFormat.preference:
-        raise InputError(
-            "data.format: a user objective averages over target tokens, but preference data "
-            "is averaged over pairs; train preference records with objective.name=dpo, or "
-            "give the user loss tokens, text or chat data."
-        )
-    if name == ObjectiveName.user and loss_fn is None:
-        load_loss_fn(cfg.objective.fn)
-
-
-def _format_mismatch(name: str, data_format: str) -> str:
-    if data_format in OBJECTIVE_OF_FORMAT:
-        wanted = OBJECTIVE_OF_FORMAT[data_format]
-        what = "the loss on response tokens" if wanted == ObjectiveName.sft else "preference pairs"
-        return (
-            f"objective.name={name} does not train on data.format={data_format}: that format "
-            f"needs objective.name={wanted} ({what}). objective.name={name} trains on "
-            f"data.format={' or '.join(FORMATS[name])}."
-        )
-    wanted = FORMATS[name][0]
-    what = {
-        ObjectiveName.sft: "prompt/response examples whose prompt tokens are masked out of the loss",
-        ObjectiveName.dpo: "(prompt, chosen, rejected) records",
-    }[name]
-    return (
-        f"objective.name={name} needs data.format={wanted} ({what}); got "
-        f"data.format={data_format}. Set data.format={wanted}, or train every token with "
-        "objective.name=causal_lm."
-    )

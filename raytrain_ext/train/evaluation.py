@@ -12,48 +12,14 @@ one without.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Dict, Optional
+from typing import Callable, ContextManager, Dict
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from raytrain_ext.data.open import open_dataset
+from raytrain_ext.data.eval_split import EvalSplit
 from raytrain_ext.models.spec import batch_logits
 from raytrain_ext.train.forward_only import inference, lockstep_chunks
-
-
-@dataclass
-class EvalSplit:
-    """What to evaluate on, and how many leading samples remain for training."""
-
-    dataset: Optional[Any]
-    indices: np.ndarray
-    train_samples: int
-
-
-def held_out_samples(cfg, num_samples: int) -> int:
-    """How many of the last samples ``eval.fraction`` holds out of training (0 with
-    ``data.eval_path``, which evaluates on its own data)."""
-    if cfg.data.eval_path or cfg.eval.fraction == 0:
-        return 0
-    return max(1, int(num_samples * cfg.eval.fraction))
-
-
-def split_eval(cfg, dataset) -> EvalSplit:
-    e, n = cfg.eval, dataset.num_samples
-    if cfg.data.eval_path:
-        held_out = open_dataset(cfg, cfg.data.eval_path)
-        return EvalSplit(held_out, _capped(np.arange(held_out.num_samples), e.max_samples), n)
-    k = held_out_samples(cfg, n)
-    if k:
-        return EvalSplit(dataset, _capped(np.arange(n - k, n), e.max_samples), n - k)
-    return EvalSplit(None, np.zeros(0, dtype=np.int64), n)
-
-
-def _capped(indices: np.ndarray, cap: Optional[int]) -> np.ndarray:
-    return indices if cap is None else indices[:cap]
 
 
 class Evaluator:

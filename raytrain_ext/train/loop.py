@@ -34,6 +34,7 @@ from raytrain_ext.checkpoint.train_state import Progress, TrainState
 from raytrain_ext.config import config_digest
 from raytrain_ext.data import GlobalSampler, rank_slice
 from raytrain_ext.data.batch import Batch
+from raytrain_ext.data.eval_split import split_eval
 from raytrain_ext.data.open import open_dataset
 from raytrain_ext.data.prefetch import BatchPrefetcher
 from raytrain_ext.elastic.failure_text import is_peer_loss
@@ -50,7 +51,7 @@ from raytrain_ext.parallel.dims import (
     state_from_peers,
 )
 from raytrain_ext.parallel.registry import build_strategy
-from raytrain_ext.train.evaluation import Evaluator, split_eval
+from raytrain_ext.train.evaluation import Evaluator
 from raytrain_ext.train.exchange import exchange
 from raytrain_ext.train.expert_load import ExpertLoad
 from raytrain_ext.train.guards import (

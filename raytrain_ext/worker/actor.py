@@ -22,23 +22,20 @@ import threading
 import time
 import traceback
 from collections import deque
-from typing import Any, Dict, Optional
+from typing import TYPE_CHECKING, Any, Dict, Optional
 
 import ray
-import torch.distributed as dist
 
-from raytrain_ext.checkpoint.manager import SaveRequests
-from raytrain_ext.faults import FaultInjector
 from raytrain_ext.user_code import UserCode
-from raytrain_ext.worker.dist_env import (
-    WorkerEnv,
-    abort_collectives,
-    choose_backend,
-    destroy_distributed,
-    host_store,
-    init_distributed,
-)
 from raytrain_ext.worker.process_pool import WARM_MODULES, adopt_thread_count, process_age_s
+
+if TYPE_CHECKING:
+    from raytrain_ext.worker.dist_env import WorkerEnv
+
+# The driver imports this module to create the actors, and needs no torch: what a worker
+# runs with torch (``worker.dist_env``, the checkpoint manager's save requests, the fault
+# injector) is imported in the methods that run in the worker (in a warm process, already
+# imported by ``process_pool.import_warm_modules``).
 
 
 class EventBuffer:
@@ -109,6 +106,8 @@ class TrainWorker:
     def _reset_run_state(self) -> None:
         """What one group's run accumulates: heartbeats and records, save requests, the
         SIGTERM mark and rank 0's metrics sink (a former rank 0 may take another rank)."""
+        from raytrain_ext.checkpoint.manager import SaveRequests
+
         self.events = EventBuffer()
         self.requests = SaveRequests()
         self.sigterm_received = False
@@ -126,6 +125,8 @@ class TrainWorker:
         """Release the training thread from a collective of the group rendezvoused at
         ``master_port`` (NCCL: abort its communicators), when that is still this
         worker's group: a late call must not abort the next group."""
+        from raytrain_ext.worker.dist_env import abort_collectives
+
         if self.env is None or self.env.master_port != master_port:
             return False
         return abort_collectives()
@@ -156,6 +157,8 @@ class TrainWorker:
 
     def host_rendezvous(self, timeout_s: float) -> int:
         """Start the rendezvous store this worker will host as rank 0; returns its port."""
+        from raytrain_ext.worker.dist_env import host_store
+
         self.hosted_store = host_store(ray.util.get_node_ip_address(), timeout_s)
         return self.hosted_store.port
 
@@ -173,6 +176,13 @@ class TrainWorker:
         broken, their collectives raised) are destroyed first, and the per-run
         buffers start empty, as in a new process.
         """
+        from raytrain_ext.worker.dist_env import (
+            WorkerEnv,
+            choose_backend,
+            destroy_distributed,
+            init_distributed,
+        )
+
         destroy_distributed()
         self._reset_run_state()
         self.env = WorkerEnv(**env)
@@ -213,11 +223,16 @@ class TrainWorker:
         """Close this rank's gloo connections after it raised: peers blocked in a collective
         with it raise now (and can be kept for a re-form in place) instead of waiting for
         ``parallel.timeout_s``."""
+        import torch.distributed as dist
+
+        from raytrain_ext.worker.dist_env import destroy_distributed
+
         if dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() == "gloo":
             destroy_distributed()
 
     def _train(self, cfg_dict: Dict[str, Any], attempt: int, user: UserCode) -> Dict[str, Any]:
         from raytrain_ext.config import config_from_dict
+        from raytrain_ext.faults import FaultInjector
         from raytrain_ext.metrics.sinks import RayMetricsSink
         from raytrain_ext.train.loop import TrainLoop
 
@@ -275,6 +290,8 @@ class TrainWorker:
         return self.events.heartbeat()
 
     def shutdown(self) -> None:
+        from raytrain_ext.worker.dist_env import destroy_distributed
+
         destroy_distributed()
 
 

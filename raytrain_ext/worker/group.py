@@ -33,9 +33,9 @@ from ray.util.placement_group import (
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raytrain_ext.worker.actor import remote_worker_class
-from raytrain_ext.worker.dist_env import WorkerEnv, assign_ranks
 from raytrain_ext.worker.form_options import FormOptions
 from raytrain_ext.worker.process_pool import ProcessPool
+from raytrain_ext.worker.rendezvous import WorkerEnv, assign_ranks
 
 log = logging.getLogger(__name__)
 

@@ -118,3 +118,25 @@ def test_a_data_prepare_worker_imports_neither_torch_nor_the_trainer():
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_driver_checks_a_config_and_builds_its_trainer_without_torch():
+    """What ``raytrain-ext train`` runs before its workers: the CLI, the config, the
+    preflight, the trainer, the controller and the worker group's module.  None of it
+    imports torch (2-3 s of the command's start when the config checks imported the
+    strategies, and the worker group the process-group code)."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys\n"
+        "import raytrain_ext.cli, raytrain_ext.trainer, raytrain_ext.elastic.ray_group\n"
+        "from raytrain_ext.config import load_config\n"
+        "from raytrain_ext.inputs.preflight import preflight\n"
+        "from raytrain_ext.objectives import check_objective\n"
+        "cfg = load_config(None, [])\n"
+        "check_objective(cfg)\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

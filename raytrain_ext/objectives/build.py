@@ -1,0 +1,27 @@
+"""The :class:`Objective` that ``objective.*`` names, built on each worker."""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from raytrain_ext.config.choices import ObjectiveName
+from raytrain_ext.objectives.base import Objective
+from raytrain_ext.objectives.causal_lm import CausalLM
+from raytrain_ext.objectives.choice import objective_name
+from raytrain_ext.objectives.dpo import DPO
+from raytrain_ext.objectives.sft import SFT
+from raytrain_ext.objectives.user import UserObjective, load_loss_fn
+
+
+def build_objective(objective_cfg, loss_fn: Optional[Callable] = None) -> Objective:
+    """The objective ``objective.*`` (or ``loss_fn``, which makes it ``user``) names."""
+    name = objective_name(objective_cfg, loss_fn)
+    if name == ObjectiveName.user:
+        if loss_fn is not None:
+            return UserObjective(loss_fn)
+        return UserObjective(load_loss_fn(objective_cfg.fn), label=objective_cfg.fn)
+    if name == ObjectiveName.sft:
+        return SFT()
+    if name == ObjectiveName.dpo:
+        return DPO(objective_cfg.dpo.beta, objective_cfg.dpo.label_smoothing)
+    return CausalLM()
