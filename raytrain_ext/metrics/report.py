@@ -299,6 +299,14 @@ def render_markdown(summary: Dict[str, Any], cfg=None, image: Optional[str] = "r
     return "\n".join(lines) + "\n"
 
 
+def _phases_line(phases: Dict[str, float]) -> str:
+    """Where a median step's time goes (``train.step_clock``), largest first, in ms."""
+    if not phases:
+        return "n/a (no step records with phases)"
+    ranked = sorted(phases.items(), key=lambda kv: -kv[1])
+    return ", ".join(f"{name} {seconds * 1e3:.1f} ms" for name, seconds in ranked)
+
+
 def _eval_line(history: List[Dict[str, Any]]) -> str:
     if not history:
         return "none (eval.every_steps)"
@@ -331,6 +339,7 @@ def _overview(summary: Dict[str, Any], cfg) -> List[tuple]:
             f"{_num(summary.get('tokens_per_s'), 0)} tokens/s (steady state, all "
             f"ranks); median step {_num(summary.get('median_step_time_s'), 4)} s",
         ),
+        ("step phases", _phases_line(summary.get("step_phases_s") or {})),
         (
             "goodput",
             f"{_num(goodput, 3)} (time in kept steps / wall time: the last run of "

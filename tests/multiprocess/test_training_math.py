@@ -39,6 +39,28 @@ def test_single_rank_loss_decreases(one_worker):
     assert result["final_loss"] < losses[0] - 1.0
 
 
+def test_every_step_record_says_where_its_time_went(one_worker):
+    """Each record's phases (``train.step_clock``) add up to its step time, and the
+    model's forward/backward is where a CPU step of the tiny GPT spends most of it."""
+    records = one_worker[0]["records"]
+    for r in records:
+        phases = r["phases_s"]
+        assert set(phases) == {
+            "data",
+            "forward_backward",
+            "optimizer",
+            "exchange",
+            "checkpoint",
+            "bookkeeping",
+        }
+        assert min(phases.values()) >= 0.0
+        assert sum(phases.values()) == pytest.approx(r["step_time_s"], abs=1e-6)
+    steady = records[1:]
+    compute = sum(r["phases_s"]["forward_backward"] for r in steady)
+    framework = sum(r["phases_s"]["bookkeeping"] + r["phases_s"]["exchange"] for r in steady)
+    assert compute > 5 * framework
+
+
 @pytest.mark.slow
 def test_two_workers_match_one_worker(one_worker, tmp_path):
     two = train_processes(2, BASE, tmp_path)

@@ -1,0 +1,31 @@
+"""The step clock: a step's phases add up to its time, whatever was measured inside what."""
+
+import time
+
+import pytest
+
+from raytrain_ext.metrics.sinks import median_phases
+from raytrain_ext.train.step_clock import PHASES, StepClock
+
+
+def test_laps_add_up_to_the_step_and_the_carried_reporting():
+    clock = StepClock(carried_s=0.002)
+    time.sleep(0.01)
+    clock.lap("forward_backward")
+    clock.move(0.004, "forward_backward", "data")
+    time.sleep(0.005)
+    clock.lap("optimizer")
+    seconds = clock.stop()
+    phases = clock.phases()
+    assert set(phases) == set(PHASES)
+    assert sum(phases.values()) == pytest.approx(seconds, abs=1e-9)
+    assert phases["data"] == pytest.approx(0.004)
+    assert phases["forward_backward"] >= 0.01 - 0.004
+    assert phases["bookkeeping"] >= 0.002  # the previous step's reporting
+    assert clock.since_stop() >= 0.0
+
+
+def test_the_summary_takes_each_phase_median():
+    records = [{"phases_s": {"data": d, "bookkeeping": 1.0}} for d in (1.0, 5.0, 2.0)]
+    assert median_phases(records + [{"step": 4}]) == {"data": 2.0, "bookkeeping": 1.0}
+    assert median_phases([{"step": 1}]) == {}
