@@ -172,6 +172,10 @@ def print_training(runs: Dict[str, List[Dict]], header: str) -> None:
     print(f"{'':26}" + "".join(f"{n:>14}" for n in names))
     print(f"{'median step time (ms)':26}" + "".join(f"{best[n] * 1e3:14.1f}" for n in names))
     print(f"{'command to 1st step (s)':26}" + "".join(f"{first[n]:14.2f}" for n in names))
+    for n in names:
+        medians = ", ".join(f"{r['median_step_s'] * 1e3:.1f}" for r in runs[n])
+        starts = ", ".join(f"{r['first_step_s']:.2f}" for r in runs[n])
+        print(f"  {n}: median step per run (ms) {medians}; command to 1st step (s) {starts}")
     loss = {n: runs[n][-1]["final_loss"] for n in names}
     print(f"{'final loss':26}" + "".join(f"{loss[n]:14.4f}" for n in names))
     ours = names[0]
