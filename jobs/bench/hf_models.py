@@ -37,7 +37,7 @@ sys.path.insert(0, str(BENCH))
 
 from hf_pretrained_load import measure_load, print_load  # noqa: E402
 
-from raytrain_ext.worker.dist_env import free_port  # noqa: E402
+from raytrain_ext.worker.rendezvous import free_port  # noqa: E402
 
 LLAMA = {"model_type": "llama", "max_position_embeddings": 1024, "tie_word_embeddings": False}
 SIZES = {  # hidden, intermediate, layers, heads, kv heads, vocab

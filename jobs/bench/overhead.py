@@ -21,7 +21,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from raytrain_ext.worker.dist_env import free_port  # noqa: E402
+from raytrain_ext.worker.rendezvous import free_port  # noqa: E402
 
 
 def run_raytrain_ext(workdir: Path, workers: int, overrides: list, name: str) -> dict:

@@ -27,7 +27,12 @@ from typing import TYPE_CHECKING, Any, Dict, Optional
 import ray
 
 from raytrain_ext.user_code import UserCode
-from raytrain_ext.worker.process_pool import WARM_MODULES, adopt_thread_count, process_age_s
+from raytrain_ext.worker.process_pool import (
+    WARM_MODULES,
+    adopt_thread_count,
+    await_warm_imports,
+    process_age_s,
+)
 
 if TYPE_CHECKING:
     from raytrain_ext.worker.dist_env import WorkerEnv
@@ -90,6 +95,7 @@ class TrainWorker:
     """Remote methods are called by :class:`raytrain_ext.worker.group.WorkerGroup`."""
 
     def __init__(self) -> None:
+        await_warm_imports()  # first: the setup hook may still be importing torch
         self._reset_run_state()
         self.env: WorkerEnv | None = None
         self.device = None

@@ -60,23 +60,46 @@ SETUP_HOOK = f"{__name__}.import_warm_modules"
 
 
 def import_warm_modules() -> None:
-    """The setup hook: import :data:`WARM_MODULES` on a thread of the lowest CPU priority
-    (``SCHED_IDLE``), and wait for it.
+    """The setup hook: start importing :data:`WARM_MODULES` on a thread of the lowest CPU
+    priority (``SCHED_IDLE``), and return; the actor that takes the process waits for
+    it (:func:`await_warm_imports`).
 
     Why: a stocked process imports while the node's ranks train, and at the ranks'
     priority its 3-4 s of CPU came out of their steps (measured: steps 2-7 of the HF
     bench 1.1-1.4 s against 0.7 s).  At ``SCHED_IDLE`` it runs only on a core no rank
-    wants.  The policy is the thread's own (Linux schedules threads) and an unprivileged
-    thread cannot leave ``SCHED_IDLE``, so the imports run on a thread that ends with them,
-    and the process's main thread, which will run the actor, keeps its priority.  The hook
-    waits for that thread: torch imported from two threads at once fails (``c10d_init``
-    raised when the actor's class was unpickled beside it), and Ray hands the process
-    work only once the hook has returned.  Never raises (a hook that raises makes Ray end
-    the process, and with it the actor it was started for): a module that fails here
-    fails again, with its real error, where the loop imports it."""
-    thread = threading.Thread(target=_import_at_idle_priority, name="warm-imports", daemon=True)
-    thread.start()
+    wants.  The policy is the thread's own (Linux schedules threads), so the process's
+    main thread, which will run the actor, keeps its priority.  The hook returns at once
+    (Ray hands a process work only once its hook has returned, and a process taken in a
+    recovery must not wait at idle priority for CPUs the ranks no longer use).  Never
+    raises (a hook that raises makes Ray end the process, and with it the actor it was
+    started for): a module that fails here fails again, with its real error, where the
+    loop imports it."""
+    global _warming
+    _warming = threading.Thread(target=_import_at_idle_priority, name="warm-imports", daemon=True)
+    _warming.start()
+
+
+def await_warm_imports() -> None:
+    """Wait for the setup hook's imports, at the caller's priority where the process may
+    raise the thread's (``CAP_SYS_NICE``: an unprivileged thread cannot leave
+    ``SCHED_IDLE``, and then they finish at idle priority).
+
+    Invariant: the actor calls this before anything of its own touches torch.  Two
+    threads importing torch at once fail (``c10d_init`` raised when the actor's module
+    imported ``torch.distributed`` beside the hook's thread), so the actor's module
+    imports no torch at its top (``worker.actor``)."""
+    thread = _warming
+    if thread is None or not thread.is_alive():
+        return
+    try:
+        os.sched_setscheduler(thread.native_id, os.SCHED_OTHER, os.sched_param(0))
+    except (AttributeError, OSError) as e:  # unprivileged, or not Linux
+        log.debug("warm imports stay at idle priority: %s", e)
     thread.join()
+
+
+# the setup hook's import thread in this process (one hook per process; None: no hook)
+_warming: Optional[threading.Thread] = None
 
 
 def _import_at_idle_priority() -> None:

@@ -10,7 +10,7 @@ import pytest
 import ray
 
 from raytrain_ext import Trainer, TrainingFailed, load_config
-from raytrain_ext.worker.dist_env import assign_ranks
+from raytrain_ext.worker.rendezvous import assign_ranks
 from raytrain_ext.worker.form_options import FormOptions
 from raytrain_ext.worker.group import PlacementTimeout, WorkerGroup
 from raytrain_ext.worker.process_pool import ProcessPool

@@ -34,8 +34,11 @@ def test_the_setup_hook_imports_the_warm_modules_without_asking_cuda_anything():
                 calls.append(_n)
                 return _real(*a, **k)
             setattr(torch.cuda, name, spy)
-        from raytrain_ext.worker.process_pool import WARM_MODULES, import_warm_modules
+        from raytrain_ext.worker.process_pool import (
+            WARM_MODULES, await_warm_imports, import_warm_modules,
+        )
         import_warm_modules()
+        await_warm_imports()
         print(calls, [m for m in WARM_MODULES if m not in sys.modules])
         """
     )
@@ -45,6 +48,7 @@ def test_the_setup_hook_imports_the_warm_modules_without_asking_cuda_anything():
 def test_a_module_that_fails_to_import_does_not_fail_the_hook(monkeypatch):
     monkeypatch.setattr(process_pool, "WARM_MODULES", ("json", "no_such_module_here"))
     process_pool.import_warm_modules()  # a raising hook would end the process and its actor
+    process_pool.await_warm_imports()
 
 
 def test_the_thread_count_follows_what_ray_gave_the_actor_not_the_import():
@@ -78,3 +82,29 @@ def test_process_age_is_read_on_the_kernel_clock():
     )
     assert 1.0 <= age < 30
     assert process_pool.process_age_s() > age  # this test's process started earlier
+
+
+def test_the_hook_imports_at_idle_priority_until_an_actor_waits_for_it(tmp_path):
+    """A stocked process imports on a ``SCHED_IDLE`` thread (a core no rank wants); the
+    actor that takes it raises that thread to its own priority where it may (root here:
+    ``CAP_SYS_NICE``) and waits for the imports; the main thread never leaves its own."""
+    (tmp_path / "slow_module.py").write_text(
+        "import os, time\ntime.sleep(0.6)\nPOLICY_AT_END = os.sched_getscheduler(0)\n"
+    )
+    out = _run(
+        """
+        import os, time
+        from raytrain_ext.worker import process_pool
+        process_pool.WARM_MODULES = ("slow_module",)
+        process_pool.import_warm_modules()
+        time.sleep(0.2)
+        while_warming = os.sched_getscheduler(process_pool._warming.native_id)
+        process_pool.await_warm_imports()
+        import slow_module
+        print(while_warming == os.SCHED_IDLE, slow_module.POLICY_AT_END == os.SCHED_OTHER,
+              os.sched_getscheduler(0) == os.SCHED_OTHER, process_pool._warming.is_alive())
+        """,
+        PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    )
+    privileged = os.geteuid() == 0
+    assert out == f"True {privileged} True False"
