@@ -80,8 +80,8 @@ log = logging.getLogger(__name__)
 def seed_everything(seed: int, device: Optional[torch.device] = None) -> None:
     """Seed Python's, numpy's and torch's generators: the CPU one, and CUDA's when the
     rank computes there.  Not ``torch.manual_seed``: where CUDA is not initialised it
-    queues a CUDA seeding with a captured stack on every call (0.5 ms, and a list
-    that grows with every step), which a CPU run never runs."""
+    captures the caller's stack on every call to queue CUDA's seeding for later (0.08 ms
+    a step here, seen in the step's profile), which a CPU run never runs."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.random.default_generator.manual_seed(seed)
