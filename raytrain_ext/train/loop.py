@@ -387,12 +387,47 @@ class TrainLoop:
             clock.lap("checkpoint")
         if exchanged.request >= REQUEST_EMERGENCY:
             self.preempted_at = self.progress.step
-        step_time = clock.stop()
-        record = {
+        clock.stop()
+        record = self._step_record(clock, loss, lr, float(grad_norm), stall, exchanged, units)
+        if skip_batch or decision.action != StepAction.OK:
+            record["skipped"] = True
+        self._report_step(record, clock)
+        return loss
+
+    def _report_step(self, record: Dict[str, Any], clock: StepClock) -> None:
+        """Add the step's rollback note, evaluation and restore facts to its record and
+        report it; the time this takes, evaluation aside, is the next step's bookkeeping."""
+        if self.nonfinite.rollback_note is not None:
+            record["rolled_back"], self.nonfinite.rollback_note = self.nonfinite.rollback_note, None
+        evaluated_s = 0.0
+        if self.evaluator.due(self.progress.step):
+            evaluated_s = time.perf_counter()
+            record.update(self.evaluator.run(self.model, self._autocast))
+            evaluated_s = time.perf_counter() - evaluated_s
+        if self._first_report:  # tells the controller where this group resumed from
+            record["restored"], self._first_report = self.restored, False
+        self.report(record)
+        self.faults.after_step(self.progress.step, self.mark)
+        self._reported_s = clock.since_stop() - evaluated_s
+
+    def _step_record(
+        self,
+        clock: StepClock,
+        loss: float,
+        lr: float,
+        grad_norm: float,
+        stall: float,
+        exchanged,
+        units: float,
+    ) -> Dict[str, Any]:
+        """The step's record for rank 0's report (every rank builds it: the straggler
+        guard observes on each)."""
+        step_time, ctx = clock.seconds, self.ctx
+        return {
             "step": self.progress.step,
             "loss": loss,
             "lr": lr,
-            "grad_norm": float(grad_norm),
+            "grad_norm": grad_norm,
             "step_time_s": step_time,
             "tokens_per_s": self.global_tokens / step_time,
             "compute_s": self._compute_s,
@@ -413,21 +448,6 @@ class TrainLoop:
             **self._straggler_fields(exchanged.compute_s),
             **self.expert_load.field(exchanged.expert_tokens),
         }
-        if skip_batch or decision.action != StepAction.OK:
-            record["skipped"] = True
-        if self.nonfinite.rollback_note is not None:
-            record["rolled_back"], self.nonfinite.rollback_note = self.nonfinite.rollback_note, None
-        evaluated_s = 0.0
-        if self.evaluator.due(self.progress.step):
-            evaluated_s = time.perf_counter()
-            record.update(self.evaluator.run(self.model, self._autocast))
-            evaluated_s = time.perf_counter() - evaluated_s
-        if self._first_report:  # tells the controller where this group resumed from
-            record["restored"], self._first_report = self.restored, False
-        self.report(record)
-        self.faults.after_step(self.progress.step, self.mark)
-        self._reported_s = clock.since_stop() - evaluated_s
-        return loss
 
     def _save_request(self, exchanged) -> float:
         """The step's agreed save request; a pause whose state the ranks do not hand over

@@ -35,6 +35,7 @@ class StepClock:
         self.spent: Dict[str, float] = dict.fromkeys(PHASES, 0.0)
         self.spent["bookkeeping"] = carried_s
         self._carried_s = carried_s
+        self.seconds = 0.0  # the step's time, once stopped
 
     def lap(self, phase: str) -> float:
         """Charge the time since the previous lap to ``phase``; returns the time now."""
@@ -52,7 +53,8 @@ class StepClock:
         """End the step: what no phase claimed is bookkeeping; returns the step's seconds
         (the previous step's carried reporting included)."""
         self.lap("bookkeeping")
-        return self._last - self.start + self._carried_s
+        self.seconds = self._last - self.start + self._carried_s
+        return self.seconds
 
     def since_stop(self) -> float:
         """Seconds since ``stop``: the step's reporting, carried into the next step."""
