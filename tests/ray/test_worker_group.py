@@ -10,10 +10,10 @@ import pytest
 import ray
 
 from raytrain_ext import Trainer, TrainingFailed, load_config
-from raytrain_ext.worker.rendezvous import assign_ranks
 from raytrain_ext.worker.form_options import FormOptions
 from raytrain_ext.worker.group import PlacementTimeout, WorkerGroup
 from raytrain_ext.worker.process_pool import ProcessPool
+from raytrain_ext.worker.rendezvous import assign_ranks
 from tests.helpers.leaks import assert_nothing_left
 from tests.helpers.reference import uninterrupted
 from tests.helpers.runs import FitThread, tiny_overrides, wait_for_checkpoint, wait_until
