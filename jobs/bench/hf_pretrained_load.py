@@ -36,9 +36,9 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 from raytrain_ext.worker.dist_env import (  # noqa: E402
     WorkerEnv,
     destroy_distributed,
-    free_port,
     init_distributed,
 )
+from raytrain_ext.worker.rendezvous import free_port  # noqa: E402
 
 
 class CountingReader(dcp.HuggingFaceStorageReader):

@@ -36,11 +36,11 @@ from raytrain_ext.worker.dist_env import (  # noqa: E402
     ABORT,
     WorkerEnv,
     destroy_distributed,
-    free_port,
     init_distributed,
     live_backend_configs,
     teardown_steps,
 )
+from raytrain_ext.worker.rendezvous import free_port  # noqa: E402
 
 
 def emit(**record) -> None:

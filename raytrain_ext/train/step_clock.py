@@ -37,24 +37,22 @@ class StepClock:
         self._carried_s = carried_s
         self.seconds = 0.0  # the step's time, once stopped
 
-    def lap(self, phase: str) -> float:
-        """Charge the time since the previous lap to ``phase``; returns the time now."""
+    def lap(self, phase: str) -> None:
+        """Charge the time since the previous lap to ``phase``."""
         now = time.perf_counter()
         self.spent[phase] += now - self._last
         self._last = now
-        return now
 
     def move(self, seconds: float, source: str, target: str) -> None:
         """Re-charge ``seconds`` of ``source`` (a phase timed inside it) to ``target``."""
         self.spent[source] -= seconds
         self.spent[target] += seconds
 
-    def stop(self) -> float:
-        """End the step: what no phase claimed is bookkeeping; returns the step's seconds
-        (the previous step's carried reporting included)."""
+    def stop(self) -> None:
+        """End the step: what no phase claimed is bookkeeping; ``seconds`` becomes the
+        step's time (the previous step's carried reporting included)."""
         self.lap("bookkeeping")
         self.seconds = self._last - self.start + self._carried_s
-        return self.seconds
 
     def since_stop(self) -> float:
         """Seconds since ``stop``: the step's reporting, carried into the next step."""

@@ -19,9 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from raytrain_ext.worker.rendezvous import WorkerEnv, bound_listener, free_port
-
-__all__ = ["WorkerEnv", "bound_listener", "free_port"]  # a worker's whole setup, from here
+from raytrain_ext.worker.rendezvous import WorkerEnv, bound_listener
 
 
 def choose_backend(requested: str, has_gpu: bool) -> str:

@@ -58,6 +58,9 @@ WARM_MODULES = (
 
 SETUP_HOOK = f"{__name__}.import_warm_modules"
 
+# the setup hook's import thread in this process (one hook per process; None: no hook)
+_warming: Optional[threading.Thread] = None
+
 
 def import_warm_modules() -> None:
     """The setup hook: start importing :data:`WARM_MODULES` on a thread of the lowest CPU
@@ -96,10 +99,6 @@ def await_warm_imports() -> None:
     except (AttributeError, OSError) as e:  # unprivileged, or not Linux
         log.debug("warm imports stay at idle priority: %s", e)
     thread.join()
-
-
-# the setup hook's import thread in this process (one hook per process; None: no hook)
-_warming: Optional[threading.Thread] = None
 
 
 def _import_at_idle_priority() -> None:

@@ -14,7 +14,8 @@ import torch.multiprocessing as mp
 from raytrain_ext.config import config_from_dict, load_config, to_dict
 from raytrain_ext.faults import FaultInjector
 from raytrain_ext.trainer import absolute_paths
-from raytrain_ext.worker.dist_env import WorkerEnv, destroy_distributed, free_port, init_distributed
+from raytrain_ext.worker.dist_env import WorkerEnv, destroy_distributed, init_distributed
+from raytrain_ext.worker.rendezvous import free_port
 
 
 def init_local_rank(rank: int, world: int, port: int) -> torch.device:

@@ -83,7 +83,7 @@ def _place_rank(rank: int, world: int, port: int, overrides: List[str], out_dir:
 def place_from_files(world: int, overrides: List[str], out_dir: Path) -> List[Dict]:
     """Build (``FSDPStrategy.build_model``), wrap and load a pretrained HF model on ``world``
     gloo ranks; each rank's record: built on meta?, full parameters, buffers, tied?, logits."""
-    from raytrain_ext.worker.dist_env import free_port
+    from raytrain_ext.worker.rendezvous import free_port
     from tests.helpers.dist import spawn_ranks
 
     out_dir.mkdir(parents=True, exist_ok=True)

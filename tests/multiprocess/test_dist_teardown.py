@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from raytrain_ext.worker.dist_env import destroy_distributed, free_port
+from raytrain_ext.worker.dist_env import destroy_distributed
+from raytrain_ext.worker.rendezvous import free_port
 from tests.helpers.dist import init_local_rank, spawn_ranks
 
 pytestmark = pytest.mark.slow

@@ -24,7 +24,8 @@ import torch
 
 from raytrain_ext.config import load_config
 from raytrain_ext.models import build_model
-from raytrain_ext.worker.dist_env import destroy_distributed, free_port
+from raytrain_ext.worker.dist_env import destroy_distributed
+from raytrain_ext.worker.rendezvous import free_port
 from tests.helpers.dist import init_local_rank, spawn_ranks
 from tests.helpers.layouts import ATOL_UNEVEN, FSDP, TP_LOSS_ATOL, assert_matches, curve, train
 

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from raytrain_ext.config import config_from_dict, load_config, to_dict
-from raytrain_ext.worker.dist_env import destroy_distributed, free_port
+from raytrain_ext.worker.dist_env import destroy_distributed
+from raytrain_ext.worker.rendezvous import free_port
 from tests.helpers.dist import init_local_rank, spawn_ranks
 
 BASE = [

@@ -11,7 +11,8 @@ import torch
 from raytrain_ext.parallel.ddp import DDPStrategy
 from raytrain_ext.parallel.fsdp import FSDPStrategy
 from raytrain_ext.parallel.strategy import DistContext, Strategy
-from raytrain_ext.worker.dist_env import destroy_distributed, free_port
+from raytrain_ext.worker.dist_env import destroy_distributed
+from raytrain_ext.worker.rendezvous import free_port
 from tests.helpers.dist import init_local_rank, spawn_ranks
 from tests.helpers.toy import TOY_SPEC, PlainStrategy
 
