@@ -30,6 +30,7 @@ from raytrain_ext.elastic.ray_group import RayGroup
 from raytrain_ext.inputs.preflight import preflight
 from raytrain_ext.metrics import FanOut, StdoutSink, TensorBoardSink, summarize_records
 from raytrain_ext.metrics.sinks import eval_fields
+from raytrain_ext.metrics.start_phases import start_phases
 from raytrain_ext.objectives import check_objective
 from raytrain_ext.run_dir import RunDirectory
 from raytrain_ext.user_code import UserCode
@@ -77,6 +78,7 @@ class Trainer:
         check_objective(self.cfg, loss_fn)
         self._controller: Optional[Controller] = None
         self._stop_reason: Optional[str] = None
+        self._marks: Dict[str, float] = {}  # this fit's moments (metrics.start_phases)
         self.run_dir = Path(self.cfg.run.output_dir) / self.cfg.run.name
 
     @property
@@ -102,15 +104,18 @@ class Trainer:
             result = self._run(start)
         except BaseException as error:
             result = self._controller.result if self._controller is not None else None
-            records.finish(attempt, build_summary(self.cfg, result, start), error=error)
+            summary = build_summary(self.cfg, result, start, self._marks)
+            records.finish(attempt, summary, error=error)
             raise
-        summary = build_summary(self.cfg, result, start)
+        summary = build_summary(self.cfg, result, start, self._marks)
         records.finish(attempt, summary)
         return summary
 
     def _run(self, start: float) -> ControllerResult:
         """Connect to Ray, run the controller; whatever fails, nothing it started is left."""
+        self._marks = {"ray_connecting_at": time.time()}
         started_ray = connect_ray(self.cfg.scaling.ray_address)
+        self._marks["ray_connected_at"] = time.time()
         memory_actors: list = []
         sink = FanOut([])
         try:
@@ -249,8 +254,11 @@ def _installed_version(package: str) -> Optional[str]:
         return None
 
 
-def build_summary(cfg, result: Optional[ControllerResult], start: float) -> Dict[str, Any]:
-    """What a run did, from the controller's result (None: it never got to run)."""
+def build_summary(
+    cfg, result: Optional[ControllerResult], start: float, marks: Optional[Dict[str, float]] = None
+) -> Dict[str, Any]:
+    """What a run did, from the controller's result (None: it never got to run); ``marks``:
+    the driver's moments of its start (``metrics.start_phases``)."""
     import ray
 
     result = result or ControllerResult(state=RunState.FAILED)
@@ -273,6 +281,7 @@ def build_summary(cfg, result: Optional[ControllerResult], start: float) -> Dict
         "started_at": start,
         "first_step_at": records[0]["time"] if records else None,
         "time_to_first_step_s": records[0]["time"] - start if records else None,
+        "start_phases_s": _start_phases(start, marks or {}, result) if records else None,
         "world_size_history": result.world_size_history,
         "workers": result.workers,
         "recoveries": result.recoveries,
@@ -298,6 +307,13 @@ def build_summary(cfg, result: Optional[ControllerResult], start: float) -> Dict
         "step_end_times": [[r["step"], r["time"]] for r in records],
     }
     return summary
+
+
+def _start_phases(start: float, marks: Dict[str, float], result: ControllerResult) -> Dict:
+    """The first group's start, split (``metrics.start_phases``): the driver's moments, the
+    group's and rank 0's (``ControllerResult.start_marks``), and its first step's end."""
+    first = result.records[0]
+    return start_phases(start, {**marks, **result.start_marks, "first_step_at": first["time"]})
 
 
 def _check_model_argument(cfg, model: Any) -> None:

@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from raytrain_ext.config import load_config  # noqa: E402
 from raytrain_ext.data import open_token_dataset  # noqa: E402
 from raytrain_ext.models import build_model  # noqa: E402
+from raytrain_ext.worker.process_age import process_age_s  # noqa: E402
 
 
 def main() -> None:
@@ -32,7 +33,10 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     cfg = load_config(args.config, args.overrides)
+    now = time.time()  # the same moments as raytrain-ext's (metrics.start_phases), rank 0's
+    marks = {"process_started_at": now - process_age_s(), "imports_done_at": now}
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    marks["formed_at"] = time.time()
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(cfg.run.seed)
     model = DistributedDataParallel(build_model(cfg.model, cfg.run.seed))
@@ -47,6 +51,7 @@ def main() -> None:
     global_batch, micro = cfg.data.global_batch_size, cfg.data.micro_batch_size
     local_batch = global_batch // world
     tokens = global_batch * cfg.model.seq_len
+    marks["built_at"] = time.time()
     times, phases = [], []
     for _ in range(cfg.run.max_steps):
         start = time.perf_counter()
@@ -85,6 +90,7 @@ def main() -> None:
                     "first_step_at": times[0][1],
                     "final_loss": total.item() / tokens,
                     "phases_s": phases,
+                    "start_marks": marks,
                 }
             )
         )

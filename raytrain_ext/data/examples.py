@@ -22,6 +22,7 @@ from typing import List, Sequence, Tuple
 import numpy as np
 import pyarrow as pa
 
+from raytrain_ext.data.arrow_numpy import int_values
 from raytrain_ext.data.batch import Batch
 
 
@@ -29,8 +30,8 @@ class RaggedColumn:
     """One list column over several shard files: row ``i`` as a zero-copy numpy view."""
 
     def __init__(self, chunks: Sequence[pa.ListArray]):
-        self._values = [c.values.to_numpy(zero_copy_only=False) for c in chunks]
-        self._offsets = [c.offsets.to_numpy() for c in chunks]
+        self._values = [int_values(c.values) for c in chunks]
+        self._offsets = [int_values(c.offsets) for c in chunks]
         counts = [len(o) - 1 for o in self._offsets]
         self._first = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         self._chunk_of = np.repeat(np.arange(len(counts)), counts)  # row -> its chunk

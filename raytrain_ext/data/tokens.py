@@ -17,6 +17,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from raytrain_ext.data.arrow_numpy import int_values
 from raytrain_ext.data.batch import Batch
 
 if TYPE_CHECKING:
@@ -178,4 +179,4 @@ def _column(table: pa.Table, source: str) -> np.ndarray:
     if not pa.types.is_integer(column.type):
         raise ValueError(f"{source}: column '{TOKEN_COLUMN}' must hold integers, not {column.type}")
     chunk = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
-    return chunk.to_numpy(zero_copy_only=False)
+    return int_values(chunk)

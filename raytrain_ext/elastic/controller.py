@@ -180,6 +180,8 @@ class Controller:
         """Write down the group just formed."""
         self.result.backend = self.group.backend
         self._last_reform_at = self.clock()
+        if not self.result.records:  # the group that may make the first step: its start
+            self.result.start_marks = dict(self.group.start_marks)
         self.notices.new_group()
         self.result.world_size_history.append(
             {"step": self._last_step(), "world_size": self.group.world_size}
@@ -454,6 +456,8 @@ class Controller:
     def _forward(self, records: List[Dict[str, Any]]) -> None:
         for fields in records:
             record = StepRecord.from_worker(fields)
+            if not self.result.records:  # the first step: when rank 0's loop was built
+                self.result.start_marks.update(fields.get("start_marks", {}))
             self.result.stragglers.extend(self.notices.observe_step(record))
             if record.first_of_group:
                 self._close_books(record)

@@ -46,6 +46,12 @@ class GroupPort(Protocol):
     @property
     def world_size(self) -> int: ...
 
+    @property
+    def start_marks(self) -> Dict[str, float]:
+        """When the group now formed was placed and formed, and when rank 0's process
+        started, began its actor and finished its imports (``metrics.start_phases``)."""
+        ...
+
     def start(self, num_workers: int, form: FormOptions, *, spares: int) -> None:
         """Place and form a new group (raises when it cannot be placed or formed)."""
         ...

@@ -61,6 +61,10 @@ class RayGroup:
     def world_size(self) -> int:
         return self._group.world_size
 
+    @property
+    def start_marks(self) -> Dict[str, float]:
+        return self._group.start_marks
+
     def start(self, num_workers: int, form: FormOptions, *, spares: int) -> None:
         self._fit_refs, self._pending = [], []  # a group that fails to form ran nothing
         self._group.start(num_workers, form, spares=spares)

@@ -222,6 +222,9 @@ class ControllerResult:
     stragglers: List[Dict[str, Any]] = field(default_factory=list)
     backend: Optional[str] = None
     error: Optional[BaseException] = None
+    # the moments of the start of the group that made the first step record (the group's
+    # and rank 0's; ``metrics.start_phases``)
+    start_marks: Dict[str, float] = field(default_factory=dict)
 
     @property
     def recoveries(self) -> List[Dict[str, Any]]:

@@ -307,6 +307,13 @@ def _phases_line(phases: Dict[str, float]) -> str:
     return ", ".join(f"{name} {seconds * 1e3:.1f} ms" for name, seconds in ranked)
 
 
+def _start_line(phases: Dict[str, float]) -> str:
+    """Where the time to the first step went (``metrics.start_phases``), in its order."""
+    if not phases:
+        return "n/a (no step records)"
+    return ", ".join(f"{name} {seconds:.2f} s" for name, seconds in phases.items())
+
+
 def _eval_line(history: List[Dict[str, Any]]) -> str:
     if not history:
         return "none (eval.every_steps)"
@@ -332,6 +339,7 @@ def _overview(summary: Dict[str, Any], cfg) -> List[tuple]:
             f"{summary['wall_time_s']:.2f} s (first step after "
             f"{_num(summary.get('time_to_first_step_s'))} s)",
         ),
+        ("start", _start_line(summary.get("start_phases_s") or {})),
         ("loss", f"{_num(summary.get('first_loss'), 4)} -> {_num(summary.get('final_loss'), 4)}"),
         ("evaluation", _eval_line(summary.get("eval_history", []))),
         (

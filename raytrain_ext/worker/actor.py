@@ -27,12 +27,8 @@ from typing import TYPE_CHECKING, Any, Dict, Optional
 import ray
 
 from raytrain_ext.user_code import UserCode
-from raytrain_ext.worker.process_pool import (
-    WARM_MODULES,
-    adopt_thread_count,
-    await_warm_imports,
-    process_age_s,
-)
+from raytrain_ext.worker.process_age import process_age_s
+from raytrain_ext.worker.process_pool import WARM_MODULES, adopt_thread_count, await_warm_imports
 
 if TYPE_CHECKING:
     from raytrain_ext.worker.dist_env import WorkerEnv
@@ -95,7 +91,14 @@ class TrainWorker:
     """Remote methods are called by :class:`raytrain_ext.worker.group.WorkerGroup`."""
 
     def __init__(self) -> None:
+        init_started_at = time.time()
         await_warm_imports()  # first: the setup hook may still be importing torch
+        # this process's start (``metrics.start_phases``): rank 0's are the group's
+        self.marks = {
+            "process_started_at": init_started_at - process_age_s(),
+            "init_started_at": init_started_at,
+            "imports_done_at": time.time(),
+        }
         self._reset_run_state()
         self.env: WorkerEnv | None = None
         self.device = None
@@ -154,6 +157,7 @@ class TrainWorker:
             "pid": os.getpid(),
             "hostname": os.uname().nodename,
             "process_age_s": process_age_s(),
+            "marks": self.marks,
         }
 
     def serialized_runtime_env(self) -> str:
@@ -249,8 +253,12 @@ class TrainWorker:
         is_rank0 = self.env.rank == 0
         if is_rank0:
             self.metrics_sink = RayMetricsSink(cfg.run.name)
+        built: Dict[str, float] = {}  # until this fit's first record carries it
 
         def report(record: Dict[str, Any]) -> None:
+            if built:  # the group's first step: when this rank's loop was built
+                record = {**record, "start_marks": dict(built)}
+                built.clear()
             self.events.push(record, keep=is_rank0)
             if self.metrics_sink is not None:
                 self.metrics_sink.write(record["step"], record)
@@ -270,6 +278,7 @@ class TrainWorker:
             held=self.held,
         )
         self._loop, self.live, self.held = loop, None, None  # the loop holds the state now
+        built["built_at"] = time.time()
         faults.after_restore()
         return loop.fit()
 

@@ -77,6 +77,8 @@ class WorkerGroup:
         self.vacant: List[int] = []  # bundles freed by a re-form in place, not yet refilled
         self.unplaced: Dict[int, str] = {}  # bundle -> its lost node, until Ray re-places it
         self.backend: Optional[str] = None
+        self._placed_at: Optional[float] = None  # when start() had its gang placed
+        self._formed_at: Optional[float] = None  # when the last start or reform formed
         self.avoid_nodes: set = set()  # node ids the next start() must not use
         self._runtime_env: Optional[dict] = None  # the caller's, a spare's
         self._rank_env: Optional[dict] = None  # a rank's: the pool's setup hook added
@@ -86,6 +88,14 @@ class WorkerGroup:
     @property
     def world_size(self) -> int:
         return len(self.actors)
+
+    @property
+    def start_marks(self) -> Dict[str, float]:
+        """When the gang was placed and the group formed (this driver's clock), and rank 0's
+        own moments (``TrainWorker.node_info``: its node's clock); None-valued ones left out."""
+        own = {"placed_at": self._placed_at, "formed_at": self._formed_at}
+        rank0 = self.infos[0].get("marks", {}) if self.infos else {}
+        return {**{k: v for k, v in own.items() if v is not None}, **rank0}
 
     def start(
         self,
@@ -114,6 +124,7 @@ class WorkerGroup:
                 f"resources: {ray.cluster_resources()}. Lower scaling.num_workers, "
                 "scaling.resources_per_worker or elastic.spare_workers, or add nodes."
             )
+        self._placed_at = time.time()
         self._runtime_env = runtime_env
         self._rank_env = (
             self.process_pool.runtime_env(runtime_env) if self.process_pool else runtime_env
@@ -294,6 +305,7 @@ class WorkerGroup:
             timeout=form.timeout_s + 30,
         )
         self.backend = backends[0]
+        self._formed_at = time.time()
         log.info(
             "worker group formed: %d workers, backend %s, master %s:%d",
             len(members),

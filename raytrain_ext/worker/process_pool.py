@@ -41,13 +41,14 @@ log = logging.getLogger(__name__)
 # What a first ``fit`` imports (measured: ``sys.modules`` after a spare's first step), so a
 # spare or a stocked process pays none of it on the recovery path.  ``torch._dynamo``
 # (imported by the first DDP construction) alone takes 0.5-2 s, and the peers wait for it
-# in DDP's first broadcast.
+# in DDP's first broadcast.  Every rank of a new group imports these before its first
+# step too (its process runs the same hook), so nothing a fit does not import belongs
+# here (pandas, 0.1-0.3 s, left when the data path stopped importing it).
 WARM_MODULES = (
     "torch",
     "torch.distributed",
     "torch.distributed.checkpoint",
     "torch._dynamo",
-    "pandas",
     "pyarrow.compute",
     "pyarrow.json",
     "pydantic",
@@ -124,20 +125,6 @@ def adopt_thread_count() -> None:
         import torch
 
         torch.set_num_threads(int(threads))
-
-
-def process_age_s() -> float:
-    """Seconds since this process started, from the kernel's own clock (``/proc``: the
-    start time in ticks since boot, against the uptime), precise to a tick; 0.0 where
-    there is no ``/proc``."""
-    try:
-        with open("/proc/self/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        with open("/proc/uptime") as f:
-            uptime = float(f.read().split()[0])
-    except OSError:
-        return 0.0
-    return uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22: starttime
 
 
 class ProcessPool:

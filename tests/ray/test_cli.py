@@ -11,6 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from raytrain_ext.metrics.start_phases import START_PHASES
 from tests.helpers.cli import clean_env, raytrain_ext_cmd, run
 from tests.helpers.reference import uninterrupted
 from tests.helpers.runs import FAST_MODEL, wait_for_checkpoint
@@ -42,6 +43,19 @@ def test_cli_trains_logs_from_rank0_and_writes_the_run_dir(tmp_path):
     assert (tmp_path / "cli" / "config.yaml").read_text().count(f"max_steps: {STEPS}") == 1
     assert list((tmp_path / "cli" / "tensorboard").glob("events.out.tfevents.*"))
     assert '"params_sha256"' in cli.stdout  # the summary is printed
+    assert_start_is_accounted(summary)
+
+
+def assert_start_is_accounted(summary):
+    """The start's phases (``metrics.start_phases``) add up to the time to the first step;
+    the ones this local run must have spent time in (a private Ray's start, rank 0's
+    process and its imports, the group and the first step) are there."""
+    phases = summary["start_phases_s"]
+    assert list(phases) == [name for name, _ in START_PHASES]
+    assert min(phases.values()) >= 0.0
+    assert sum(phases.values()) == pytest.approx(summary["time_to_first_step_s"], abs=1e-6)
+    for spent in ("ray_start", "worker_init", "imports", "rendezvous", "build", "first_step"):
+        assert phases[spent] > 0.0, phases
 
 
 def test_cli_config_error_exits_2_before_starting_ray(tmp_path):

@@ -116,6 +116,7 @@ class FakeGroup:
         self.stopping = False
         self.preempted_at: Optional[int] = None
         self.fault: Optional[Fault] = None
+        self.start_marks: Dict[str, float] = {}  # set by each start and reform
 
     @property
     def world_size(self) -> int:
@@ -139,6 +140,7 @@ class FakeGroup:
             raise TimeoutError(f"could not place {num_workers} workers")
         self.infos = [_info(node, rank) for rank, node in enumerate(slots[:num_workers])]
         self.world, self.backend = num_workers, "gloo"
+        self.start_marks = {"placed_at": self.clock(), "formed_at": self.clock()}
 
     def reform(self, plan, form):
         """Kept ranks keep their state: the new group resumes where they stopped."""
@@ -147,6 +149,7 @@ class FakeGroup:
         self.spares_ready -= spares
         started = plan.size - len(plan.keep) - spares
         self.world, self.committed = plan.size, self.step
+        self.start_marks = {"formed_at": self.clock()}
         return {"kept": len(plan.keep), "spares_used": spares, "started": started}
 
     def start_fit(self, cfg_dict, attempt):
@@ -179,6 +182,7 @@ class FakeGroup:
             restored = {"step": self.committed, "total_s": 0.5, "tier": "memory", "phases": phases}
             restored.update(read_bytes=3000, held_bytes=1000)
             record["restored"] = restored if self.committed else None
+            record["start_marks"] = {"built_at": self.clock() - seconds}
             self.first = False
         self.pending.append(record)
         if self.step % self.ckpt_every == 0:
@@ -570,6 +574,22 @@ def test_stop_from_another_thread_ends_in_failed():
         run.controller.run()
     assert run.states() == ["SCHEDULING", "RUNNING", "FAILED"]
     assert run.group.calls[-1] == ("shutdown",)
+
+
+def test_start_marks_are_the_first_groups_and_its_first_records():
+    """The run's start is the group that made the first step: a later re-form (here in
+    place, after a failure) leaves the marks as they were."""
+    died = WorkerDied("rank 1's process died")
+    run = make_run(
+        {"n1": 1, "n2": 1}, ["elastic.max_failures=1"], faults=[Fault(0, 3, rank=1, error=died)]
+    )
+    run.group.plan = InPlacePlan(keep=[0], refill=[1], left_out=[], fates={1: "process_died"})
+    result = run.controller.run()
+    assert ("reform", [0], 2) in run.group.calls
+    first = result.records[0]
+    assert set(result.start_marks) == {"placed_at", "formed_at", "built_at"}
+    assert result.start_marks["built_at"] == first["time"] - first["step_time_s"]
+    assert result.start_marks["placed_at"] <= result.start_marks["formed_at"] <= first["time"]
 
 
 def test_recovery_record_keys_appear_stage_by_stage():

@@ -5,7 +5,7 @@ import subprocess
 import sys
 import textwrap
 
-from raytrain_ext.worker import process_pool
+from raytrain_ext.worker import process_age, process_pool
 
 
 def _run(code: str, **env) -> str:
@@ -75,13 +75,13 @@ def test_process_age_is_read_on_the_kernel_clock():
             """
             import time
             time.sleep(1.0)
-            from raytrain_ext.worker.process_pool import process_age_s
+            from raytrain_ext.worker.process_age import process_age_s
             print(process_age_s())
             """
         )
     )
     assert 1.0 <= age < 30
-    assert process_pool.process_age_s() > age  # this test's process started earlier
+    assert process_age.process_age_s() > age  # this test's process started earlier
 
 
 def test_the_hook_imports_at_idle_priority_until_an_actor_waits_for_it(tmp_path):
