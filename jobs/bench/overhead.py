@@ -75,7 +75,9 @@ def run_torchrun(workdir: Path, workers: int, overrides: list) -> dict:
     ]
     start = time.time()
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    subprocess.run(cmd, check=True, capture_output=True, cwd=workdir, env=env, timeout=600)
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=workdir, env=env, timeout=600)
+    if done.returncode != 0:  # its own error, not a traceback of this script's
+        sys.exit(f"torchrun failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
     result = json.loads(out.read_text())
     steady = result["phases_s"][2:]
     marks = result["start_marks"]

@@ -456,6 +456,16 @@ class TrainLoop:
             return max(exchanged.request, REQUEST_EMERGENCY)
         return exchanged.request
 
+    @property
+    def finished(self) -> bool:
+        """The run is complete: every step done, not stopped by a pause or a preemption
+        (then no group comes after this one)."""
+        return (
+            self.progress.step >= self.cfg.run.max_steps
+            and self.preempted_at is None
+            and self.paused_at is None
+        )
+
     def live_state(self) -> Optional[LiveState]:
         """This rank's state (or shard) at the last step boundary, for the next group's
         ranks; None when it is not handed over (``state_from_peers``,
@@ -476,8 +486,13 @@ class TrainLoop:
             return None
         try:
             return hold_chunks(self.state)
-        except Exception:  # a broken group's state dict: read from storage instead
-            log.warning("could not keep this rank's shards for the next group", exc_info=True)
+        except Exception as e:  # a broken group's state dict: read from storage instead
+            log.warning(
+                "could not keep this rank's shards for the next group (%s: %s); its restore "
+                "reads them from the checkpoint",
+                type(e).__name__,
+                e,
+            )
             return None
 
     def _objective_fields(self, metric_sums: List[float], units: float) -> Dict[str, float]:

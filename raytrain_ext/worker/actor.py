@@ -223,6 +223,8 @@ class TrainWorker:
             self._keep_live_state()
             self._release_peers()
             raise
+        if self._loop is not None and self._loop.finished:
+            self._loop = None  # the run is complete: no next group takes anything
         self._keep_live_state()
         result["sigterm"] = self.sigterm_received  # the controller shrinks away from this node
         return result

@@ -43,6 +43,7 @@ def _two_groups(rank: int, sizes, ports, cfg_dict: dict, out_dir: str) -> None:
     loop = TrainLoop(cfg, rank, sizes[0], rank, device, lambda record: None)
     for _ in range(HANDOVER_AT):
         loop.train_step()
+    assert not loop.finished  # its state goes on to the next group (worker.actor keeps it)
     live = loop.live_state() if rank < sizes[1] - 1 or sizes[0] > sizes[1] else None
     del loop
     destroy_distributed()
@@ -52,6 +53,7 @@ def _two_groups(rank: int, sizes, ports, cfg_dict: dict, out_dir: str) -> None:
     try:
         loop = TrainLoop(cfg, rank, sizes[1], rank, device, lambda record: None, live=live)
         result = loop.fit()
+        assert loop.finished  # the run is complete: a worker keeps nothing of it
         params = {k: v.clone() for k, v in loop.strategy.full_parameters(loop.model).items()}
         del loop
     finally:

@@ -43,6 +43,7 @@ def test_cli_trains_logs_from_rank0_and_writes_the_run_dir(tmp_path):
     assert (tmp_path / "cli" / "config.yaml").read_text().count(f"max_steps: {STEPS}") == 1
     assert list((tmp_path / "cli" / "tensorboard").glob("events.out.tfevents.*"))
     assert '"params_sha256"' in cli.stdout  # the summary is printed
+    assert "Traceback" not in cli.stdout + cli.stderr  # a finished run keeps no state
     assert_start_is_accounted(summary)
 
 
