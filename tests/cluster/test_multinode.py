@@ -2,6 +2,7 @@
 
 import os
 import re
+import statistics
 import time
 from pathlib import Path
 
@@ -213,6 +214,20 @@ def test_below_min_workers_waits_for_a_replacement_node(ray_cluster, tmp_path):
     assert_nothing_left()
 
 
+def first_flagged(records, rank: int, factor: float = 1.5, window: int = 3) -> int:
+    """The step at which the straggler rule (factor x its peers' median for ``window``
+    consecutive steps) flags ``rank``, replayed on rank 0's records' per-rank compute times."""
+    streak = 0
+    for record in records:
+        compute = record["rank_compute_s"]
+        median = statistics.median(s for r, s in enumerate(compute) if r != rank)
+        slow = compute[rank] > factor * median and compute[rank] - median > 0.005
+        streak = streak + 1 if slow else 0
+        if streak >= window:
+            return record["step"]
+    raise AssertionError(f"rank {rank} never stayed slow for {window} steps: {records}")
+
+
 def test_straggler_is_named_with_its_node_and_evicted(ray_cluster, tmp_path):
     """Rank 1 is slowed 0.3 s per step on the first attempt: the controller names it with its
     node, re-forms on the other two nodes (placement excludes the straggler's node), and the
@@ -220,7 +235,7 @@ def test_straggler_is_named_with_its_node_and_evicted(ray_cluster, tmp_path):
     for _ in range(3):
         ray_cluster.add_node(num_cpus=1, object_store_memory=100 * 2**20)
     ray_cluster.wait_for_nodes()
-    summary = Trainer(
+    trainer = Trainer(
         load_config(
             None,
             tiny_overrides(
@@ -240,10 +255,15 @@ def test_straggler_is_named_with_its_node_and_evicted(ray_cluster, tmp_path):
                 "elastic.prestart_processes=false",
             ),
         )
-    ).fit()
+    )
+    summary = trainer.fit()
     assert summary["status"] == "finished" and summary["steps_completed"] == 12
     (straggler,) = summary["stragglers"]
-    assert straggler["rank"] == 1 and 3 <= straggler["step"] <= 6  # window 3 (+ DDP warm-up)
+    assert straggler["rank"] == 1 and straggler["step"] >= 3  # a whole window of 3 steps
+    # named at the first step the rule allows by this run's own compute times: on this
+    # loaded machine a step where a peer is slow too breaks the streak (seen: named at
+    # step 8 against a fixed window of 3-6), and naming it later is then right, not late
+    assert straggler["step"] == first_flagged(trainer.controller.result.records, rank=1)
     assert straggler["compute_s"] > straggler["peers_median_s"] + 0.15
     (recovery,) = summary["recoveries"]
     assert recovery["reason"].startswith("evicting straggler rank 1 (node 127.0.0.1)")
