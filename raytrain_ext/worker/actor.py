@@ -28,12 +28,7 @@ import ray
 
 from raytrain_ext.user_code import UserCode
 from raytrain_ext.worker.process_age import process_age_s
-from raytrain_ext.worker.process_pool import (
-    WARM_MODULES,
-    adopt_thread_count,
-    await_warm_imports,
-    take_node_priority,
-)
+from raytrain_ext.worker.process_pool import WARM_MODULES, adopt_thread_count, await_warm_imports
 
 if TYPE_CHECKING:
     from raytrain_ext.worker.dist_env import WorkerEnv
@@ -198,7 +193,6 @@ class TrainWorker:
             init_distributed,
         )
 
-        take_node_priority()  # gloo's and NCCL's threads, started here, inherit it
         destroy_distributed()
         self._reset_run_state()
         self.env = WorkerEnv(**env)
@@ -213,7 +207,6 @@ class TrainWorker:
     ) -> Dict[str, Any]:
         """Run this rank's loop; ``attempt`` counts re-forms (chaos fires on the first
         ``chaos.attempts`` of them); ``user``: what was given from Python."""
-        take_node_priority()  # this call's thread trains (process_pool: why)
         try:
             result = self._train(cfg_dict, attempt, user or UserCode())
         except BaseException as e:

@@ -114,25 +114,6 @@ def _import_at_idle_priority() -> None:
             log.debug("setup hook: %s did not import: %s", module, e)
 
 
-def take_node_priority() -> None:
-    """Run the calling thread, and the threads it starts (the loop's prefetcher and
-    checkpoint writers), at its raylet's niceness instead of the one Ray gives every worker.
-
-    Why: Ray starts its workers at nice 15 (``worker_niceness``), and a thread of this
-    priority weighs 36 to a ``SCHED_IDLE`` thread's 3 in the kernel's fair share, so a
-    stocked process importing at idle priority (:func:`import_warm_modules`) still took
-    about 8% of a core from the rank beside it (measured here with busy loops: 7.5-8% of a
-    nice-15 loop's count, 0.4% of a nice-0 one's), while torchrun's ranks run at nice 0.
-    Linux keeps a niceness per thread; lowering it takes ``CAP_SYS_NICE`` (root here), and
-    without it the thread stays where Ray put it."""
-    try:
-        node_nice = os.getpriority(os.PRIO_PROCESS, os.getppid())
-        if os.getpriority(os.PRIO_PROCESS, 0) > node_nice:
-            os.setpriority(os.PRIO_PROCESS, 0, node_nice)  # who=0: this thread, on Linux
-    except (AttributeError, OSError) as e:  # unprivileged, or not Linux
-        log.debug("the training thread keeps its niceness: %s", e)
-
-
 def adopt_thread_count() -> None:
     """Run torch with as many threads as Ray gave this actor (``OMP_NUM_THREADS``, set when
     the actor takes the process).  A stocked process imported torch before that, so its

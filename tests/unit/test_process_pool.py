@@ -108,28 +108,3 @@ def test_the_hook_imports_at_idle_priority_until_an_actor_waits_for_it(tmp_path)
     )
     privileged = os.geteuid() == 0
     assert out == f"True {privileged} True False"
-
-
-def test_the_training_thread_takes_its_raylets_niceness_where_it_may():
-    """Ray starts workers at nice 15; the thread that trains (and the threads it starts)
-    goes back to its parent's niceness (root here: ``CAP_SYS_NICE``), the others stay."""
-    out = _run(
-        """
-        import os, threading
-        from raytrain_ext.worker import process_pool
-        os.setpriority(os.PRIO_PROCESS, 0, 15)  # as Ray's worker_niceness leaves a worker
-        other = threading.Thread(target=lambda: started.wait())
-        started = threading.Event()
-        other.start()
-        process_pool.take_node_priority()
-        seen = {}
-        child = threading.Thread(target=lambda: seen.update(nice=os.getpriority(0, 0)))
-        child.start(); child.join()
-        print(os.getpriority(os.PRIO_PROCESS, 0), seen["nice"],
-              os.getpriority(os.PRIO_PROCESS, other.native_id))
-        started.set()
-        """
-    )
-    parent = os.getpriority(os.PRIO_PROCESS, 0)  # this test's process is the child's parent
-    expected = parent if os.geteuid() == 0 else 15
-    assert out == f"{expected} {expected} 15"
