@@ -9,6 +9,7 @@ a scan at memory speed; Parquet row-group statistics are used when present.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, List, Optional, Tuple
@@ -28,6 +29,7 @@ from raytrain_ext.data.tokens import (
 from raytrain_ext.inputs.errors import InputError
 from raytrain_ext.inputs.s3_errors import DATA_KEYS, describe_s3_error, missing_message
 
+RECORD_PEEK_BYTES = 1 << 16  # enough for a first JSON line of any sensible record
 FIX_FORMAT = (
     f"data.path takes pre-tokenized ids: Arrow IPC or Parquet files with an integer "
     f"'{TOKEN_COLUMN}' column (see raytrain_ext.data.corpus.write_token_file)"
@@ -93,6 +95,10 @@ def _list_files(d) -> Tuple[List[str], Callable[[str], pa.NativeFile]]:
         )
     files = [str(p) for p in local_token_files(root)]
     if not files:
+        records = sorted(p for p in root.glob("*.json*") if p.is_file())
+        hint = json_records_hint(_head(records[0]), str(records[0])) if records else None
+        if hint:
+            raise InputError(hint)
         raise InputError(
             f"data.path: directory {root} holds no {'/'.join(SUFFIXES)} files. {FIX_FORMAT}."
         )
@@ -143,10 +149,53 @@ def _file_stats(name: str, opener: Callable[[str], pa.NativeFile], shown: str) -
             "sample. Rewrite it as an Arrow IPC file (pyarrow.ipc.new_file) or "
             "as Parquet."
         )
+    with opener(name) as f:
+        records_hint = json_records_hint(f.read(RECORD_PEEK_BYTES), shown)
+    if records_hint:
+        raise InputError(records_hint)
     raise InputError(
         f"data.path: {shown} is neither an Arrow IPC file nor a Parquet file "
         f"(it starts with {bytes(magic)!r}). {FIX_FORMAT}."
     )
+
+
+def _head(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(RECORD_PEEK_BYTES)
+
+
+def json_records_hint(head: bytes, shown: str) -> Optional[str]:
+    """When ``head`` (a file's first bytes) starts JSON lines, the error that names the
+    keys that read records, with the ``data.format`` the first record's keys suggest."""
+    line = head.lstrip().split(b"\n", 1)[0]
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(record, dict):
+        return None
+    keys = sorted(record)
+    return (
+        f"data.path: {shown} holds JSON records (keys: {', '.join(keys)}), not the token ids "
+        f"data.format=tokens reads. Read records with {_guess_format(record)} and "
+        "data.tokenizer=<a tokenizer directory or tokenizer.json> (for model.source=hf, "
+        "the model's own by default), or tokenize them once with `raytrain-ext data "
+        "prepare` and train on its output."
+    )
+
+
+def _guess_format(record: dict) -> str:
+    """The ``data.format`` (and text column) a record's keys suggest."""
+    keys = set(record)
+    if {"prompt", "chosen", "rejected"} <= keys:
+        return "data.format=preference"
+    if "messages" in keys or {"prompt", "response"} <= keys:
+        return "data.format=chat"
+    if "text" in keys:
+        return "data.format=text"
+    strings = sorted(k for k, v in record.items() if isinstance(v, str))
+    column = f"data.text_column={strings[0]}" if strings else "data.text_column=<its text key>"
+    return f"data.format=text {column}"
 
 
 def _parquet_stats(parquet: pq.ParquetFile, shown: str) -> TokenStats:

@@ -110,7 +110,35 @@ DATA_CASES = {
         r"data\.path: \S+s\.arrow is an Arrow IPC stream .*Rewrite it as an "
         r"Arrow IPC file",
     ),
+    # records given as token data: the keys that read them, the format guessed from them
+    "chat records": (
+        lambda d: _jsonl(d / "chats.jsonl", {"messages": [{"role": "user", "content": "hi"}]}),
+        r"data\.path: \S+chats\.jsonl holds JSON records \(keys: messages\), not the token "
+        r"ids data\.format=tokens reads\. Read records with data\.format=chat and "
+        r"data\.tokenizer=<a tokenizer directory or tokenizer\.json>.*raytrain-ext data prepare",
+    ),
+    "preference records": (
+        lambda d: _jsonl(d / "pairs.jsonl", {"prompt": "p", "chosen": "a", "rejected": "b"}),
+        r"pairs\.jsonl holds JSON records \(keys: chosen, prompt, rejected\).*"
+        r"Read records with data\.format=preference and data\.tokenizer=",
+    ),
+    "a directory of chat records": (
+        lambda d: _jsonl(d / "chat-dir" / "part-0.jsonl", {"prompt": "q", "response": "a"}).parent,
+        r"data\.path: \S+chat-dir/part-0\.jsonl holds JSON records \(keys: prompt, response\)"
+        r".*Read records with data\.format=chat and data\.tokenizer=",
+    ),
+    "documents under another key": (
+        lambda d: _jsonl(d / "docs.jsonl", {"id": 3, "body": "a document"}),
+        r"docs\.jsonl holds JSON records \(keys: body, id\).*"
+        r"Read records with data\.format=text data\.text_column=body and data\.tokenizer=",
+    ),
 }
+
+
+def _jsonl(path: Path, record: dict) -> Path:
+    path.parent.mkdir(exist_ok=True)
+    path.write_text((json.dumps(record) + "\n") * 50)
+    return path
 
 
 def _stream(path: Path) -> Path:
