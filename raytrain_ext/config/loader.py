@@ -150,7 +150,13 @@ def _invalid_value_message(e: ValidationError, source: str) -> str:
             f"{key}: {getattr(e, 'value', None)!r} is not one of {', '.join(choices.values())} "
             f"(from {source}). Set {key} to one of them."
         )
-    return f"{key}: {_first_line(e)} (from {source}). Give {key} a value of the documented type."
+    text = _first_line(e)
+    if "Cannot convert 'ListConfig'" in text or "Cannot convert 'DictConfig'" in text:
+        return (  # key=[EOS] is a list in OmegaConf's override grammar
+            f"{key}: {text} (from {source}). A string that starts with [ or {{ needs quotes: "
+            f"'{key}=\"[EOS]\"' in a shell."
+        )
+    return f"{key}: {text} (from {source}). Give {key} a value of the documented type."
 
 
 def _unknown_key_message(e: ConfigKeyError, source: str) -> str:

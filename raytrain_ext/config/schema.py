@@ -120,6 +120,9 @@ class DataConfig:
     # a Hugging Face tokenizer directory or a tokenizer.json; null: the model directory's
     # (model.source=hf) or, for a prepared directory, the one recorded in its index
     tokenizer: Optional[str] = None
+    # the tokenizer's end-of-text token, when it names none (a bare tokenizer.json) or
+    # another one should end documents; null: its own EOS, else </s>, <|endoftext|>, <eos>
+    eos_token: Optional[str] = None
     text_column: str = "text"  # format text: the column holding each document
     # format text: attention and loss never cross a document boundary (the EOS separators)
     document_mask: bool = False

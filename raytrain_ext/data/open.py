@@ -118,6 +118,7 @@ def prepare_cached(cfg, path: str) -> Path:
                 text_column=cfg.data.text_column,
                 s3_endpoint_url=cfg.data.s3_endpoint_url,
                 s3_region=cfg.data.s3_region,
+                eos_token=cfg.data.eos_token,
             )
     return directory
 
@@ -130,6 +131,8 @@ def cache_directory(cfg, path: str, tokenizer: str) -> Path:
         "format": str(cfg.data.format),
         "text_column": cfg.data.text_column,
     }
+    if cfg.data.eos_token is not None:  # (absent otherwise: earlier caches keep their key)
+        key["eos_token"] = cfg.data.eos_token
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return Path(cfg.run.output_dir) / cfg.run.name / CACHE_DIR / digest
 

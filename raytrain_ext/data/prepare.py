@@ -83,6 +83,7 @@ def run_preparation(
     s3_region: Optional[str] = None,
     progress: Optional[bool] = None,
     log_every_s: float = DEFAULT_LOG_EVERY_S,
+    eos_token: Optional[str] = None,
 ) -> Preparation:
     """Prepare ``source`` (a path, an ``s3://`` URI or a ``pyarrow.Table``) as ``fmt``:
     :func:`make_job` then :func:`run_job`."""
@@ -95,6 +96,7 @@ def run_preparation(
         records_per_shard=records_per_shard,
         s3_endpoint_url=s3_endpoint_url,
         s3_region=s3_region,
+        eos_token=eos_token,
     )
     return run_job(job, workers, progress, log_every_s)
 
@@ -151,12 +153,13 @@ def make_job(
     records_per_shard: int = DEFAULT_RECORDS_PER_SHARD,
     s3_endpoint_url: Optional[str] = None,
     s3_region: Optional[str] = None,
+    eos_token: Optional[str] = None,
 ) -> PrepareJob:
     """Load the tokenizer and check the source: everything a shard needs, or InputError
     (before anything is written or Ray is needed)."""
     if records_per_shard < 1:
         raise InputError(f"--records-per-shard: {records_per_shard} must be at least 1.")
-    tok = load_tokenizer(tokenizer_spec)
+    tok = load_tokenizer(tokenizer_spec, eos_token)
     local = Path(tokenizer_spec).expanduser()
     info = tokenizer_info(tok, str(local.resolve()) if local.exists() else tokenizer_spec)
     checked, columns = check_source(

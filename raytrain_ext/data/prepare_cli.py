@@ -36,6 +36,11 @@ def add_parser(commands) -> None:
         help="output directory (with --workers on several machines: a path every node shares)",
     )
     p.add_argument("--format", default="text", choices=FORMATS, help="default: text")
+    p.add_argument(
+        "--eos-token",
+        default=None,
+        help="the end-of-text token, when the tokenizer names none (a bare tokenizer.json)",
+    )
     p.add_argument("--text-column", default="text", help="--format text: the documents' column")
     p.add_argument(
         "--records-per-shard",
@@ -73,6 +78,7 @@ def _prepare(args: argparse.Namespace) -> int:
             records_per_shard=args.records_per_shard,
             s3_endpoint_url=args.s3_endpoint_url,
             s3_region=args.s3_region,
+            eos_token=args.eos_token,
         )
         check_workers(args.workers)
         if args.workers:

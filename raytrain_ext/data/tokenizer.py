@@ -15,18 +15,33 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 from raytrain_ext.data.prepared_index import TokenizerInfo
 from raytrain_ext.inputs.errors import InputError
 
 TOKENIZER_KEY = "data.tokenizer (--tokenizer)"
+EOS_KEY = "data.eos_token (--eos-token)"
 EOS_CANDIDATES = ("</s>", "<|endoftext|>", "<eos>")
 BEHAVIOUR_FREE_KEYS = ("truncation", "padding")
 
 
-def load_tokenizer(spec: str):
-    """A ``transformers`` tokenizer from a directory, a ``tokenizer.json`` or a cached id."""
+def load_tokenizer(spec: str, eos_token: Optional[str] = None):
+    """A ``transformers`` tokenizer from a directory, a ``tokenizer.json`` or a cached id;
+    ``eos_token`` (``data.eos_token``) becomes its EOS token, which must be in its vocab."""
+    tok = _load(spec)
+    if eos_token is not None:
+        if eos_token not in tok.get_vocab():
+            raise InputError(
+                f"{EOS_KEY}: {eos_token!r} is not a token of the tokenizer {spec}. Give one "
+                "of its tokens (its special tokens: "
+                f"{', '.join(tok.all_special_tokens) or 'none'})."
+            )
+        tok.eos_token = eos_token
+    return tok
+
+
+def _load(spec: str):
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     path = Path(spec).expanduser()
@@ -83,7 +98,9 @@ def eos_token_id(tok, source: str) -> int:
     raise InputError(
         f"{TOKENIZER_KEY}: the tokenizer {source} has no EOS token and none of "
         f"{', '.join(EOS_CANDIDATES)} in its vocabulary; documents need an end-of-text id. "
-        "Set eos_token in its tokenizer_config.json (or add one and save it again)."
+        "Name its end-of-text token with data.eos_token=<token> (data prepare: "
+        "--eos-token <token>). Set eos_token in a tokenizer directory's tokenizer_config.json "
+        "for the same effect."
     )
 
 

@@ -77,7 +77,7 @@ def _check_tokenizer(cfg, key: str, path: str, index: PreparedIndex) -> None:
 
     spec: Optional[str] = tokenizer_spec(cfg)
     if spec is not None:
-        sha = tokenizer_sha256(load_tokenizer(spec))
+        sha = tokenizer_sha256(load_tokenizer(spec, cfg.data.eos_token))
         if sha != index.tokenizer.sha256:
             raise InputError(
                 f"data.tokenizer: {key} {path} was prepared with the tokenizer "

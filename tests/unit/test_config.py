@@ -218,3 +218,11 @@ def test_declared_ranges_hold_for_the_defaults():
         bounds.problem(key, OmegaConf.select(cfg, key)) is None for key, bounds in ranges.items()
     )
     assert not any(issubclass(type(v), Choice) for v in to_dict(cfg)["parallel"].values())
+
+
+def test_a_bracketed_string_override_is_told_to_quote_itself():
+    """``data.eos_token=[EOS]`` is a list in OmegaConf's override grammar: the error says how
+    to give the string."""
+    with pytest.raises(ConfigError, match=r"needs quotes: 'data\.eos_token=\"\[EOS\]\"'"):
+        load_config(None, ["data.eos_token=[EOS]"])
+    assert load_config(None, ['data.eos_token="[EOS]"']).data.eos_token == "[EOS]"

@@ -5,6 +5,7 @@ spelled out word by word from its vocabulary.
 """
 
 import os
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.feather as feather
@@ -175,6 +176,38 @@ def test_eos_found_in_the_vocab_or_refused(tokenizers, tmp_path):
     no_eos = load_tokenizer(str(tmp_path / "tokenizer.json"))
     with pytest.raises(InputError, match=r"data\.tokenizer .*has no EOS token .*Set eos_token"):
         tokenizer_info(no_eos, str(tmp_path / "tokenizer.json"))
+
+
+def _bare_tokenizer_ending_in(tmp_path, eos: str) -> Path:
+    """A tokenizer.json alone (no tokenizer_config.json) whose end-of-text token is ``eos``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, eos: 1, **{w: i + 2 for i, w in enumerate(["a", "cat", "sat"])}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.save(str(tmp_path / "tokenizer.json"))
+    return tmp_path / "tokenizer.json"
+
+
+def test_a_bare_tokenizer_json_takes_its_eos_from_data_eos_token(tmp_path, capsys):
+    """``[EOS]`` is none of the conventional names: refused naming data.eos_token and
+    --eos-token; given by that key, it ends the documents, through the real ``data prepare``
+    command too; a token the tokenizer lacks is refused by name."""
+    from raytrain_ext.cli import main
+    from raytrain_ext.data.prepared_index import read_index
+
+    bare = _bare_tokenizer_ending_in(tmp_path, "[EOS]")
+    with pytest.raises(InputError, match=r"data\.eos_token=<token> \(data prepare: --eos-token"):
+        tokenizer_info(load_tokenizer(str(bare)), str(bare))
+    assert tokenizer_info(load_tokenizer(str(bare), "[EOS]"), "bare").eos_id == 1
+    with pytest.raises(InputError, match=r"data\.eos_token \(--eos-token\): '\[END\]' is not a"):
+        load_tokenizer(str(bare), "[END]")
+    source = write_jsonl(tmp_path / "docs.jsonl", [{"text": "a cat sat"}] * 4)
+    prepare = ["data", "prepare", str(source), "--tokenizer", str(bare)]
+    assert main([*prepare, "--out", str(tmp_path / "refused")]) == 2
+    assert "--eos-token <token>" in capsys.readouterr().err
+    assert main([*prepare, "--out", str(tmp_path / "out"), "--eos-token", "[EOS]"]) == 0
+    assert read_index(tmp_path / "out").tokenizer.eos_id == 1
 
 
 def test_a_missing_tokenizer_is_an_input_error(tmp_path):
