@@ -8,6 +8,8 @@ import ast
 from pathlib import Path
 from typing import Dict, List, Set
 
+from tests.helpers.imports import modules_imported_by
+
 PACKAGE = Path(__file__).resolve().parents[2] / "raytrain_ext"
 
 
@@ -109,15 +111,8 @@ def test_the_package_has_no_import_cycle():
 def test_a_data_prepare_worker_imports_neither_torch_nor_the_trainer():
     """What a ``data prepare`` Ray task imports: its module, not torch (3.3 s per worker
     process when the package's ``__init__`` imported the trainer)."""
-    import subprocess
-    import sys
-
-    probe = (
-        "import sys, raytrain_ext.data.prepare; "
-        "print(sorted(m for m in ('torch', 'raytrain_ext.trainer') if m in sys.modules))"
-    )
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
+    code = "import raytrain_ext.data.prepare"
+    assert modules_imported_by(code, ("torch", "raytrain_ext.trainer")) == []
 
 
 def test_the_driver_checks_a_config_and_builds_its_trainer_without_torch():
@@ -125,18 +120,12 @@ def test_the_driver_checks_a_config_and_builds_its_trainer_without_torch():
     preflight, the trainer, the controller and the worker group's module.  None of it
     imports torch (2-3 s of the command's start when the config checks imported the
     strategies, and the worker group the process-group code)."""
-    import subprocess
-    import sys
-
-    probe = (
-        "import sys\n"
+    code = (
         "import raytrain_ext.cli, raytrain_ext.trainer, raytrain_ext.elastic.ray_group\n"
         "from raytrain_ext.config import load_config\n"
         "from raytrain_ext.inputs.preflight import preflight\n"
         "from raytrain_ext.objectives import check_objective\n"
         "cfg = load_config(None, [])\n"
         "check_objective(cfg)\n"
-        "print('torch' in sys.modules)\n"
     )
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
+    assert modules_imported_by(code, ("torch",)) == []
