@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from raytrain_ext.metrics.attempts import attempt_rows, attempts_section, failed
 from raytrain_ext.metrics.flops import mfu, model_flops_per_token, peak_flops_for
 
 PHASES = ("detect_s", "decide_s", "reform_s", "restore_s", "first_step_s", "mttr_s")
@@ -274,15 +275,23 @@ def _mark_recovery(ax_loss, ax_rate, number: int, phase: Dict[str, Any]) -> None
         )
 
 
-def render_markdown(summary: Dict[str, Any], cfg=None, image: Optional[str] = "report.png") -> str:
-    """The Markdown report; every number is read from (or derived from) ``summary``."""
+def render_markdown(
+    summary: Dict[str, Any],
+    cfg=None,
+    image: Optional[str] = "report.png",
+    attempts: Optional[List[Dict[str, Any]]] = None,
+) -> str:
+    """The Markdown report; every number is read from (or derived from) ``summary``, and
+    ``attempts`` (``metrics.attempts.attempt_rows``) lists every ``fit()`` of the run."""
+    attempts = attempts or []
     lines = [f"# Run report: {summary.get('run_name', '?')}", ""]
     if image:
         lines += [f"![loss and throughput over wall time]({image})", ""]
     lines += ["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in _overview(summary, cfg))]
     if summary.get("error"):
         lines += ["", "Error:", "", "```", summary["error"].strip(), "```"]
-    lines += ["", *_recovery_section(recovery_phases(summary))]
+    lines += ["", *_recovery_section(recovery_phases(summary), failed(attempts))]
+    lines += ["", *attempts_section(attempts)] if attempts else []
     lines += ["", *_restore_section(summary)]
     lines += [
         "",
@@ -409,8 +418,11 @@ def _restore_section(summary: Dict[str, Any]) -> List[str]:
     return lines
 
 
-def _recovery_section(phases: List[Dict[str, Any]]) -> List[str]:
+def _recovery_section(phases: List[Dict[str, Any]], failed_attempts: List[int]) -> List[str]:
     lines = ["## Recoveries (MTTR)", ""]
+    if not phases and failed_attempts:
+        shown = ", ".join(str(a) for a in failed_attempts)
+        return lines + [f"No recoveries in this attempt; attempt(s) {shown} failed (Attempts)."]
     if not phases:
         return lines + ["No failures."]
     lines += [
@@ -463,7 +475,7 @@ def write_report(run_dir: Path, out_dir: Optional[Path] = None) -> Dict[str, Pat
     out_dir.mkdir(parents=True, exist_ok=True)
     png, md = out_dir / "report.png", out_dir / "report.md"
     plot_run(summary, tokens_per_step).savefig(png, dpi=110)
-    md.write_text(render_markdown(summary, cfg, image=png.name))
+    md.write_text(render_markdown(summary, cfg, image=png.name, attempts=attempt_rows(run_dir)))
     return {"png": png, "markdown": md}
 
 

@@ -435,6 +435,15 @@ def test_a_failed_resume_leaves_the_earlier_runs_records_and_reports_one_line(tm
     )
     assert snapshot(run_dir) == before and not (run_dir / "attempts" / "003").exists()
 
+    # the report covers every attempt: the finished first and the failed resume, its line
+    # and its log (the run's summary.json describes the first alone)
+    reported = run([*raytrain_ext_cmd(), "report", str(run_dir), "--out", str(tmp_path)], tmp_path)
+    assert reported.returncode == 0, reported.stderr[-3000:]
+    markdown = (tmp_path / "report.md").read_text()
+    assert "| attempt 1 | finished | 4 |  |" in markdown
+    assert f"| attempt 2 | failed | 0 | {line[0]} ({run_dir}/attempts/002/error.log) |" in markdown
+    assert "No failures." not in markdown and "attempt(s) 2 failed" in markdown
+
 
 def snapshot(run_dir: Path) -> dict:
     """Bytes of the run's summary, config and every checkpoint file."""
