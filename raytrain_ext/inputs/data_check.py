@@ -130,7 +130,8 @@ def _list_s3(d) -> Tuple[List[str], Callable[[str], pa.NativeFile]]:
 
 def _file_stats(name: str, opener: Callable[[str], pa.NativeFile], shown: str) -> TokenStats:
     with opener(name) as f:
-        magic = f.read(6)
+        head = f.read(RECORD_PEEK_BYTES)  # the magic bytes, or the first JSON record
+        magic = head[:6]
         f.seek(0)
         if magic[:4] == b"PAR1":
             return _parquet_stats(pq.ParquetFile(f), shown)
@@ -149,8 +150,7 @@ def _file_stats(name: str, opener: Callable[[str], pa.NativeFile], shown: str) -
             "sample. Rewrite it as an Arrow IPC file (pyarrow.ipc.new_file) or "
             "as Parquet."
         )
-    with opener(name) as f:
-        records_hint = json_records_hint(f.read(RECORD_PEEK_BYTES), shown)
+    records_hint = json_records_hint(head, shown)
     if records_hint:
         raise InputError(records_hint)
     raise InputError(
