@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -15,13 +17,18 @@ def _train(args: argparse.Namespace) -> int:
     from raytrain_ext.checkpoint.tiers.base import TierError
     from raytrain_ext.config import ConfigError, load_config
     from raytrain_ext.elastic.controller import TrainingFailed
+    from raytrain_ext.run_dir import RunAlreadyFinished
     from raytrain_ext.trainer import Trainer
 
     config_path, overrides = split_config_and_overrides(args.config, args.items)
     try:
         cfg = load_config(config_path, overrides)
         trainer = Trainer(cfg)
-        summary = trainer.fit()
+        with _ctrl_c_interrupts(trainer):
+            summary = trainer.fit()
+    except RunAlreadyFinished as e:  # a rerun of a finished run: nothing to do, not a failure
+        print(str(e), file=sys.stderr)
+        return 0
     except ConfigError as e:  # InputError too: found before anything started
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -37,6 +44,9 @@ def _train(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
+    if summary["status"] == "interrupted":
+        print(summary["transitions"][-1]["reason"], file=sys.stderr)
+        return 130
     if summary["status"] == "preempted":
         print(
             f"preempted: emergency checkpoint at step {summary['steps_completed']} committed; "
@@ -49,9 +59,36 @@ def _train(args: argparse.Namespace) -> int:
         for k, v in summary.items()
         if k not in ("loss_history", "step_times", "step_end_times", "transitions")
     }
-    print(f"run summary ({trainer.run_dir / 'summary.json'}):")
+    if trainer.summary_path.parent == trainer.run_dir:
+        print(f"run summary ({trainer.summary_path}):")
+    else:
+        print(
+            f"attempt {summary['attempt']} summary ({trainer.summary_path}; it trained no step, "
+            f"so the run's {trainer.run_dir / 'summary.json'} keeps the earlier attempt's):"
+        )
     print(json.dumps(shown, indent=2))
     return 0
+
+
+@contextlib.contextmanager
+def _ctrl_c_interrupts(trainer):
+    """The first Ctrl-C asks for a checkpoint at the next step boundary and a clean end
+    (``Trainer.interrupt``); a second one stops at once (KeyboardInterrupt)."""
+
+    def first(signum, frame):
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        print(
+            "interrupting: every rank checkpoints at the next step boundary, then the run "
+            "ends (Ctrl-C again to stop at once, losing the steps since the last checkpoint)",
+            file=sys.stderr,
+        )
+        trainer.interrupt("Ctrl-C")
+
+    previous = signal.signal(signal.SIGINT, first)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _newest_error_log(run_dir: Path) -> Optional[Path]:
@@ -87,6 +124,8 @@ def _ckpt_export(args: argparse.Namespace) -> int:
         f"{info['fetched_bytes'] / 2**20:.1f} of {info['total_bytes'] / 2**20:.1f} MiB"
         f"{', ranged' if info['ranged'] else ''})"
     )
+    if info.get("tokenizer"):
+        print(f"with the run's tokenizer ({info['tokenizer']})")
     return 0
 
 

@@ -32,7 +32,7 @@ from raytrain_ext.metrics import FanOut, StdoutSink, TensorBoardSink, summarize_
 from raytrain_ext.metrics.sinks import eval_fields
 from raytrain_ext.metrics.start_phases import start_phases
 from raytrain_ext.objectives import check_objective
-from raytrain_ext.run_dir import RunDirectory
+from raytrain_ext.run_dir import SUMMARY, RunDirectory, refuse_finished_run
 from raytrain_ext.user_code import UserCode
 
 log = logging.getLogger(__name__)
@@ -78,8 +78,12 @@ class Trainer:
         check_objective(self.cfg, loss_fn)
         self._controller: Optional[Controller] = None
         self._stop_reason: Optional[str] = None
+        self._interrupt_reason: Optional[str] = None
         self._marks: Dict[str, float] = {}  # this fit's moments (metrics.start_phases)
         self.run_dir = Path(self.cfg.run.output_dir) / self.cfg.run.name
+        # the summary that describes the last fit(): the run's, or its attempt's alone when
+        # that attempt trained no step (the run's summary then keeps the earlier attempt's)
+        self.summary_path = self.run_dir / SUMMARY
 
     @property
     def controller(self) -> Optional[Controller]:
@@ -95,6 +99,7 @@ class Trainer:
         directory's history (:class:`RunDirectory`).
         """
         start = time.time()
+        refuse_finished_run(self.run_dir, self.cfg.run.max_steps, self.cfg.checkpoint.resume)
         if self._dataset is not None:
             self.cfg = materialise_dataset(self.cfg, self._dataset, self.run_dir)
         preflight(self.cfg)
@@ -105,10 +110,13 @@ class Trainer:
         except BaseException as error:
             result = self._controller.result if self._controller is not None else None
             summary = build_summary(self.cfg, result, start, self._marks)
+            if isinstance(error, KeyboardInterrupt):  # a second Ctrl-C: stopped at once
+                summary["status"] = "interrupted"
             records.finish(attempt, summary, error=error)
             raise
         summary = build_summary(self.cfg, result, start, self._marks)
-        records.finish(attempt, summary)
+        promoted = records.finish(attempt, summary)
+        self.summary_path = (self.run_dir if promoted else attempt.directory) / SUMMARY
         return summary
 
     def _run(self, start: float) -> ControllerResult:
@@ -129,6 +137,8 @@ class Trainer:
             )
             if self._stop_reason is not None:  # stop() came before the controller existed
                 self._controller.stop(self._stop_reason)
+            if self._interrupt_reason is not None:
+                self._controller.interrupt(self._interrupt_reason)
             return self._controller.run()
         finally:
             sink.close()
@@ -154,6 +164,14 @@ class Trainer:
         """Checkpoint at the next step boundary; callable from another thread during fit()."""
         if self._controller is not None:
             self._controller.request_checkpoint()
+
+    def interrupt(self, reason: str = "by the user") -> None:
+        """Stop a fit() as Ctrl-C does (safe from a signal handler): every rank checkpoints
+        at the next step boundary, and fit() returns a summary with status ``interrupted``
+        (see :meth:`Controller.interrupt`); a fit() not yet training ends at once."""
+        self._interrupt_reason = reason
+        if self._controller is not None:
+            self._controller.interrupt(reason)
 
     def stop(self, reason: str = "stopped by the user") -> None:
         """End a fit() running in another thread (a notebook cell, a test): at the
@@ -270,7 +288,7 @@ def build_summary(
         "run_name": cfg.run.name,
         "status": (
             result.state.value.lower()
-            if result.state in (RunState.FINISHED, RunState.PREEMPTED)
+            if result.state in (RunState.FINISHED, RunState.PREEMPTED, RunState.INTERRUPTED)
             else "failed"
         ),
         "steps_completed": ranks[0]["steps"] if ranks else (records[-1]["step"] if records else 0),

@@ -5,20 +5,23 @@ The checkpoint's ``model.*`` tensors are whole-model tensors under the model's o
 whatever layout saved them (DCP reshards on load; pipeline stages and expert shards save
 under global names), so the export reads them as :mod:`.export` does and hands them to
 ``save_pretrained`` on the run's architecture: ``config.json``, safetensors sharded with an
-index above ``max_shard_size``, and the tokenizer files the model directory had.
+index above ``max_shard_size``, and the run's tokenizer (``data.tokenizer``, else the one a
+prepared ``data.path`` was tokenized with, else the model directory's files), so the
+directory is a complete ``from_pretrained`` for model and tokenizer.  Its generation config
+takes the tokenizer's EOS (and pad) ids, the ids the run ended its documents with.
 """
 
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 from omegaconf import OmegaConf
 
 from raytrain_ext.checkpoint.export import ExportError, export_info, read_newest_model
 from raytrain_ext.config import config_from_dict
-from raytrain_ext.config.choices import ModelSource
+from raytrain_ext.config.choices import DataFormat, ModelSource
 from raytrain_ext.config.errors import ConfigError
 from raytrain_ext.run_dir import CONFIG
 
@@ -53,7 +56,7 @@ def _hf_model(config_path: Path):
         config = hf_config(cfg.model)
     except ConfigError as e:
         raise ExportError(f"--to-hf: the run's {e}") from None
-    return AutoModelForCausalLM.from_config(config), cfg.model.hf.path
+    return AutoModelForCausalLM.from_config(config), cfg
 
 
 def _install(model, tensors: Dict) -> None:
@@ -77,12 +80,18 @@ def export_hf(
 ) -> Dict:
     """Write the newest usable checkpoint at ``location`` as a Hugging Face model directory."""
     config_path = run_config_path(location, run_config)
-    model, source_dir = _hf_model(config_path)
+    model, cfg = _hf_model(config_path)
     found, tensors, fetched = read_newest_model(location, s3_endpoint_url)
     _install(model, tensors)
+    source = _tokenizer_source(cfg)
+    tokenizer = None if source is None else _run_tokenizer(*source)
+    if tokenizer is not None:
+        _align_generation_ids(model, tokenizer)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(out_dir, max_shard_size=max_shard_size)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(out_dir)
     except OSError as e:
         raise ExportError(
             f"--to-hf: cannot write {out_dir}: {e}. Give a writable directory."
@@ -90,7 +99,65 @@ def export_hf(
     from raytrain_ext.models.hf_config import local_dir
     from raytrain_ext.models.hf_spec import hf_files
 
-    carried = hf_files(local_dir(source_dir)) if source_dir else []
+    source_dir = cfg.model.hf.path
+    carried = hf_files(local_dir(source_dir)) if source_dir and tokenizer is None else []
     for path in carried:
         shutil.copy2(path, out_dir / path.name)
-    return {**export_info(found, tensors, out_dir, fetched), "carried": [p.name for p in carried]}
+    return {
+        **export_info(found, tensors, out_dir, fetched),
+        "carried": [p.name for p in carried],
+        "tokenizer": None if source is None else source[0],
+    }
+
+
+def _tokenizer_source(cfg) -> Optional[Tuple[str, Optional[str]]]:
+    """The tokenizer the run's data was tokenized with and its EOS token, when it is not
+    the model directory's own: ``data.tokenizer``, else the prepared ``data.path``'s."""
+    if cfg.data.tokenizer:
+        return cfg.data.tokenizer, cfg.data.eos_token
+    if cfg.data.format == DataFormat.tokens or cfg.data.path.startswith("s3://"):
+        return None
+    from raytrain_ext.data.prepared_index import read_index
+
+    path = Path(cfg.data.path)
+    index = read_index(path) if path.is_dir() else None
+    if index is None:
+        return None
+    return index.tokenizer.source, _token_of(index.tokenizer.source, index.tokenizer.eos_id)
+
+
+def _token_of(spec: str, token_id: int) -> Optional[str]:
+    from raytrain_ext.data.tokenizer import load_tokenizer
+
+    try:
+        return load_tokenizer(spec).convert_ids_to_tokens(token_id)
+    except Exception:  # noqa: BLE001 - _run_tokenizer reports an unloadable tokenizer
+        return None
+
+
+def _run_tokenizer(spec: str, eos_token: Optional[str]):
+    """The run's tokenizer as it trained, its EOS token included."""
+    from raytrain_ext.data.tokenizer import load_tokenizer
+    from raytrain_ext.inputs.errors import InputError
+
+    try:
+        return load_tokenizer(spec, eos_token)
+    except InputError as e:
+        raise ExportError(
+            f"--to-hf: the run's tokenizer cannot be exported: {e} Put it back where the run "
+            "read it, or pass --run-config with a config whose data.tokenizer names it."
+        ) from None
+
+
+def _align_generation_ids(model, tokenizer) -> None:
+    """``generate`` stops at the EOS the run trained on and pads with its pad id."""
+    from raytrain_ext.data.tokenizer import eos_token_id
+
+    eos = eos_token_id(tokenizer, "of the run")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    for config in (model.config, model.generation_config):
+        config.eos_token_id = eos
+        config.pad_token_id = pad
+    if tokenizer.bos_token_id is not None:
+        model.generation_config.bos_token_id = tokenizer.bos_token_id
+        model.config.bos_token_id = tokenizer.bos_token_id

@@ -91,6 +91,16 @@ class SaveRequests:
         return flag
 
 
+def seconds_between_saves(ckpt_cfg, saves: int) -> Optional[float]:
+    """The time schedule: ``every_seconds``; before a group's first save, with no step
+    schedule (``every_steps`` null), ``first_save_after_s`` if sooner, so a run that dies
+    whole in its first minutes loses at most that, not ``every_seconds``."""
+    every, first = ckpt_cfg.every_seconds, ckpt_cfg.first_save_after_s
+    if saves or ckpt_cfg.every_steps is not None or first is None:
+        return every
+    return first if every is None else min(every, first)
+
+
 class CheckpointManager:
     def __init__(
         self,
@@ -129,7 +139,7 @@ class CheckpointManager:
     def request_flag(self) -> float:
         """This rank's vote for saving after the current step (max over ranks wins)."""
         flag = REQUEST_NONE
-        every = self.cfg.every_seconds
+        every = seconds_between_saves(self.cfg, self.stats["saves"])
         if self.rank == 0 and every is not None and time.time() - self._last_save_time >= every:
             flag = max(flag, REQUEST_SAVE)
         return flag

@@ -104,8 +104,13 @@ def declared_ranges(schema: type) -> Iterator[Tuple[str, Range]]:
 
 
 def choice_of(schema: type, key: str) -> Optional[Type[Choice]]:
-    """The enum a key is declared with, or None if its values are not a closed set."""
+    """The enum a key is declared with (``Optional`` or not), or None if its values are not
+    a closed set."""
     for name, _, kind in leaf_fields(schema):
-        if name == key and isinstance(kind, type) and issubclass(kind, Choice):
+        if name != key:
+            continue
+        members = [k for k in typing.get_args(kind) if k is not type(None)]
+        kind = members[0] if typing.get_origin(kind) is typing.Union and len(members) == 1 else kind
+        if isinstance(kind, type) and issubclass(kind, Choice):
             return kind
     return None

@@ -244,6 +244,9 @@ class CheckpointConfig:
     s3: S3Config = field(default_factory=S3Config)
     every_steps: Optional[int] = positive(None, null="disabled")
     every_seconds: Optional[float] = positive(600.0, null="disabled")
+    # without every_steps, the first time-based save comes this soon (a run that dies whole
+    # early loses at most this, not every_seconds); about what a restart costs anyway
+    first_save_after_s: Optional[float] = positive(60.0, null="every_seconds")
     save_final: bool = True
     # also save every step to the memory tier alone (a copy on a second node); a step waits
     # for the last save to persist: a sharded layout that loses a node redoes <= 1 step
@@ -278,7 +281,8 @@ class ElasticConfig:
     """
 
     poll_interval_s: float = positive(0.2)
-    max_failures: int = minus_one_or_more(0)
+    # recover by default, a bounded number of times: a crash loop still ends the run
+    max_failures: int = minus_one_or_more(3)
     # hung: no step for max(hang_factor x median step, hang_floor_s)
     hang_factor: float = positive(20.0)
     hang_floor_s: float = positive(120.0)
@@ -387,9 +391,12 @@ class ObjectiveConfig:
     only; needs ``data.format: chat``), ``dpo`` (needs ``data.format: preference``) or
     ``user``: ``fn: "pkg.module:loss"`` taking ``(logits, batch)`` and returning the sum
     of its per-token losses (the loop averages over the global batch's target weight).
+    ``name: null`` (the default) follows what is given: ``user`` with ``fn`` or a loss
+    function from Python, else the format's objective (chat: sft, preference: dpo,
+    tokens and text: causal_lm); see :func:`raytrain_ext.objectives.objective_name`.
     """
 
-    name: ObjectiveName = ObjectiveName.causal_lm
+    name: Optional[ObjectiveName] = None
     fn: Optional[str] = None
     dpo: DPOConfig = field(default_factory=DPOConfig)
 

@@ -57,7 +57,9 @@ from raytrain_ext.worker.form_options import FormOptions
 
 log = logging.getLogger(__name__)
 
-NOT_RETRIED = ("NonFiniteLossError",)  # deterministic failures: a restart would repeat them
+# deterministic failures, a restart would repeat them: a non-finite loss under
+# guards.nan_policy=fail, a checkpoint of another model, bad input only a worker can see
+NOT_RETRIED = ("NonFiniteLossError", "CheckpointMismatch", "InputError", "ConfigError")
 
 Next = Tuple[RunState, str]
 
@@ -96,6 +98,8 @@ class Controller:
         self._in_place: Optional[InPlacePlan] = None  # the next SCHEDULING re-forms in place
         self._books: Optional[Union[Recovery, Resize]] = None  # closed by the next first step
         self._stop_reason: Optional[str] = None  # set from another thread by ``stop``
+        self._interrupt_reason: Optional[str] = None  # set from a signal handler: ``interrupt``
+        self._interrupt_asked = False  # the group was asked for its emergency checkpoint
 
     def run(self) -> ControllerResult:
         handlers = {
@@ -109,6 +113,12 @@ class Controller:
                 target, reason = handlers[self.state]()
                 if self._stop_reason is not None and target not in TERMINAL:
                     target, reason = RunState.FAILED, f"stopped: {self._stop_reason}"
+                if self._interrupt_reason is not None and target not in TERMINAL:
+                    target = RunState.INTERRUPTED
+                    reason = (
+                        f"interrupted ({self._interrupt_reason}) before training resumed; the "
+                        "newest committed checkpoint stays"
+                    )
                 self._transition(target, reason)
         finally:
             self.group.shutdown()
@@ -126,6 +136,14 @@ class Controller:
         down and raises ``TrainingFailed`` naming ``reason``.  Committed checkpoints stay,
         so a later fit() resumes from the newest one."""
         self._stop_reason = reason
+
+    def interrupt(self, reason: str) -> None:
+        """End the run as the user asked (Ctrl-C): while training, every rank takes an
+        emergency checkpoint at the next step boundary, as for a preemption, and the run
+        ends INTERRUPTED, so a rerun redoes nothing; at any other moment (forming,
+        recovering) it ends INTERRUPTED at once with its committed checkpoints.  Safe to
+        call from a signal handler: it only sets a flag the polling loop reads."""
+        self._interrupt_reason = reason
 
     def request_checkpoint(self) -> None:
         """Ask for a checkpoint at the next step boundary (thread-safe, on-demand API)."""
@@ -207,7 +225,7 @@ class Controller:
             if status.error is not None:
                 return self._worker_failed(*status.error)
             finished = status.finished
-            interrupted = self._between_polls()
+            interrupted = self._forward_interrupt() or self._between_polls()
             if interrupted is not None:
                 return interrupted
         if self._stop_reason is not None:
@@ -221,6 +239,11 @@ class Controller:
                 "workers in place"
             )
         preempted = first.get("preempted_at")
+        if preempted is not None and self._interrupt_asked:
+            return RunState.INTERRUPTED, (
+                f"interrupted ({self._interrupt_reason}): checkpoint at step {preempted} "
+                "committed; rerun the same command to resume"
+            )
         if preempted is not None and self._resize_target is not None:
             return RunState.RESIZING, (
                 f"checkpoint at step {preempted} committed; growing to "
@@ -328,6 +351,20 @@ class Controller:
             f"{size - before} warm spare(s) join"
         )
 
+    def _forward_interrupt(self) -> Optional[Next]:
+        """Ask every rank for the emergency checkpoint once an interrupt came (rank 0's
+        request reaches them all through the per-step exchange); without checkpoints the
+        run ends now, with nothing saved."""
+        if self._interrupt_reason is None or self._interrupt_asked:
+            return None
+        if not self.cfg.checkpoint.enabled:
+            return RunState.INTERRUPTED, (
+                f"interrupted ({self._interrupt_reason}); checkpoints are off: nothing was saved"
+            )
+        self._interrupt_asked = True
+        self.group.preempt([0], self.cfg.checkpoint.preemption_grace_s)
+        return None
+
     def _after_preemption(self, step: int) -> Next:
         """A preemption is not a failure: shrink away from the preempted node(s), or stop."""
         infos = self.group.infos
@@ -370,7 +407,7 @@ class Controller:
         last_step = self._survivors_last_step()
         self.recoveries.open_failure(reason, counted, detected_at, last_step)
         self._books = self.recoveries.current
-        return RunState.RECOVERING, reason
+        return RunState.RECOVERING, f"{reason}; {self.recoveries.budget_text(counted)}"
 
     def _survivors_last_step(self) -> int:
         """The furthest step any surviving rank completed (its heartbeat).

@@ -23,10 +23,11 @@ class RunState(enum.Enum):
     RESIZING = "RESIZING"
     FINISHED = "FINISHED"
     PREEMPTED = "PREEMPTED"
+    INTERRUPTED = "INTERRUPTED"  # the user stopped it (Ctrl-C): checkpointed, not a failure
     FAILED = "FAILED"
 
 
-TERMINAL = (RunState.FINISHED, RunState.PREEMPTED, RunState.FAILED)
+TERMINAL = (RunState.FINISHED, RunState.PREEMPTED, RunState.INTERRUPTED, RunState.FAILED)
 
 
 @dataclass

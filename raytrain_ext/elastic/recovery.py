@@ -40,6 +40,14 @@ class Recoveries:
         self.failures += counted
         return not counted or self.failure_budget.allows(self.failures)
 
+    def budget_text(self, counted: bool) -> str:
+        """What is left of the failure budget, for the transition's log line."""
+        if not counted:
+            return "not counted as a failure"
+        limit = self.failure_budget.limit
+        allowed = "unlimited" if limit < 0 else f"{limit}"
+        return f"failure {self.failures} of {allowed} allowed (elastic.max_failures)"
+
     def open_failure(self, reason: str, counted: bool, detected_at: float, last_step: int) -> None:
         kind = RecoveryKind.FAILURE if counted else RecoveryKind.EVICTION
         self.records.append(Recovery(kind, self.failures, reason, detected_at, last_step))

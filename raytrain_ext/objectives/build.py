@@ -13,9 +13,12 @@ from raytrain_ext.objectives.sft import SFT
 from raytrain_ext.objectives.user import UserObjective, load_loss_fn
 
 
-def build_objective(objective_cfg, loss_fn: Optional[Callable] = None) -> Objective:
-    """The objective ``objective.*`` (or ``loss_fn``, which makes it ``user``) names."""
-    name = objective_name(objective_cfg, loss_fn)
+def build_objective(
+    objective_cfg, data_format: str, loss_fn: Optional[Callable] = None
+) -> Objective:
+    """The objective ``objective.*`` (or ``loss_fn``, which makes it ``user``) names, or
+    that ``data_format`` trains with when it names none."""
+    name = objective_name(objective_cfg, data_format, loss_fn)
     if name == ObjectiveName.user:
         if loss_fn is not None:
             return UserObjective(loss_fn)

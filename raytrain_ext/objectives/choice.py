@@ -2,7 +2,10 @@
 checked on the driver before Ray starts (no torch here), naming the key and the fix.
 
 A loss function given from Python (``Trainer(cfg, loss_fn=...)``) makes the objective
-``user``, exactly as ``objective.name=user`` with ``objective.fn`` does.
+``user``, exactly as ``objective.name=user`` with ``objective.fn`` does.  Without an
+``objective.name`` the objective follows what is given: ``user`` with a loss function,
+else the one the data format trains with (chat: sft, preference: dpo, else causal_lm),
+as the README's table of formats says; an explicit ``objective.name`` always wins.
 """
 
 from __future__ import annotations
@@ -22,10 +25,14 @@ FORMATS = {
 OBJECTIVE_OF_FORMAT = {DataFormat.chat: ObjectiveName.sft, DataFormat.preference: ObjectiveName.dpo}
 
 
-def objective_name(objective_cfg, loss_fn: Optional[Callable] = None) -> str:
+def objective_name(objective_cfg, data_format: str, loss_fn: Optional[Callable] = None) -> str:
     """The objective that runs: ``user`` when a loss function is given from Python, else
-    ``objective.name``; an InputError when ``objective.*`` and ``loss_fn`` contradict."""
+    ``objective.name``, else the default that follows ``objective.fn`` and ``data_format``;
+    an InputError when ``objective.*`` and ``loss_fn`` contradict."""
     name, fn = objective_cfg.name, objective_cfg.fn
+    if name is None:
+        given = loss_fn is not None or fn is not None
+        name = ObjectiveName.user if given else default_objective(data_format)
     if loss_fn is not None:
         if not callable(loss_fn):
             raise InputError(
@@ -59,7 +66,7 @@ def objective_name(objective_cfg, loss_fn: Optional[Callable] = None) -> str:
 def check_objective(cfg, loss_fn: Optional[Callable] = None) -> None:
     """Before Ray: the objective fits ``data.format`` and ``parallel.pp``, and its function
     (``objective.fn``) imports."""
-    name = objective_name(cfg.objective, loss_fn)
+    name = objective_name(cfg.objective, cfg.data.format, loss_fn)
     data_format = cfg.data.format
     if name in FORMATS and data_format not in FORMATS[name]:
         raise InputError(_format_mismatch(name, data_format))
@@ -80,6 +87,11 @@ def check_objective(cfg, loss_fn: Optional[Callable] = None) -> None:
         from raytrain_ext.objectives.user import load_loss_fn
 
         load_loss_fn(cfg.objective.fn)
+
+
+def default_objective(data_format: str) -> str:
+    """The objective a format trains with when ``objective.name`` is not given."""
+    return OBJECTIVE_OF_FORMAT.get(data_format, ObjectiveName.causal_lm)
 
 
 def _format_mismatch(name: str, data_format: str) -> str:

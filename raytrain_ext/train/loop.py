@@ -143,7 +143,7 @@ class TrainLoop:
             dims=dims_for_run(cfg, world_size),
         )
         seed_everything(cfg.run.seed + rank, device)
-        self.objective = build_objective(cfg.objective, user.loss_fn)
+        self.objective = build_objective(cfg.objective, cfg.data.format, user.loss_fn)
         self._open_data(cfg)
         self._build_model(cfg, user.model)
         self.reference = ReferenceLogps() if self.objective.uses_reference else None

@@ -132,7 +132,8 @@ def test_node_lost_during_a_save_never_loads_the_half_written_step(ray_cluster, 
     )
     ckpt = tmp_path / "tiny" / "checkpoints"
     partial = ckpt / "step-00000010"
-    with FitThread(Trainer(load_config(None, [*common, "chaos.stall_save_s=3"]))) as run:
+    failing = [*common, "chaos.stall_save_s=3", "elastic.max_failures=0"]  # no recovery
+    with FitThread(Trainer(load_config(None, failing))) as run:
         wait_for(partial / ".metadata")
         assert not (partial / "manifest.json").exists()
         ray_cluster.remove_node(node_b, allow_graceful=False)  # mid-save: files, no commit

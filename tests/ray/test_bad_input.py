@@ -383,10 +383,12 @@ def check_s3_token_data(s3_endpoint, tmp_path):
 # ---- classes 1 and 2: a failure inside the workers, and the records of the earlier run ---
 @pytest.mark.slow
 def test_a_failed_resume_leaves_the_earlier_runs_records_and_reports_one_line(tmp_path):
-    """A finished run resumed with another model fails in the workers (checkpoint mismatch):
-    one line naming the rank, the checkpoint and the fix; the full trace, without colour
-    codes, in the attempt's error.log; summary.json, config.yaml and every checkpoint file of
-    the earlier run byte-identical.  A later start refused by the preflight adds nothing."""
+    """A finished run resumed (to more steps) with another model fails in the workers
+    (checkpoint mismatch): one line naming the rank, the checkpoint and the fix; the full
+    trace, without colour codes, in the attempt's error.log; summary.json, config.yaml and
+    every checkpoint file of the earlier run byte-identical.  A later start refused by the
+    preflight adds nothing, and a rerun of the finished run as it was is told so before Ray
+    (exit 0: nothing to do)."""
     common = [
         f"run.output_dir={tmp_path}",
         "run.name=r",
@@ -401,7 +403,9 @@ def test_a_failed_resume_leaves_the_earlier_runs_records_and_reports_one_line(tm
     before = snapshot(run_dir)
 
     watch = RaySessionWatch()
-    resumed = run([*TRAIN, *common, "model.d_model=128"], tmp_path, env=watch.env())
+    resumed = run(
+        [*TRAIN, *common, "run.max_steps=6", "model.d_model=128"], tmp_path, env=watch.env()
+    )
     assert watch.sessions(), "the resume ran on Ray (this is the in-worker case)"
     shutil.rmtree(watch.dir, ignore_errors=True)
     assert resumed.returncode == 1
@@ -432,6 +436,16 @@ def test_a_failed_resume_leaves_the_earlier_runs_records_and_reports_one_line(tm
             "checkpoint.s3.endpoint_url=http://127.0.0.1:9",
         ],
         tmp_path,
+    )
+    assert snapshot(run_dir) == before and not (run_dir / "attempts" / "003").exists()
+    watch = RaySessionWatch()
+    again = run([*TRAIN, *common], tmp_path, env=watch.env())
+    assert watch.sessions() == [], "a finished run started Ray"
+    shutil.rmtree(watch.dir, ignore_errors=True)
+    assert again.returncode == 0 and "Traceback" not in again.stdout + again.stderr
+    assert (
+        f"run r already finished at step 4 ({run_dir}/summary.json); nothing to train. Use a "
+        "new run.name, or raise run.max_steps above 4" in again.stderr
     )
     assert snapshot(run_dir) == before and not (run_dir / "attempts" / "003").exists()
 

@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,7 +13,7 @@ import psutil
 import pytest
 
 from raytrain_ext.metrics.start_phases import START_PHASES
-from tests.helpers.cli import clean_env, raytrain_ext_cmd, run
+from tests.helpers.cli import RaySessionWatch, clean_env, raytrain_ext_cmd, run
 from tests.helpers.reference import uninterrupted
 from tests.helpers.runs import FAST_MODEL, wait_for_checkpoint
 
@@ -99,6 +100,16 @@ def test_killed_cli_run_resumed_by_the_job_entrypoint_ends_as_if_uninterrupted(t
         start_new_session=True,
     )
     wait_for_checkpoint(tmp_path / "victim" / "checkpoints", 10, while_running=proc)
+    watch = RaySessionWatch()
+    second = run([*raytrain_ext_cmd(), "train", *common], cwd=tmp_path, env=watch.env())
+    assert watch.sessions() == [], "a second writer of the run started Ray"
+    shutil.rmtree(watch.dir, ignore_errors=True)
+    assert second.returncode == 2 and "Traceback" not in second.stdout + second.stderr
+    assert re.search(
+        rf"error: run.name: run victim is already training in {tmp_path}/victim \(attempt 1: "
+        rf"host \S+, pid {proc.pid}, since [^)]+\)\. Two runs must not write one run directory",
+        second.stderr,
+    ), second.stderr[-2000:]
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     resumed = run(
@@ -112,6 +123,11 @@ def test_killed_cli_run_resumed_by_the_job_entrypoint_ends_as_if_uninterrupted(t
         cwd=tmp_path,
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert re.search(  # the killed driver's lock text was left; the kernel freed the lock
+        rf"run victim: took over the lock of attempt 1: host \S+, pid {proc.pid}, since .*, "
+        "which ended without releasing it",
+        resumed.stderr,
+    ), resumed.stderr[-2000:]
     b = json.loads((tmp_path / "victim" / "summary.json").read_text())
     a = uninterrupted(STEPS, *FAST_MODEL)["result"]
     assert b["restored"]["step"] >= 10 and b["steps_completed"] == STEPS
@@ -162,6 +178,57 @@ def test_sigterm_to_a_worker_checkpoints_then_resumes_with_zero_steps_redone(tmp
     resumed = run(cmd, cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     after = json.loads((tmp_path / "spot" / "summary.json").read_text())
+    assert after["restored"]["step"] == stopped  # zero steps redone
+    reference = uninterrupted(STEPS, *FAST_MODEL)["result"]
+    assert after["params_sha256"] == reference["params_sha256"]
+    assert after["samples_digest"] == reference["samples_digest"]
+
+
+@pytest.mark.slow
+def test_ctrl_c_checkpoints_at_the_next_step_boundary_and_the_rerun_redoes_nothing(tmp_path):
+    """SIGINT to the command's process group, as a terminal's Ctrl-C sends it: every rank
+    takes an emergency checkpoint at the next step boundary, the run ends ``interrupted``
+    (exit 130, no traceback, no worker left), and the same command resumes from that step
+    with nothing redone, ending as if never interrupted."""
+    common = [
+        f"run.max_steps={STEPS}",
+        "run.log_every=10",
+        f"optim.decay_steps={STEPS}",
+        f"run.output_dir={tmp_path}",
+        "run.tensorboard=false",
+        "run.name=ctrlc",
+        *FAST_MODEL,
+    ]
+    cmd = [*raytrain_ext_cmd(), "train", *common]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=tmp_path,
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    for line in proc.stdout:
+        if line.startswith(f"step     10/{STEPS}"):
+            workers = _worker_pids(proc.pid)
+            os.killpg(proc.pid, signal.SIGINT)
+            break
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr[-3000:]
+    assert "Traceback" not in stdout + stderr
+    summary = json.loads((tmp_path / "ctrlc" / "summary.json").read_text())
+    stopped = summary["steps_completed"]
+    assert summary["status"] == "interrupted" and 10 <= stopped < STEPS
+    assert (
+        f"interrupted (Ctrl-C): checkpoint at step {stopped} committed; rerun the same command "
+        "to resume" in stderr
+    )
+    assert (tmp_path / "ctrlc" / "checkpoints" / f"step-{stopped:08d}" / "manifest.json").exists()
+    assert len(workers) == 2 and not any(psutil.pid_exists(pid) for pid in workers)
+    resumed = run(cmd, cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    after = json.loads((tmp_path / "ctrlc" / "summary.json").read_text())
     assert after["restored"]["step"] == stopped  # zero steps redone
     reference = uninterrupted(STEPS, *FAST_MODEL)["result"]
     assert after["params_sha256"] == reference["params_sha256"]

@@ -270,3 +270,17 @@ def test_a_load_that_raises_on_one_rank_is_reported_not_raised(tmp_path):
     targets = {"w": torch.zeros(64, 32), "step": 0}
     assert load_planned(targets, reader) is None
     assert torch.equal(targets["w"], saved["w"]) and targets["step"] == 12
+
+
+def test_the_first_time_based_save_comes_early_only_without_a_step_schedule():
+    from raytrain_ext.checkpoint.manager import seconds_between_saves
+
+    def after(*overrides, saves=0):
+        return seconds_between_saves(load_config(None, list(overrides)).checkpoint, saves)
+
+    assert after() == 60.0 and after(saves=1) == 600.0  # the defaults: 60 s, then 600 s
+    assert after("checkpoint.every_steps=100") == 600.0  # the user's schedule is left alone
+    assert after("checkpoint.every_seconds=30") == 30.0
+    assert after("checkpoint.first_save_after_s=null") == 600.0
+    assert after("checkpoint.every_seconds=null") == 60.0
+    assert after("checkpoint.every_seconds=null", saves=1) is None

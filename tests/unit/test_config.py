@@ -150,7 +150,9 @@ def test_missing_and_malformed_files(tmp_path):
 
 
 CHOICE_KEYS = [
-    (key, kind) for key, _, kind in leaf_fields(TrainConfig) if choice_of(TrainConfig, key)
+    (key, choice_of(TrainConfig, key))
+    for key, _, _ in leaf_fields(TrainConfig)
+    if choice_of(TrainConfig, key)
 ]
 
 

@@ -468,7 +468,11 @@ def test_no_capacity_below_min_workers_fails_after_waiting():
 
 
 def test_failure_budget_spent_fails_without_recovering():
-    run = make_run({"n1": 1, "n2": 1}, faults=[Fault(0, 2, rank=0, error=WorkerDied("x"))])
+    run = make_run(
+        {"n1": 1, "n2": 1},
+        ["elastic.max_failures=0"],
+        faults=[Fault(0, 2, rank=0, error=WorkerDied("x"))],
+    )
     with pytest.raises(TrainingFailed, match=r"worker rank 0 .* raised WorkerDied: x"):
         run.controller.run()
     assert run.states() == ["SCHEDULING", "RUNNING", "FAILED"]
@@ -605,3 +609,16 @@ def test_recovery_record_keys_appear_stage_by_stage():
     assert accounted["restored_step"] == 0 and accounted["steps_redone"] == 7
     assert accounted["restored_from"] is None and accounted["first_step_after_s"] == 10.0
     assert "reformed" not in accounted
+
+
+def test_by_default_a_failure_is_recovered_and_the_log_line_states_the_budget():
+    """elastic.max_failures defaults to a bounded budget: the first killed worker is
+    recovered, and the RUNNING -> RECOVERING line says how much of it is spent."""
+    run = make_run({"n1": 1, "n2": 1}, faults=[Fault(0, 2, rank=0, error=WorkerDied("x"))])
+    result = run.controller.run()
+    assert run.states()[:3] == ["SCHEDULING", "RUNNING", "RECOVERING"]
+    assert run.states()[-1] == "FINISHED" and result.records[-1]["step"] == 8
+    to_recovering = [t for t in result.transitions if t.target == "RECOVERING"]
+    assert len(to_recovering) == 1 and to_recovering[0].reason.endswith(
+        "raised WorkerDied; failure 1 of 3 allowed (elastic.max_failures)"
+    )

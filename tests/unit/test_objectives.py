@@ -304,7 +304,8 @@ def test_user_objective_sums_the_users_loss_over_target_weight():
     objective = build_objective(
         OmegaConf.structured(
             ObjectiveConfig(name="user", fn="tests.unit.test_objectives:summed_nll")
-        )
+        ),
+        "tokens",
     )
     assert isinstance(objective, UserObjective)
     assert objective.units(batch) == float(batch.weights.sum())
@@ -335,26 +336,37 @@ def train_cfg(**overrides):
             {"objective.name": "user", "objective.fn": "tests.unit.test_objectives:summed_nll"},
             UserObjective,
         ),
+        # without objective.name: the format's objective, or user when a loss is named
+        ({"data.format": "chat"}, SFT),
+        ({"data.format": "preference"}, DPO),
+        ({"objective.fn": "tests.unit.test_objectives:summed_nll"}, UserObjective),
+        ({"data.format": "chat", "objective.name": "causal_lm"}, None),
     ],
 )
 def test_accepted_choices_build_their_objective(overrides, objective_type):
+    """An explicit objective.name wins over the format's default (the last case is
+    refused: causal_lm does not train on chat records)."""
     cfg = train_cfg(**overrides)
+    if objective_type is None:
+        with pytest.raises(InputError, match="objective.name=causal_lm does not train on"):
+            check_objective(cfg)
+        return
     check_objective(cfg)
-    assert type(build_objective(cfg.objective)) is objective_type
+    assert type(build_objective(cfg.objective, cfg.data.format)) is objective_type
 
 
 def test_dpo_is_built_with_its_beta_and_label_smoothing():
     cfg = train_cfg(
         **{"objective.name": "dpo", "objective.dpo.beta": 0.3, "objective.dpo.label_smoothing": 0.1}
     )
-    objective = build_objective(cfg.objective)
+    objective = build_objective(cfg.objective, cfg.data.format)
     assert (objective.beta, objective.label_smoothing) == (0.3, 0.1)
 
 
 def test_a_loss_fn_from_python_makes_the_objective_user():
     cfg = train_cfg()
     check_objective(cfg, loss_fn=summed_nll)
-    objective = build_objective(cfg.objective, loss_fn=summed_nll)
+    objective = build_objective(cfg.objective, cfg.data.format, loss_fn=summed_nll)
     assert isinstance(objective, UserObjective) and objective.fn is summed_nll
 
 
@@ -373,13 +385,13 @@ def test_a_loss_fn_from_python_makes_the_objective_user():
             r"objective.name=dpo needs data.format=preference .*got data.format=text",
         ),
         (
-            {"data.format": "chat"},
+            {"data.format": "chat", "objective.name": "causal_lm"},
             None,
             r"objective.name=causal_lm does not train on data.format=chat: that format needs "
             r"objective.name=sft .*trains on data.format=tokens or text",
         ),
         (
-            {"data.format": "preference"},
+            {"data.format": "preference", "objective.name": "causal_lm"},
             None,
             r"data.format=preference: that format needs objective.name=dpo",
         ),
@@ -396,7 +408,10 @@ def test_a_loss_fn_from_python_makes_the_objective_user():
             r"passed from Python",
         ),
         (
-            {"objective.fn": "tests.unit.test_objectives:summed_nll"},
+            {
+                "objective.fn": "tests.unit.test_objectives:summed_nll",
+                "objective.name": "causal_lm",
+            },
             None,
             r"objective.fn: set to '.*' but objective.name=causal_lm; set objective.name=user",
         ),
@@ -464,7 +479,7 @@ def test_refused_choices_name_the_key_and_the_fix(overrides, loss_fn, message):
 def test_build_objective_refuses_what_check_objective_refuses():
     cfg = train_cfg(**{"objective.name": "user"})
     with pytest.raises(InputError, match=r"objective.fn: objective.name=user needs"):
-        build_objective(cfg.objective)
+        build_objective(cfg.objective, cfg.data.format)
     cfg = train_cfg(**{"objective.name": "user", "objective.fn": "no_such_pkg.losses:loss"})
     with pytest.raises(InputError, match=r"objective.fn: cannot import no_such_pkg.losses"):
-        build_objective(cfg.objective)
+        build_objective(cfg.objective, cfg.data.format)
