@@ -12,6 +12,11 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
+DESCRIPTION = (
+    "Elastic distributed training on Ray. Start with `raytrain-ext train` (a tiny GPT on CPU, "
+    "about a minute); `raytrain-ext COMMAND --help` for each command."
+)
+
 
 def _train(args: argparse.Namespace) -> int:
     from raytrain_ext.checkpoint.tiers.base import TierError
@@ -129,6 +134,62 @@ def _ckpt_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sections_epilog() -> str:
+    import textwrap
+
+    from raytrain_ext.config.show import sections
+
+    width = max(len(name) for name, _ in sections())
+    listed = "\n".join(
+        textwrap.fill(
+            about,
+            width=96,
+            initial_indent=f"  {name.ljust(width)}  ",
+            subsequent_indent=" " * (width + 4),
+        )
+        for name, about in sections()
+    )
+    return (
+        f"config sections (keys are SECTION.KEY):\n{listed}\n\n"
+        "raytrain-ext config show [CONFIG.yaml] [SECTION ...] [key=value ...]\n"
+        "  prints every key of those sections with its value, default and choices."
+    )
+
+
+def _add_config_parser(commands) -> None:
+    config = commands.add_parser("config", help="show a resolved config: keys, defaults, choices")
+    config_commands = config.add_subparsers(dest="config_command", required=True)
+    show = config_commands.add_parser(
+        "show",
+        help="every key's value (after the YAML and overrides), default and choices",
+    )
+    show.add_argument(
+        "items",
+        nargs="*",
+        metavar="[CONFIG.yaml] [SECTION ...] [key=value ...]",
+        help="a config file, the sections to show (default: all) and overrides",
+    )
+    show.set_defaults(func=_config_show)
+
+
+def _config_show(args: argparse.Namespace) -> int:
+    from raytrain_ext.config import ConfigError, load_config
+    from raytrain_ext.config.show import show_config
+
+    overrides = [item for item in args.items if "=" in item]
+    files = [item for item in args.items if "=" not in item and item.endswith((".yaml", ".yml"))]
+    wanted = [item for item in args.items if item not in overrides and item not in files]
+    try:
+        if len(files) > 1:
+            raise ConfigError(f"config show: one config file, got {', '.join(files)}")
+        cfg = load_config(files[0] if files else None, overrides)
+        print(show_config(cfg, wanted))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def split_config_and_overrides(config: Optional[str], items: List[str]):
     """``--config X`` wins; otherwise a first positional that is not key=value is the config."""
     items = list(items)
@@ -138,11 +199,15 @@ def split_config_and_overrides(config: Optional[str], items: List[str]):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="raytrain-ext", description=__doc__)
+    parser = argparse.ArgumentParser(prog="raytrain-ext", description=DESCRIPTION)
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser(
         "train",
         help="train a model (model.source: the reference GPT, Hugging Face, your own) on Ray",
+        description="Train with a YAML config and key=value overrides (defaults < YAML < "
+        "overrides), e.g. `raytrain-ext train configs/sft_llama_tiny.yaml run.max_steps=10`.",
+        epilog=_sections_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     train.add_argument("--config", help="YAML config (default: the packaged tiny_cpu config)")
     train.add_argument(
@@ -152,6 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="a config file and/or OmegaConf overrides, e.g. run.max_steps=10",
     )
     train.set_defaults(func=_train)
+    _add_config_parser(commands)
 
     ckpt = commands.add_parser("ckpt", help="inspect and convert checkpoints")
     ckpt_commands = ckpt.add_subparsers(dest="ckpt_command", required=True)

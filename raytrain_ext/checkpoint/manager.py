@@ -35,18 +35,21 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from raytrain_ext.checkpoint import native
 from raytrain_ext.checkpoint import state as ckpt_state
 from raytrain_ext.checkpoint.agreement import gather_from_all
 from raytrain_ext.checkpoint.held_chunks import HeldChunks
 from raytrain_ext.checkpoint.manifest import (
+    MANIFEST,
     Manifest,
     checksum_file,
     step_dir_name,
 )
 from raytrain_ext.checkpoint.recycle import POOL
 from raytrain_ext.checkpoint.restore import Restorer
+from raytrain_ext.checkpoint.save_failure import save_failure_text, snapshot_bytes
 from raytrain_ext.checkpoint.tiers import build_tiers
 from raytrain_ext.checkpoint.tiers.base import Tier, prune
 from raytrain_ext.checkpoint.train_state import TrainState
@@ -313,9 +316,23 @@ class CheckpointManager:
             self.stats["timings"].append(timing)
             if not self.cfg.local or tiers is not None:  # a snapshot's files live in memory
                 shutil.rmtree(step_dir, ignore_errors=True)
-        except Exception as e:  # never kill training for a failed save; the log says why
-            self.stats["failed"].append({"step": step, "error": str(e)})
-            log.error("ALARM: checkpoint of step %d failed on rank %d: %s", step, self.rank, e)
+        except (Exception, CheckpointException) as e:  # never kill training for a failed save
+            self._save_failed(e, step, snap)
+
+    def _save_failed(self, error: BaseException, step: int, snap: Dict[str, Any]) -> None:
+        """Record a failed save, free what its partial files took, and say in one line
+        (rank 0; the others and DCP's per-rank tracebacks at debug) what happens next."""
+        step_dir = self.staging / step_dir_name(step)
+        if not (step_dir / MANIFEST).exists():  # never committed: its partial files go
+            shutil.rmtree(step_dir, ignore_errors=True)
+        committed = [s for s in self.stats["committed"].values() if s is not None]
+        key = "checkpoint.dir" if self.cfg.local else "the temporary directory"
+        text = save_failure_text(
+            error, step, self.staging, key, snapshot_bytes(snap), max(committed, default=None)
+        )
+        self.stats["failed"].append({"step": step, "error": text})
+        log.log(logging.ERROR if self.rank == 0 else logging.DEBUG, "ALARM: %s", text)
+        log.debug("checkpoint of step %d on rank %d: %s", step, self.rank, error)
 
     def _write(
         self, snap: Dict[str, Any], step_dir: Path, timing: Dict[str, Any], native_names: List[str]

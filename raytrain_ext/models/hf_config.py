@@ -114,7 +114,11 @@ def pretrained_dir(model_cfg) -> Optional[Path]:
 def resolve_hf_shape(cfg) -> None:
     """Write the HF model's shape into ``model.*`` and check what must hold before Ray."""
     config = hf_config(cfg.model)
-    pretrained_dir(cfg.model)
+    weights = pretrained_dir(cfg.model)
+    if weights is not None:
+        from raytrain_ext.models.safetensors_check import check_safetensors
+
+        check_safetensors(weights)
     m = cfg.model
     m.n_layers = config.num_hidden_layers
     m.d_model = config.hidden_size

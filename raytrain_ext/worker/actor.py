@@ -29,6 +29,7 @@ import ray
 from raytrain_ext.user_code import UserCode
 from raytrain_ext.worker.process_age import process_age_s
 from raytrain_ext.worker.process_pool import WARM_MODULES, adopt_thread_count, await_warm_imports
+from raytrain_ext.worker.thread_errors import report_thread_errors_in_one_line
 
 if TYPE_CHECKING:
     from raytrain_ext.worker.dist_env import WorkerEnv
@@ -108,6 +109,7 @@ class TrainWorker:
         self._loop = None  # the running TrainLoop, while fit runs
         self.grace_s = 30.0
         adopt_thread_count()  # the same numbers in a stocked process as in a new one
+        report_thread_errors_in_one_line()
         # Actor __init__ runs on the process's main thread, where handlers can be installed.
         signal.signal(signal.SIGTERM, self._on_sigterm)
         exit_when_orphaned(os.getppid())

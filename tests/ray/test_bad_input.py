@@ -9,6 +9,7 @@ accepted silently, 6 the rendezvous store's listening address.
 import json
 import re
 import shutil
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -432,6 +433,7 @@ def test_a_failed_resume_leaves_the_earlier_runs_records_and_reports_one_line(tm
         [
             *TRAIN,
             *common,
+            "run.max_steps=6",  # not the finished run's own length: that is said first
             "checkpoint.s3.uri=s3://b/x",
             "checkpoint.s3.endpoint_url=http://127.0.0.1:9",
         ],
@@ -576,3 +578,80 @@ def test_s3_error_mapper_names_the_key_for_each_class():
         message = describe_s3_error(error, keys, uri, endpoint)
         assert re.search(pattern, message), (error, message)
         assert "\n" not in message
+
+
+def test_damaged_pretrained_weights_are_named_before_ray(tmp_path, cli):
+    """A truncated or overwritten ``.safetensors`` in ``model.hf.path`` is found on the
+    driver from its header alone, naming the file, the key and the fix."""
+    from tests.helpers.hf_models import save_tiny
+
+    directory = save_tiny(tmp_path / "model")
+    weights = directory / "model.safetensors"
+    whole = weights.read_bytes()
+    train = ["train", f"run.output_dir={tmp_path}", "model.source=hf", f"model.hf.path={directory}"]
+    weights.write_bytes(whole[: len(whole) // 2])
+    assert re.search(
+        rf"error: model\.hf\.path: {weights} is damaged \(truncated: tensor '[\w.]+' ends at "
+        r"data byte \d+ but the file holds \d+ bytes of data\)\. Download or copy it again, or "
+        r"set model\.hf\.pretrained=false",
+        cli(train),
+    )
+    weights.write_bytes(b"\xff" * 8 + whole[8:])
+    assert f"{weights} is damaged (its header claims 18446744073709551615 bytes" in cli(train)
+    weights.write_bytes(whole)
+    (directory / "model.safetensors.index.json").write_text(
+        '{"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}}'
+    )
+    assert "names model-00002-of-00002.safetensors, which is missing" in cli(train)
+
+
+@pytest.fixture()
+def small_disk(tmp_path):
+    """A 2.5 MB tmpfs: room for one checkpoint of FAST_MODEL, not two (a disk that fills)."""
+    mount_point = tmp_path / "small"
+    mount_point.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2500k", "tmpfs", str(mount_point)],
+        capture_output=True,
+        text=True,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"a small disk needs a tmpfs mount (root): {mounted.stderr.strip()}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", str(mount_point)], check=False)
+
+
+@pytest.mark.slow
+def test_a_full_checkpoint_disk_is_one_line_per_save_and_the_run_goes_on(tmp_path, small_disk):
+    """checkpoint.dir fills up after the first save: each later save is one line naming the
+    key, the path, the free and needed space and what happens next; no thread's traceback
+    reaches the console; the run finishes and the committed step stays loadable."""
+    trained = run(
+        [
+            *TRAIN,
+            f"run.output_dir={tmp_path}",
+            "run.max_steps=15",
+            "checkpoint.every_steps=5",
+            f"checkpoint.dir={small_disk}",
+            "run.tensorboard=false",
+            *FAST_MODEL,
+        ],
+        tmp_path,
+    )
+    output = trained.stdout + trained.stderr
+    assert trained.returncode == 0 and "Traceback" not in output, output[-3000:]
+    full = re.findall(
+        rf"ALARM: checkpoint\.dir: {small_disk} is full \([\d.]+ MiB free; this rank's part "
+        r"of step (\d+) needs about [\d.]+ MiB\): step \1 was not saved\. Training goes on; the "
+        r"newest committed checkpoint \(step 5\) stays loadable",
+        output,
+    )
+    assert full == ["10", "15"], output[-3000:]
+    assert sorted(p.name for p in small_disk.iterdir()) == ["step-00000005"]  # partials freed
+    exported = run(
+        [*raytrain_ext_cmd(), "ckpt", "export", str(small_disk), "--to", str(tmp_path / "m.st")],
+        tmp_path,
+    )
+    assert exported.returncode == 0 and "exported step 5" in exported.stdout, exported.stderr

@@ -1,0 +1,69 @@
+"""A failed save, in one line that says what to do: which key and path, and for a full
+disk how much is free and how much the step needed, and what the run does next.
+
+A save never stops training (:class:`CheckpointManager`): the step is left uncommitted,
+its partial files are removed so the space they took is free again, the newest
+committed step stays loadable, and the next due save tries again.  DCP's own error
+(``CheckpointException``, a ``BaseException``) carries every rank's traceback in its
+text; that goes to the debug log, not the console.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+
+def snapshot_bytes(snap: Any) -> int:
+    """The bytes of the tensors in one rank's snapshot (what its files need, about)."""
+    if isinstance(snap, torch.Tensor):
+        return snap.numel() * snap.element_size()
+    if isinstance(snap, dict):
+        return sum(snapshot_bytes(v) for v in snap.values())
+    if isinstance(snap, (list, tuple)):
+        return sum(snapshot_bytes(v) for v in snap)
+    return 0
+
+
+def free_bytes(directory: Path) -> Optional[int]:
+    try:
+        return shutil.disk_usage(directory).free
+    except OSError:
+        return None
+
+
+def save_failure_text(
+    error: BaseException,
+    step: int,
+    directory: Path,
+    key: str,
+    needed: int,
+    newest_committed: Optional[int],
+) -> str:
+    """One line: a full disk named with its key, path and sizes, else the error's first
+    line; then what the run does next."""
+    free = free_bytes(directory)
+    newest = "none yet" if newest_committed is None else f"step {newest_committed}"
+    next_ = (
+        f"Training goes on; the newest committed checkpoint ({newest}) stays loadable, and "
+        "the next due save tries again."
+    )
+    if free is not None and (free < needed or _says_disk_full(error)):
+        return (
+            f"{key}: {directory} is full ({free / 2**20:.1f} MiB free; this rank's part of "
+            f"step {step} needs about {needed / 2**20:.1f} MiB): step {step} was not saved. "
+            f"{next_} Free space there, or point {key} at a larger disk."
+        )
+    return f"checkpoint of step {step} failed: {_first_line(error)}. {next_}"
+
+
+def _says_disk_full(error: BaseException) -> bool:
+    return "No space left on device" in str(error)
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    return f"{type(error).__name__}: {lines[0] if lines else ''}".rstrip(": ")
