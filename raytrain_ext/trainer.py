@@ -31,7 +31,7 @@ from raytrain_ext.inputs.preflight import preflight
 from raytrain_ext.metrics import FanOut, StdoutSink, TensorBoardSink, summarize_records
 from raytrain_ext.metrics.sinks import eval_fields
 from raytrain_ext.metrics.start_phases import start_phases
-from raytrain_ext.objectives import check_objective
+from raytrain_ext.objectives import check_objective, objective_name
 from raytrain_ext.run_dir import SUMMARY, RunDirectory, refuse_finished_run
 from raytrain_ext.user_code import UserCode
 
@@ -109,12 +109,12 @@ class Trainer:
             result = self._run(start)
         except BaseException as error:
             result = self._controller.result if self._controller is not None else None
-            summary = build_summary(self.cfg, result, start, self._marks)
+            summary = build_summary(self.cfg, result, start, self._marks, self._user.loss_fn)
             if isinstance(error, KeyboardInterrupt):  # a second Ctrl-C: stopped at once
                 summary["status"] = "interrupted"
             records.finish(attempt, summary, error=error)
             raise
-        summary = build_summary(self.cfg, result, start, self._marks)
+        summary = build_summary(self.cfg, result, start, self._marks, self._user.loss_fn)
         promoted = records.finish(attempt, summary)
         self.summary_path = (self.run_dir if promoted else attempt.directory) / SUMMARY
         return summary
@@ -273,7 +273,11 @@ def _installed_version(package: str) -> Optional[str]:
 
 
 def build_summary(
-    cfg, result: Optional[ControllerResult], start: float, marks: Optional[Dict[str, float]] = None
+    cfg,
+    result: Optional[ControllerResult],
+    start: float,
+    marks: Optional[Dict[str, float]] = None,
+    loss_fn: Optional[Callable] = None,
 ) -> Dict[str, Any]:
     """What a run did, from the controller's result (None: it never got to run); ``marks``:
     the driver's moments of its start (``metrics.start_phases``)."""
@@ -286,6 +290,7 @@ def build_summary(
     digests = sorted({r["samples_digest"] for r in ranks})
     summary: Dict[str, Any] = {
         "run_name": cfg.run.name,
+        "objective": str(objective_name(cfg.objective, cfg.data.format, loss_fn)),
         "status": (
             result.state.value.lower()
             if result.state in (RunState.FINISHED, RunState.PREEMPTED, RunState.INTERRUPTED)

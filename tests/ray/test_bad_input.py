@@ -642,13 +642,14 @@ def test_a_full_checkpoint_disk_is_one_line_per_save_and_the_run_goes_on(tmp_pat
     )
     output = trained.stdout + trained.stderr
     assert trained.returncode == 0 and "Traceback" not in output, output[-3000:]
-    full = re.findall(
-        rf"ALARM: checkpoint\.dir: {small_disk} is full \([\d.]+ MiB free; this rank's part "
-        r"of step (\d+) needs about [\d.]+ MiB\): step \1 was not saved\. Training goes on; the "
-        r"newest committed checkpoint \(step 5\) stays loadable",
-        output,
+    line = (
+        rf"checkpoint\.dir: {small_disk} is full \([\d.]+ MiB free; this rank's part of step "
+        r"(\d+) needs about [\d.]+ MiB\): step \1 was not saved\. Training goes on; the newest "
+        r"committed checkpoint \(step 5\) stays loadable"
     )
-    assert full == ["10", "15"], output[-3000:]
+    assert re.findall(rf"ALARM: {line}", output)[0] == "10", output[-3000:]  # the console's
+    failed = json.loads((tmp_path / "tiny" / "summary.json").read_text())["checkpoint"]["failed"]
+    assert [re.match(line, f["error"]).group(1) for f in failed] == ["10", "15"]  # the final
     assert sorted(p.name for p in small_disk.iterdir()) == ["step-00000005"]  # partials freed
     exported = run(
         [*raytrain_ext_cmd(), "ckpt", "export", str(small_disk), "--to", str(tmp_path / "m.st")],

@@ -185,11 +185,12 @@ def test_sigterm_to_a_worker_checkpoints_then_resumes_with_zero_steps_redone(tmp
 
 
 @pytest.mark.slow
-def test_ctrl_c_checkpoints_at_the_next_step_boundary_and_the_rerun_redoes_nothing(tmp_path):
-    """SIGINT to the command's process group, as a terminal's Ctrl-C sends it: every rank
-    takes an emergency checkpoint at the next step boundary, the run ends ``interrupted``
-    (exit 130, no traceback, no worker left), and the same command resumes from that step
-    with nothing redone, ending as if never interrupted."""
+def test_a_killed_worker_is_recovered_by_default_and_ctrl_c_checkpoints_then_resumes(tmp_path):
+    """With no elastic.* setting, a worker SIGKILLed from outside is recovered (the default
+    failure budget, stated in the log line). Then SIGINT to the command's process group, as
+    a terminal's Ctrl-C sends it: every rank takes an emergency checkpoint at the next step
+    boundary, the run ends ``interrupted`` (exit 130, no traceback, no worker left), and the
+    same command resumes from that step with nothing redone, ending as if never stopped."""
     common = [
         f"run.max_steps={STEPS}",
         "run.log_every=10",
@@ -211,6 +212,8 @@ def test_ctrl_c_checkpoints_at_the_next_step_boundary_and_the_rerun_redoes_nothi
     )
     for line in proc.stdout:
         if line.startswith(f"step     10/{STEPS}"):
+            os.kill(_worker_pids(proc.pid)[1], signal.SIGKILL)
+        if line.startswith(f"step     30/{STEPS}"):
             workers = _worker_pids(proc.pid)
             os.killpg(proc.pid, signal.SIGINT)
             break
@@ -219,7 +222,10 @@ def test_ctrl_c_checkpoints_at_the_next_step_boundary_and_the_rerun_redoes_nothi
     assert "Traceback" not in stdout + stderr
     summary = json.loads((tmp_path / "ctrlc" / "summary.json").read_text())
     stopped = summary["steps_completed"]
-    assert summary["status"] == "interrupted" and 10 <= stopped < STEPS
+    assert summary["status"] == "interrupted" and 30 <= stopped < STEPS
+    (recovery,) = summary["recoveries"]
+    assert recovery["kind"] == "failure" and recovery["steps_redone"] == 0
+    assert "failure 1 of 3 allowed (elastic.max_failures)" in stderr
     assert (
         f"interrupted (Ctrl-C): checkpoint at step {stopped} committed; rerun the same command "
         "to resume" in stderr

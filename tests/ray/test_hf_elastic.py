@@ -138,8 +138,11 @@ def test_killed_worker_of_an_hf_model_on_a_ray_dataset_ends_bit_identical(
     report = write_report(tmp_path / "hf-kill")
     assert "3 evaluations; at step 12" in report["markdown"].read_text()
     other = token_dataset(TOKENS[::-1].copy())  # same size, other content: not resumable
+    longer = run_overrides(
+        tmp_path, llama_overrides, "run.name=hf-kill", f"run.max_steps={STEPS + 4}"
+    )
     with pytest.raises(InputError, match="differs from the one this run trained on"):
-        Trainer(cfg, dataset=other).fit()
+        Trainer(load_config(None, longer), dataset=other).fit()  # more steps: not finished
     assert_nothing_left()
 
 

@@ -98,6 +98,8 @@ def test_the_readmes_runnable_commands_run_as_written_from_a_fresh_copy(tmp_path
     assert generation["eos_token_id"] == trained_with.eos_token_id
     assert (clone / "runs" / "sft-tiny" / "report.md").is_file()
     assert (clone / "data" / "sft-tiny" / "index.json").is_file()
-    for run_name in ("sft-tiny", "dpo-tiny", "sft-prepared"):
+    # the SFT config names no objective: chat records train with sft by default
+    for run_name, objective in (("sft-tiny", "sft"), ("dpo-tiny", "dpo"), ("sft-prepared", "sft")):
         summary = json.loads((clone / "runs" / run_name / "summary.json").read_text())
         assert summary["status"] == "finished" and summary["steps_completed"] == 8, run_name
+        assert summary["objective"] == objective, run_name

@@ -580,6 +580,21 @@ def test_stop_from_another_thread_ends_in_failed():
     assert run.group.calls[-1] == ("shutdown",)
 
 
+def test_an_interrupt_checkpoints_at_the_next_boundary_and_ends_interrupted():
+    """Ctrl-C (``interrupt``, as from a signal handler): rank 0 is asked for the emergency
+    checkpoint, the run ends INTERRUPTED at that step, not FAILED, and nothing is raised."""
+    run = make_run({"n1": 1, "n2": 1})
+    run.group.at_step[2] = lambda: run.controller.interrupt("Ctrl-C")
+    result = run.controller.run()
+    assert run.states() == ["SCHEDULING", "RUNNING", "INTERRUPTED"]
+    stopped = result.worker_results[0]["preempted_at"]
+    assert 2 <= stopped < 8 and ("preempt", [0], 30.0) in run.group.calls  # preemption_grace_s
+    assert result.transitions[-1].reason == (
+        f"interrupted (Ctrl-C): checkpoint at step {stopped} committed; rerun the same "
+        "command to resume"
+    )
+
+
 def test_start_marks_are_the_first_groups_and_its_first_records():
     """The run's start is the group that made the first step: a later re-form (here in
     place, after a failure) leaves the marks as they were."""
