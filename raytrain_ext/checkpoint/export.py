@@ -8,6 +8,7 @@ only the verified byte ranges holding the model are fetched.
 from __future__ import annotations
 
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
@@ -95,7 +96,9 @@ def load_model_state(
         state = _empty_model_state(reader.read_metadata()) if problem is None else {}
         fetched = {"fetched_bytes": sum(e.size for e in manifest.files.values()), "ranged": False}
     _refuse_damaged(problem)
-    dcp.load(state, storage_reader=reader, no_dist=True)
+    with warnings.catch_warnings():  # one process, on purpose: DCP's notice says only that
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(state, storage_reader=reader, no_dist=True)
     if isinstance(reader, VerifiedReader):  # it verifies the data files as it loads them
         _refuse_damaged(reader.problem)
     fetched["total_bytes"] = sum(e.size for e in manifest.files.values())
