@@ -97,7 +97,7 @@ def concurrent_copy_s(args, tensors):
     buffers = [[torch.empty_like(t) for t in tensors] for _ in range(args.workers)]
 
     def copy_all(i):
-        for b, t in zip(buffers[i], tensors):
+        for b, t in zip(buffers[i], tensors, strict=True):
             b.copy_(t)
 
     with ThreadPoolExecutor(args.workers) as pool:

@@ -44,7 +44,7 @@ def generate_jsonl(path: Path, megabytes: float, seed: int = 0) -> int:
     rng = np.random.default_rng(seed)
     parts = rng.integers(0, len(SYLLABLES), size=(20_000, 3))
     lengths = rng.integers(1, 4, size=20_000)
-    vocab = ["".join(SYLLABLES[s] for s in row[:n]) for row, n in zip(parts, lengths)]
+    vocab = ["".join(SYLLABLES[s] for s in row[:n]) for row, n in zip(parts, lengths, strict=True)]
     target, written, docs = int(megabytes * 2**20), 0, 0
     with open(path, "w") as f:
         while written < target:

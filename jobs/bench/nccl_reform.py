@@ -83,9 +83,9 @@ def run_one(reps: int, size: int, backend: str) -> None:
     """World size 1, ``reps`` times init -> step -> teardown, then once without abort."""
     for rep in range(reps + 1):
         port = free_port("127.0.0.1")
-        device, init_s = timed(lambda: join(0, 1, port, backend))
-        value, step_s = timed(lambda: step(device, size))
-        second, step2_s = timed(lambda: step(device, size))
+        device, init_s = timed(lambda port=port: join(0, 1, port, backend))
+        value, step_s = timed(lambda device=device: step(device, size))
+        second, step2_s = timed(lambda device=device: step(device, size))
         assert abs(value - 1.0 / size) < 1e-2 and value == second, (value, second)
         steps = teardown_steps(live_backend_configs())
         assert backend != "nccl" or steps == (ABORT,), steps

@@ -332,7 +332,7 @@ def print_node_loss(args, ours: List[dict], ray_train: List[dict]) -> None:
     for label, key, fmt in ROWS:
         ratios = [
             b[key] / a[key] if a[key] and b[key] is not None else None
-            for a, b in zip(ours, ray_train)
+            for a, b in zip(ours, ray_train, strict=False)
         ]
         print(
             f"{label:32}{span([a[key] for a in ours], fmt):>16}"

@@ -116,7 +116,7 @@ def snapshot(state: Any, reuse: Any = None) -> Any:
         return {k: snapshot(v, old.get(k)) for k, v in state.items()}
     if isinstance(state, list):
         old = reuse if isinstance(reuse, list) and len(reuse) == len(state) else [None] * len(state)
-        return [snapshot(v, o) for v, o in zip(state, old)]
+        return [snapshot(v, o) for v, o in zip(state, old, strict=True)]
     if isinstance(state, io.BytesIO):
         return io.BytesIO(state.getvalue())
     return state

@@ -120,14 +120,14 @@ def render_prompt_response(
     if has_chat_template(tok):
         return [
             render_messages(tok, _pair(p, r), first + i, where)
-            for i, (p, r) in enumerate(zip(prompts, responses))
+            for i, (p, r) in enumerate(zip(prompts, responses, strict=True))
         ]
     batch = dict(add_special_tokens=False, return_attention_mask=False)
     prompt_ids = tok(prompts, **batch)["input_ids"]
     response_ids = tok(responses, **batch)["input_ids"]
     return [
         (p + r + [eos_id], [0] * len(p) + [1] * (len(r) + 1))
-        for p, r in zip(prompt_ids, response_ids)
+        for p, r in zip(prompt_ids, response_ids, strict=True)
     ]
 
 

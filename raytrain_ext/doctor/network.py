@@ -45,8 +45,10 @@ def parse_proc_net_dev(text: str) -> Dict[str, Dict[str, int]]:
         values = [int(v) for v in rest.split()]
         if len(values) < len(RX_COLUMNS) + len(TX_COLUMNS):
             continue
-        row = {f"rx_{c}": v for c, v in zip(RX_COLUMNS, values)}
-        row.update({f"tx_{c}": v for c, v in zip(TX_COLUMNS, values[len(RX_COLUMNS) :])})
+        row = {f"rx_{c}": v for c, v in zip(RX_COLUMNS, values, strict=False)}
+        row.update(
+            {f"tx_{c}": v for c, v in zip(TX_COLUMNS, values[len(RX_COLUMNS) :], strict=False)}
+        )
         out[name.strip()] = row
     return out
 

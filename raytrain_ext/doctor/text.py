@@ -108,7 +108,7 @@ def gpu_lines(report: Dict) -> List[str]:
         if not n["gpus"]:
             out.append(f"node {n['node_ip']}: no GPU: {n.get('gpu_error') or 'NVML sees none'}")
             continue
-        for g, h in zip(n["gpus"], n["gpu_health"]):
+        for g, h in zip(n["gpus"], n["gpu_health"], strict=False):
             out.append(
                 f"node {n['node_ip']} GPU {g['index']} {g['name']}: {h['status']}, "
                 f"{g.get('temperature_c')} C, {g.get('power_w')} W of {g.get('power_limit_w')} W, "

@@ -107,7 +107,9 @@ def plan_in_place(
     fates = fates_of(
         [group.actors[r] for r in lost], [group.infos[r]["node_id"] for r in lost], evidence_s
     )
-    on_live_nodes = [r for r, fate in zip(lost, fates) if fate in (Fate.PROCESS_DIED, Fate.ALIVE)]
+    on_live_nodes = [
+        r for r, fate in zip(lost, fates, strict=True) if fate in (Fate.PROCESS_DIED, Fate.ALIVE)
+    ]
     left_out = [r for r in lost if r not in on_live_nodes]
     refill, deferred = ([], on_live_nodes) if background else (on_live_nodes, [])
     return InPlacePlan(
@@ -116,5 +118,5 @@ def plan_in_place(
         left_out,
         deferred,
         spares=group.ready_spare_count(),
-        fates={r: str(fate) for r, fate in zip(lost, fates)},
+        fates={r: str(fate) for r, fate in zip(lost, fates, strict=True)},
     )

@@ -145,7 +145,7 @@ def world_size_changes(summary: Dict[str, Any]) -> List[tuple]:
     ]
     return [
         (at, entry["world_size"])
-        for at, entry in zip(formed, summary.get("world_size_history", []))
+        for at, entry in zip(formed, summary.get("world_size_history", []), strict=False)
     ]
 
 
@@ -223,7 +223,7 @@ def _plot_eval(ax_loss, summary: Dict[str, Any]) -> None:
     points = [(ends.get(e["step"]), e["eval_loss"]) for e in summary.get("eval_history", [])]
     points = [(t, loss) for t, loss in points if t is not None]
     if points:
-        ax_loss.plot(*zip(*points), "s", color="tab:orange", label="eval loss")
+        ax_loss.plot(*zip(*points, strict=True), "s", color="tab:orange", label="eval loss")
 
 
 def _break_where_steps_go_back(values: List[float], steps: List[int]) -> List[float]:

@@ -104,7 +104,7 @@ def zero_state_dicts(engine, group_names: List[List[str]]):
             entry[key] = full.detach().reshape(_full_shape(p)).clone().cpu()
         state[name] = entry
     groups = []
-    for group, names in zip(zero_optimizer.optimizer.param_groups, group_names):
+    for group, names in zip(zero_optimizer.optimizer.param_groups, group_names, strict=True):
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": list(names)})
     return model_sd, {"state": state, "param_groups": groups}
 
@@ -133,7 +133,7 @@ def load_zero_state_dicts(
     inner = zero_optimizer.optimizer
     for flat in _flat_fp32_partitions(zero_optimizer):
         inner.state[flat]["step"].fill_(step)
-    for group, saved in zip(inner.param_groups, optim_sd["param_groups"]):
+    for group, saved in zip(inner.param_groups, optim_sd["param_groups"], strict=True):
         group.update({k: v for k, v in saved.items() if k != "params"})
     buffers = {k: v for k, v in model_sd.items() if k not in params}
     if buffers:

@@ -63,5 +63,5 @@ class Evaluator:
         result = {"eval_loss": sums[0] / units}
         if not self.objective.uses_reference:
             result["eval_ppl"] = math.exp(min(result["eval_loss"], 50.0))
-        result.update({f"eval_{n}": v / units for n, v in zip(names, sums[2:])})
+        result.update({f"eval_{n}": v / units for n, v in zip(names, sums[2:], strict=True)})
         return result

@@ -137,7 +137,7 @@ def _broadcast_tensors(
             flat = torch.empty(numel, dtype=dtype, device=device)
         dist.broadcast(flat, src=src)
         shaped = [torch.empty(p.shape, dtype=dtype, device="meta") for p in members]
-        for p, t in zip(members, _unflatten_dense_tensors(flat, shaped)):
+        for p, t in zip(members, _unflatten_dense_tensors(flat, shaped), strict=True):
             out[p.index] = t
     return out  # type: ignore[return-value]
 

@@ -498,7 +498,7 @@ class TrainLoop:
     def _objective_fields(self, metric_sums: List[float], units: float) -> Dict[str, float]:
         """The objective's metrics for the step, per loss unit (DPO: accuracy, margins)."""
         names = self.objective.metric_names
-        return {name: value / units for name, value in zip(names, metric_sums)}
+        return {name: value / units for name, value in zip(names, metric_sums, strict=True)}
 
     def _straggler_fields(self, compute_s: List[float]) -> Dict[str, Any]:
         """Per-rank compute times on rank 0's record, and the ranks flagged as stragglers."""

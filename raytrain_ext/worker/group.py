@@ -133,7 +133,7 @@ class WorkerGroup:
         self.spares = [self._create_spare(i) for i in range(num_workers, total)]
         self.vacant, self.unplaced = [], {}
         infos = ray.get([a.node_info.remote() for a in actors])
-        self._form(list(zip(actors, range(num_workers), infos)), form)
+        self._form(list(zip(actors, range(num_workers), infos, strict=True)), form)
         self._runtime_env_string = None
         if self.process_pool is not None:  # asked now, while every rank is one started as such
             ref = self.actors[0].serialized_runtime_env.remote()
@@ -178,7 +178,7 @@ class WorkerGroup:
             [a.node_info.remote() for a, _ in fresh],  # a process start, in a
             timeout=min(form.placement_timeout_s, 30.0),
         )  # bundle the gang holds
-        members += [(a, b, info) for (a, b), info in zip(fresh, infos)]
+        members += [(a, b, info) for (a, b), info in zip(fresh, infos, strict=True)]
         prestarted = self._taken_from_pool(infos, asked_at)
         self.vacant += slots[need - len(ready) :] + later
         self._form(members, form)
@@ -300,7 +300,7 @@ class WorkerGroup:
         backends = ray.get(
             [
                 a.setup.remote(e.to_dict(), form.backend, form.timeout_s)
-                for a, e in zip(self.actors, self.envs)
+                for a, e in zip(self.actors, self.envs, strict=True)
             ],
             timeout=form.timeout_s + 30,
         )

@@ -32,7 +32,7 @@ def test_fates_on_a_cluster(ray_cluster):
     nodes = [ray_cluster.add_node(num_cpus=1, object_store_memory=80 * 2**20) for _ in range(3)]
     ray_cluster.wait_for_nodes()
     actors = [Worker.remote() for _ in range(3)]
-    pids, node_ids = zip(*ray.get([a.where.remote() for a in actors], timeout=60))
+    pids, node_ids = zip(*ray.get([a.where.remote() for a in actors], timeout=60), strict=True)
     assert len(set(node_ids)) == 3
     by_id = {n.node_id: n for n in nodes}
 

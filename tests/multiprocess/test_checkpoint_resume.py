@@ -146,7 +146,7 @@ def test_time_based_saves(tmp_path):
     # bunching two commits together: seen once in a loaded CI rehearsal)
     ended = {r["step"]: r["time"] for r in ranks[0]["records"]}
     saved_at = [ended[s] for s in committed]
-    assert all(b - a >= 0.3 for a, b in zip(saved_at, saved_at[1:])), saved_at
+    assert all(b - a >= 0.3 for a, b in zip(saved_at, saved_at[1:], strict=False)), saved_at
 
 
 def test_resume_from_an_explicit_checkpoint_path(uninterrupted, tmp_path):

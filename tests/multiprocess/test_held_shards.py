@@ -78,7 +78,7 @@ def _run(tmp_path: Path, layout: str, keep_shards: bool):
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_survivors_copy_their_own_shards_and_read_only_the_lost_ones(tmp_path, layout):
     kept, read = _run(tmp_path, layout, True), _run(tmp_path, layout, False)
-    for with_shards, without in zip(kept, read):
+    for with_shards, without in zip(kept, read, strict=False):
         restored, baseline = with_shards["restored"], without["restored"]
         assert restored["step"] == baseline["step"] == LOST_AT
         assert restored["tier"] == baseline["tier"] == "local"

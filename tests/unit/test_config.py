@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import yaml
 from omegaconf import OmegaConf
+from omegaconf.errors import ReadonlyConfigError
 
 from raytrain_ext.config import ConfigError, TrainConfig, config_from_dict, load_config, to_dict
 from raytrain_ext.config.choices import Choice, PipelineSchedule, StrategyName
@@ -46,7 +47,7 @@ def test_interpolations_are_resolved_on_the_driver(tmp_path):
 def test_derived_scaling_defaults_and_read_only():
     cfg = load_config(None, ["scaling.num_workers=4", "data.global_batch_size=16"])
     assert (cfg.scaling.min_workers, cfg.scaling.max_workers) == (4, 4)
-    with pytest.raises(Exception):
+    with pytest.raises(ReadonlyConfigError):
         cfg.run.max_steps = 3
 
 

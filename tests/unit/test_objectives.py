@@ -294,7 +294,7 @@ def test_summed_loss_over_global_units_does_not_depend_on_the_micro_batch_split(
             sums = [objective.loss(model(part.inputs), part).loss_sum.item() for part in parts]
             assert sum(sums) / global_units == pytest.approx(whole, rel=1e-6)
             if objective.name == "sft":  # a mean of per-micro-batch means is not the same
-                means = [s / objective.units(part) for s, part in zip(sums, parts)]
+                means = [s / objective.units(part) for s, part in zip(sums, parts, strict=True)]
                 assert abs(sum(means) / len(means) - whole) > 1e-4
 
 

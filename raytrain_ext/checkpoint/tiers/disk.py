@@ -35,7 +35,7 @@ class DiskTier(Tier):
             raise TierError(
                 f"checkpoint.dir: cannot write to {self.root}: {e}. Point "
                 "checkpoint.dir at a writable directory or set checkpoint.local=false."
-            )
+            ) from e
 
     def upload(self, step: int, src_dir: Path, names: List[str]) -> None:
         dest = self.step_dir(step)

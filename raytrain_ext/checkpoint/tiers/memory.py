@@ -230,7 +230,7 @@ class MemoryTier(Tier):
             raise TierError(
                 f"checkpoint.memory: the checkpoint registry of run '{self.run}' "
                 f"is not reachable ({e}); the driver starts it before the workers."
-            )
+            ) from e
 
     def _holders(self) -> Tuple[Optional[str], Dict[str, ray.actor.ActorHandle]]:
         """(this node's holder name or None, up to two live holders, this node's first).
@@ -312,7 +312,7 @@ class MemoryTier(Tier):
         if not all(wrapped):
             raise FileNotFoundError(f"not every file of step {step} is held where listed")
         data = ray.get([refs[0] for refs in wrapped], timeout=OBJECT_TIMEOUT_S)
-        return {name: memoryview(array) for name, array in zip(names, data)}
+        return {name: memoryview(array) for name, array in zip(names, data, strict=True)}
 
     def _holder(self, name: str) -> ray.actor.ActorHandle:
         """A holder's handle, looked up once per process (a lookup is a call to the GCS)."""

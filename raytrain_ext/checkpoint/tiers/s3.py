@@ -101,7 +101,7 @@ class S3Tier(Tier):
         for name in names:
             self._retry(
                 f"upload {name} of step {step}",
-                lambda: self.client.upload_file(
+                lambda name=name: self.client.upload_file(
                     str(src_dir / name), self.bucket, self.key(step, name), Config=self.transfer
                 ),
             )
@@ -140,7 +140,7 @@ class S3Tier(Tier):
         for name in names:
             self._retry(
                 f"download {name} of step {step}",
-                lambda: self.client.download_file(
+                lambda name=name: self.client.download_file(
                     self.bucket, self.key(step, name), str(target / name), Config=self.transfer
                 ),
             )
