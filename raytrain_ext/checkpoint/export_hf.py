@@ -110,11 +110,12 @@ def export_hf(
     }
 
 
-def _tokenizer_source(cfg) -> Optional[Tuple[str, Optional[str]]]:
-    """The tokenizer the run's data was tokenized with and its EOS token, when it is not
-    the model directory's own: ``data.tokenizer``, else the prepared ``data.path``'s."""
+def _tokenizer_source(cfg) -> Optional[Tuple[str, Optional[str], Optional[int]]]:
+    """The tokenizer the run's data was tokenized with, with its EOS token (by name, or by
+    the id a prepared index recorded), when it is not the model directory's own:
+    ``data.tokenizer``, else the prepared ``data.path``'s."""
     if cfg.data.tokenizer:
-        return cfg.data.tokenizer, cfg.data.eos_token
+        return cfg.data.tokenizer, cfg.data.eos_token, None
     if cfg.data.format == DataFormat.tokens or cfg.data.path.startswith("s3://"):
         return None
     from raytrain_ext.data.prepared_index import read_index
@@ -123,30 +124,24 @@ def _tokenizer_source(cfg) -> Optional[Tuple[str, Optional[str]]]:
     index = read_index(path) if path.is_dir() else None
     if index is None:
         return None
-    return index.tokenizer.source, _token_of(index.tokenizer.source, index.tokenizer.eos_id)
+    return index.tokenizer.source, None, index.tokenizer.eos_id
 
 
-def _token_of(spec: str, token_id: int) -> Optional[str]:
-    from raytrain_ext.data.tokenizer import load_tokenizer
-
-    try:
-        return load_tokenizer(spec).convert_ids_to_tokens(token_id)
-    except Exception:  # noqa: BLE001 - _run_tokenizer reports an unloadable tokenizer
-        return None
-
-
-def _run_tokenizer(spec: str, eos_token: Optional[str]):
+def _run_tokenizer(spec: str, eos_token: Optional[str], eos_id: Optional[int]):
     """The run's tokenizer as it trained, its EOS token included."""
     from raytrain_ext.data.tokenizer import load_tokenizer
     from raytrain_ext.inputs.errors import InputError
 
     try:
-        return load_tokenizer(spec, eos_token)
+        tokenizer = load_tokenizer(spec, eos_token)
     except InputError as e:
         raise ExportError(
             f"--to-hf: the run's tokenizer cannot be exported: {e} Put it back where the run "
             "read it, or pass --run-config with a config whose data.tokenizer names it."
         ) from None
+    if eos_id is not None:
+        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos_id)
+    return tokenizer
 
 
 def _align_generation_ids(model, tokenizer) -> None:

@@ -16,6 +16,8 @@ from typing import Any, Optional
 
 import torch
 
+from raytrain_ext.elastic.failure_text import one_line
+
 
 def snapshot_bytes(snap: Any) -> int:
     """The bytes of the tensors in one rank's snapshot (what its files need, about)."""
@@ -57,13 +59,8 @@ def save_failure_text(
             f"step {step} needs about {needed / 2**20:.1f} MiB): step {step} was not saved. "
             f"{next_} Free space there, or point {key} at a larger disk."
         )
-    return f"checkpoint of step {step} failed: {_first_line(error)}. {next_}"
+    return f"checkpoint of step {step} failed: {one_line(error)}. {next_}"
 
 
 def _says_disk_full(error: BaseException) -> bool:
     return "No space left on device" in str(error)
-
-
-def _first_line(error: BaseException) -> str:
-    lines = [line for line in str(error).splitlines() if line.strip()]
-    return f"{type(error).__name__}: {lines[0] if lines else ''}".rstrip(": ")

@@ -13,6 +13,8 @@ from __future__ import annotations
 import logging
 import threading
 
+from raytrain_ext.elastic.failure_text import one_line
+
 log = logging.getLogger(__name__)
 REPORTED_BY_THEIR_CALLER = ("_write_files_from_queue",)
 
@@ -28,6 +30,6 @@ def _one_line(args: threading.ExceptHookArgs) -> None:
     if any(part in name for part in REPORTED_BY_THEIR_CALLER):
         log.debug("thread %s raised", name, exc_info=trace)
         return
-    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-    log.error("thread %s raised %s: %s", name, args.exc_type.__name__, first)
+    what = args.exc_type.__name__ if error is None else one_line(error)
+    log.error("thread %s raised %s", name, what)
     log.debug("thread %s raised", name, exc_info=trace)

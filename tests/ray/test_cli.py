@@ -134,6 +134,18 @@ def test_killed_cli_run_resumed_by_the_job_entrypoint_ends_as_if_uninterrupted(t
     assert b["params_sha256"] == a["params_sha256"] and b["samples_digest"] == a["samples_digest"]
 
 
+def assert_resumes_where_it_stopped(cmd, run_dir, stopped):
+    """The same command resumes from the checkpoint at ``stopped`` (zero steps redone) and
+    ends with the parameters and samples of the uninterrupted run."""
+    resumed = run(cmd, cwd=run_dir.parent)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    after = json.loads((run_dir / "summary.json").read_text())
+    assert after["restored"]["step"] == stopped  # zero steps redone
+    reference = uninterrupted(STEPS, *FAST_MODEL)["result"]
+    assert after["params_sha256"] == reference["params_sha256"]
+    assert after["samples_digest"] == reference["samples_digest"]
+
+
 def _worker_pids(root_pid):
     return [
         p.pid
@@ -175,13 +187,7 @@ def test_sigterm_to_a_worker_checkpoints_then_resumes_with_zero_steps_redone(tmp
     stopped = summary["steps_completed"]
     assert summary["status"] == "preempted" and 5 <= stopped < STEPS
     assert (tmp_path / "spot" / "checkpoints" / f"step-{stopped:08d}" / "manifest.json").exists()
-    resumed = run(cmd, cwd=tmp_path)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    after = json.loads((tmp_path / "spot" / "summary.json").read_text())
-    assert after["restored"]["step"] == stopped  # zero steps redone
-    reference = uninterrupted(STEPS, *FAST_MODEL)["result"]
-    assert after["params_sha256"] == reference["params_sha256"]
-    assert after["samples_digest"] == reference["samples_digest"]
+    assert_resumes_where_it_stopped(cmd, tmp_path / "spot", stopped)
 
 
 @pytest.mark.slow
@@ -232,10 +238,4 @@ def test_a_killed_worker_is_recovered_by_default_and_ctrl_c_checkpoints_then_res
     )
     assert (tmp_path / "ctrlc" / "checkpoints" / f"step-{stopped:08d}" / "manifest.json").exists()
     assert len(workers) == 2 and not any(psutil.pid_exists(pid) for pid in workers)
-    resumed = run(cmd, cwd=tmp_path)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    after = json.loads((tmp_path / "ctrlc" / "summary.json").read_text())
-    assert after["restored"]["step"] == stopped  # zero steps redone
-    reference = uninterrupted(STEPS, *FAST_MODEL)["result"]
-    assert after["params_sha256"] == reference["params_sha256"]
-    assert after["samples_digest"] == reference["samples_digest"]
+    assert_resumes_where_it_stopped(cmd, tmp_path / "ctrlc", stopped)
