@@ -146,6 +146,19 @@ def assert_resumes_where_it_stopped(cmd, run_dir, stopped):
     assert after["samples_digest"] == reference["samples_digest"]
 
 
+def no_process_left(pids, within_s):
+    """Every process in ``pids`` has ended within ``within_s`` (the private Ray's processes
+    end as it shuts down, a moment after the command itself exits)."""
+    alive = []
+    for pid in pids:
+        try:
+            alive.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            pass
+    _, still_alive = psutil.wait_procs(alive, timeout=within_s)
+    return not still_alive
+
+
 def _worker_pids(root_pid):
     return [
         p.pid
@@ -237,5 +250,5 @@ def test_a_killed_worker_is_recovered_by_default_and_ctrl_c_checkpoints_then_res
         "to resume" in stderr
     )
     assert (tmp_path / "ctrlc" / "checkpoints" / f"step-{stopped:08d}" / "manifest.json").exists()
-    assert len(workers) == 2 and not any(psutil.pid_exists(pid) for pid in workers)
+    assert len(workers) == 2 and no_process_left(workers, within_s=30)
     assert_resumes_where_it_stopped(cmd, tmp_path / "ctrlc", stopped)
