@@ -158,7 +158,7 @@ class Trainer:
         """The registry and per-node holders live for this fit(); it removes them at the end."""
         if not (self.cfg.checkpoint.enabled and self.cfg.checkpoint.memory):
             return []
-        return start_memory_tier(self.cfg.run.name)
+        return start_memory_tier(self.cfg.run.name, self.cfg.scaling.worker_niceness)
 
     def request_checkpoint(self) -> None:
         """Checkpoint at the next step boundary; callable from another thread during fit()."""

@@ -163,6 +163,10 @@ class ScalingConfig:
     placement_strategy: PlacementStrategy = PlacementStrategy.PACK
     placement_timeout_s: float = positive(60.0)
     ray_address: Optional[str] = None
+    # the CPU priority of the ranks, their spares and the memory tier's holders: Ray's
+    # worker processes run at nice 15 below the node's daemons, ours at this (19: lowest;
+    # 15: Ray's own, to share nodes with other Ray work on equal terms; worker/priority.py)
+    worker_niceness: int = within(0, 19, 0)
 
 
 @dataclass
@@ -280,7 +284,10 @@ class ElasticConfig:
     new group takes the survivors' state, with no checkpoint read.
     """
 
-    poll_interval_s: float = positive(0.2)
+    # how often the controller takes rank 0's records and checks notices; a failed rank is
+    # seen at once, whatever this is.  Each poll is a call into a rank: at 0.2 s the
+    # driver's polling cost the 2-CPU-rank reference about 1% of its step time
+    poll_interval_s: float = positive(1.0)
     # recover by default, a bounded number of times: a crash loop still ends the run
     max_failures: int = minus_one_or_more(3)
     # hung: no step for max(hang_factor x median step, hang_floor_s)

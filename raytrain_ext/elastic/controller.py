@@ -210,6 +210,7 @@ class Controller:
                 "node_id": i["node_id"],
                 "node_ip": i["node_ip"],
                 "pid": i["pid"],
+                "niceness": i["niceness"],
                 "gpu_ids": i["gpu_ids"],
             }
             for r, i in enumerate(self.group.infos)

@@ -20,6 +20,7 @@ from raytrain_ext.elastic.survivors import InPlacePlan, first_error, plan_in_pla
 from raytrain_ext.user_code import UserCode
 from raytrain_ext.worker.form_options import FormOptions
 from raytrain_ext.worker.group import WorkerGroup
+from raytrain_ext.worker.priority import with_niceness
 from raytrain_ext.worker.process_pool import ProcessPool
 
 NO_ANSWER = (ray.exceptions.RayError, ray.exceptions.GetTimeoutError)
@@ -31,9 +32,11 @@ class RayGroup:
         group: WorkerGroup,
         clock: Callable[[], float] = time.time,
         user: UserCode = UserCode(),
+        runtime_env: Optional[Dict[str, Any]] = None,
     ):
         self._group = group
         self._user = user  # what was given from Python, shipped with every fit
+        self._runtime_env = runtime_env  # the ranks' and spares' (worker/priority.py)
         self._clock = clock
         self._fit_refs: List[ray.ObjectRef] = []
         self._pending: List[ray.ObjectRef] = []
@@ -43,7 +46,7 @@ class RayGroup:
         s = cfg.scaling
         pool = ProcessPool() if cfg.elastic.prestart_processes else None
         group = WorkerGroup(dict(s.resources_per_worker), s.placement_strategy, process_pool=pool)
-        return cls(group, user=user)
+        return cls(group, user=user, runtime_env=with_niceness(None, s.worker_niceness))
 
     @property
     def avoid_nodes(self) -> Set[str]:
@@ -67,7 +70,7 @@ class RayGroup:
 
     def start(self, num_workers: int, form: FormOptions, *, spares: int) -> None:
         self._fit_refs, self._pending = [], []  # a group that fails to form ran nothing
-        self._group.start(num_workers, form, spares=spares)
+        self._group.start(num_workers, form, runtime_env=self._runtime_env, spares=spares)
 
     def reform(self, plan: InPlacePlan, form: FormOptions) -> Dict[str, int]:
         self._fit_refs, self._pending = [], []
@@ -84,11 +87,14 @@ class RayGroup:
         self._pending = list(self._fit_refs)
 
     def wait_fit(self, timeout_s: float) -> FitStatus:
+        """Returns as soon as any ``fit`` call ends (a failure is seen at once, whatever
+        the poll interval), with every other one that has ended by then."""
         done: List[ray.ObjectRef] = []
         if self._pending:
-            done, self._pending = ray.wait(
-                self._pending, num_returns=len(self._pending), timeout=timeout_s
-            )
+            done, self._pending = ray.wait(self._pending, num_returns=1, timeout=timeout_s)
+        if done and self._pending:
+            also, self._pending = ray.wait(self._pending, num_returns=len(self._pending), timeout=0)
+            done += also
         failed = first_error(self._fit_refs, done, self._clock)
         return FitStatus(finished=not self._pending, error=failed)
 

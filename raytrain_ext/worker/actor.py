@@ -157,6 +157,7 @@ class TrainWorker:
             "node_ip": ray.util.get_node_ip_address(),
             "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
             "pid": os.getpid(),
+            "niceness": os.getpriority(os.PRIO_PROCESS, 0),  # scaling.worker_niceness
             "hostname": os.uname().nodename,
             "process_age_s": process_age_s(),
             "marks": self.marks,

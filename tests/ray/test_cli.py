@@ -35,7 +35,9 @@ def test_cli_trains_logs_from_rank0_and_writes_the_run_dir(tmp_path):
         f"run.output_dir={tmp_path}",
         *FAST_MODEL,
     ]
-    cli = run([*raytrain_ext_cmd(), "train", *common, "run.name=cli"], cwd=tmp_path)
+    # Ray's own worker priority, asked for by name, reaches the ranks
+    niceness = "scaling.worker_niceness=15"
+    cli = run([*raytrain_ext_cmd(), "train", *common, "run.name=cli", niceness], cwd=tmp_path)
     assert cli.returncode == 0, cli.stderr[-3000:]
     assert len(PROGRESS.findall(cli.stdout)) == 2, cli.stdout  # steps 30 and 60, rank 0 only
     summary = json.loads((tmp_path / "cli" / "summary.json").read_text())
@@ -46,6 +48,7 @@ def test_cli_trains_logs_from_rank0_and_writes_the_run_dir(tmp_path):
     assert '"params_sha256"' in cli.stdout  # the summary is printed
     assert "Traceback" not in cli.stdout + cli.stderr  # a finished run keeps no state
     assert_start_is_accounted(summary)
+    assert [w["niceness"] for w in summary["workers"]] == [15, 15]
 
 
 def assert_start_is_accounted(summary):

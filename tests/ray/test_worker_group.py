@@ -135,6 +135,7 @@ def test_fit_writes_run_dir_and_matches_the_plain_gloo_run_bit_for_bit(ray_local
     assert a["params_sha256"] == b["params_sha256"] and a["samples_digest"] == b["samples_digest"]
     assert a["samples_consumed"] == 6 * 16
     assert a["world_size_history"] == [{"step": 0, "world_size": 2}]
+    assert [w["niceness"] for w in a["workers"]] == [0, 0]  # scaling.worker_niceness, not Ray's 15
     assert a["final_loss"] < a["first_loss"]
     on_disk = json.loads((tmp_path / "a" / "summary.json").read_text())
     assert on_disk["params_sha256"] == a["params_sha256"]

@@ -253,7 +253,7 @@ class FakeGroup:
 
 def _info(node: str, rank: int) -> dict:
     ip = f"10.0.0.{node.removeprefix('n')}"
-    return {"node_id": node, "node_ip": ip, "pid": 1000 + rank, "gpu_ids": []}
+    return {"node_id": node, "node_ip": ip, "pid": 1000 + rank, "niceness": 0, "gpu_ids": []}
 
 
 class ListSink:

@@ -29,6 +29,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raytrain_ext.checkpoint.manifest import Manifest, step_dir_name
 from raytrain_ext.checkpoint.tiers.base import Tier, TierError
+from raytrain_ext.worker.priority import RAY_DEFAULT_NICENESS, with_niceness
 
 log = logging.getLogger(__name__)
 NAMESPACE = "raytrain_ext"
@@ -135,7 +136,9 @@ class CheckpointRegistry:
                 pass  # that node is gone, and its copies with it
 
 
-def start_memory_tier(run: str) -> List[ray.actor.ActorHandle]:
+def start_memory_tier(
+    run: str, niceness: int = RAY_DEFAULT_NICENESS
+) -> List[ray.actor.ActorHandle]:
     """Create the registry and one holder per alive node; returns the handles created.
 
     A registry that already exists (a memory tier that outlives one fit, e.g.
@@ -148,6 +151,8 @@ def start_memory_tier(run: str) -> List[ray.actor.ActorHandle]:
     except ValueError:
         pass
     options = dict(namespace=NAMESPACE, lifetime="detached", get_if_exists=True, num_cpus=0)
+    # the ranks' priority (``scaling.worker_niceness``): a holder takes their shards
+    options["runtime_env"] = with_niceness(None, niceness)
     # The registry lives on the head node, whose loss ends the Ray cluster anyway.
     actors = [
         ray.remote(CheckpointRegistry)
