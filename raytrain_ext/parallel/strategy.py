@@ -82,6 +82,7 @@ class Strategy(abc.ABC):
 
     - ``build_model``: the module to place (FSDP: on the meta device for a pretrained load);
     - ``prepare``: after the optimizer exists (DeepSpeed builds its engine here);
+    - ``settle``: before a new wrapper's first step (DDP rebuilds its buckets);
     - ``backward`` / ``step`` / ``zero_grad``: the optimizer step (ZeRO owns it);
     - ``runs_microbatches`` + ``forward_backward``: a strategy that runs a step's
       micro-batches itself (a pipeline schedule) instead of the loop's own loop;
@@ -131,6 +132,12 @@ class Strategy(abc.ABC):
 
     def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer, cfg: Any) -> nn.Module:
         return model
+
+    def settle(self, wrapped: nn.Module, forward: Callable[[], torch.Tensor]) -> None:
+        """Before a new wrapper's first step (a group's start and every re-form): bring it
+        to the state it keeps for every later step; ``forward`` computes one micro-batch's
+        logits.  Nothing by default (DDP: its bucket layout)."""
+        return None
 
     def backward(self, wrapped: nn.Module, loss: torch.Tensor) -> None:
         loss.backward()

@@ -201,6 +201,20 @@ class TrainLoop:
         self.evaluator = Evaluator(
             cfg, self.eval_split, self.objective, self.ctx, self.spec, self.reference
         )
+        if self.progress.step < cfg.run.max_steps and not self.strategy.runs_microbatches:
+            self._settle_wrapper()
+
+    def _settle_wrapper(self) -> None:
+        """``Strategy.settle`` on this rank's first micro-batch of the next step (every
+        rank of the group calls it: DDP's backward is a collective)."""
+        local = rank_slice(self.sampler.peek_global_batch(), self.ctx.dp_rank, self.ctx.dp_size)
+        batch = self.prefetch.take(self._micro_batches(local)[0]).to(self.ctx.device)
+
+        def forward() -> torch.Tensor:
+            with self._autocast():
+                return batch_logits(self.spec, self.model, batch)
+
+        self.strategy.settle(self.model, forward)
 
     def _open_data(self, cfg) -> None:
         """The dataset (its ids checked against the model's vocabulary), the evaluation

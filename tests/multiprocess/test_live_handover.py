@@ -35,7 +35,9 @@ BASE = [
 HANDOVER_AT = 4
 
 
-def _two_groups(rank: int, sizes, ports, cfg_dict: dict, out_dir: str) -> None:
+def _two_groups(rank: int, sizes, replaced: int, ports, cfg_dict: dict, out_dir: str) -> None:
+    """``sizes``: the two groups' world sizes; ``replaced``: the rank whose process is new
+    in the second group (it holds nothing), -1 when every process keeps its state."""
     from raytrain_ext.train.loop import TrainLoop
 
     cfg = config_from_dict(cfg_dict)
@@ -44,7 +46,7 @@ def _two_groups(rank: int, sizes, ports, cfg_dict: dict, out_dir: str) -> None:
     for _ in range(HANDOVER_AT):
         loop.train_step()
     assert not loop.finished  # its state goes on to the next group (worker.actor keeps it)
-    live = loop.live_state() if rank < sizes[1] - 1 or sizes[0] > sizes[1] else None
+    live = None if rank == replaced else loop.live_state()
     del loop
     destroy_distributed()
     if rank >= sizes[1]:
@@ -70,7 +72,9 @@ def uninterrupted(tmp_path_factory):
 def test_new_group_takes_the_state_of_live_peers(first_size, uninterrupted, tmp_path):
     cfg = load_config(None, [*BASE, f"scaling.num_workers={first_size}"])
     ports = (free_port("127.0.0.1"), free_port("127.0.0.1"))
-    spawn_ranks(_two_groups, ((first_size, 2), ports, to_dict(cfg), str(tmp_path)), first_size)
+    replaced = 1 if first_size == 2 else -1
+    args = ((first_size, 2), replaced, ports, to_dict(cfg), str(tmp_path))
+    spawn_ranks(_two_groups, args, first_size)
     runs = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     restored = runs[0]["result"]["restored"]
     assert restored["tier"] == "peers" and restored["step"] == HANDOVER_AT
@@ -84,6 +88,25 @@ def test_new_group_takes_the_state_of_live_peers(first_size, uninterrupted, tmp_
         assert runs[1]["result"]["params_sha256"] == straight["result"]["params_sha256"]
     else:
         assert max_param_diff(runs[0]["params"], straight["params"]) < ATOL_UNEVEN
+
+
+@pytest.mark.parametrize("replaced", [0, 2], ids=["rank0", "last-rank"])
+def test_three_ranks_with_one_replaced_end_bit_identical(replaced, tmp_path):
+    """With three ranks the gradient sums depend on where DDP's buckets put each gradient
+    (gloo's ring adds each chunk in another order), so the new group's fresh DDP wrappers
+    must bucket the first step as the uninterrupted run's wrappers bucket every step after
+    their first: the replacement of rank 0 (the store's host) or of the last rank ends
+    bit-identical."""
+    three = [*BASE, "scaling.num_workers=3"]
+    straight = train_processes(3, three, tmp_path / "straight")[0]["result"]
+    cfg = load_config(None, three)
+    ports = (free_port("127.0.0.1"), free_port("127.0.0.1"))
+    spawn_ranks(_two_groups, ((3, 3), replaced, ports, to_dict(cfg), str(tmp_path)), 3)
+    for rank in range(3):
+        result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)["result"]
+        assert result["restored"]["tier"] == "peers"
+        assert result["samples_digest"] == straight["samples_digest"]
+        assert result["params_sha256"] == straight["params_sha256"], f"rank {rank}"
 
 
 HSDP = [
