@@ -34,6 +34,7 @@ from raytrain_ext.metrics.start_phases import start_phases
 from raytrain_ext.objectives import check_objective, objective_name
 from raytrain_ext.run_dir import SUMMARY, RunDirectory, refuse_finished_run
 from raytrain_ext.user_code import UserCode
+from raytrain_ext.worker.priority import yield_auxiliary_daemons
 
 log = logging.getLogger(__name__)
 
@@ -238,6 +239,7 @@ def connect_ray(address: Optional[str]) -> bool:
         _node_ip_address="127.0.0.1",
         _system_config={"prestart_worker_first_driver": False},
     )
+    yield_auxiliary_daemons()
     return True
 
 

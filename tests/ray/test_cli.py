@@ -163,11 +163,16 @@ def no_process_left(pids, within_s):
 
 
 def _worker_pids(root_pid):
-    return [
-        p.pid
-        for p in psutil.Process(root_pid).children(recursive=True)
-        if " ".join(p.cmdline()).startswith("ray::TrainWorker")
-    ]
+    """The live rank processes under ``root_pid``: a killed one lingers as a zombie until
+    its raylet reaps it, and one may end while it is looked at."""
+    pids = []
+    for process in psutil.Process(root_pid).children(recursive=True):
+        try:
+            if " ".join(process.cmdline()).startswith("ray::TrainWorker"):
+                pids.append(process.pid)
+        except psutil.NoSuchProcess:  # ZombieProcess included
+            continue
+    return pids
 
 
 @pytest.mark.slow

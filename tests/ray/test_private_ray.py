@@ -1,0 +1,37 @@
+"""The private Ray the CLI and ``Trainer.fit`` start when no cluster is given."""
+
+import json
+import os
+import subprocess
+import sys
+
+PROBE = """
+import json, os
+from ray._private import worker
+from raytrain_ext.trainer import connect_ray
+from raytrain_ext.worker.priority import AUXILIARY_AGENT, children_named
+
+assert connect_ray(None)  # started here
+processes = worker._global_node.all_processes
+pids = {t: [p.process.pid for p in processes[t]] for t in processes}
+raylet = pids["raylet"][0]
+pids["dashboard_agent"] = children_named(raylet, AUXILIARY_AGENT)
+pids["runtime_env_agent"] = children_named(raylet, ("ray::RuntimeEnvAgent", "agent/main.py"))
+print(json.dumps({t: [os.getpriority(os.PRIO_PROCESS, p) for p in ps] for t, ps in pids.items()}))
+"""
+
+
+def test_a_private_ray_runs_its_auxiliary_daemons_below_the_ranks_and_its_core_beside_them():
+    """The autoscaler monitor, log monitor, dashboard API server and dashboard agent wait
+    at nice 19 (nothing a step or a recovery needs); the GCS, the raylet and the
+    runtime-env agent (which starts our actors' environments) keep the ranks' nice 0."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    niceness = json.loads(done.stdout.strip().splitlines()[-1])
+    for daemon in ("monitor", "log_monitor", "dashboard", "dashboard_agent"):
+        assert niceness[daemon] == [19], (daemon, niceness)
+    for core in ("gcs_server", "raylet", "runtime_env_agent"):
+        assert niceness[core] == [0], (core, niceness)
