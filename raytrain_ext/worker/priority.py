@@ -69,11 +69,20 @@ def yield_auxiliary_daemons() -> List[int]:
         log.debug("Ray's auxiliary daemons keep their priority: %s", e)
         return []
     for pid in pids:
-        try:
-            os.setpriority(os.PRIO_PROCESS, pid, AUXILIARY_NICENESS)
-        except OSError as e:  # gone already, or not ours
-            log.debug("daemon %d keeps its priority: %s", pid, e)
+        for thread in _threads_of(pid):  # Linux keeps a niceness per thread
+            try:
+                os.setpriority(os.PRIO_PROCESS, thread, AUXILIARY_NICENESS)
+            except OSError as e:  # gone already, or not ours
+                log.debug("daemon %d keeps its priority: %s", pid, e)
     return pids
+
+
+def _threads_of(pid: int) -> List[int]:
+    """The thread ids of ``pid`` (the process alone where /proc cannot list them)."""
+    try:
+        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return [pid]
 
 
 def children_named(parent: int, names: Tuple[str, ...]) -> List[int]:

@@ -140,6 +140,7 @@ def start_memory_tier(
     run: str, niceness: int = RAY_DEFAULT_NICENESS
 ) -> List[ray.actor.ActorHandle]:
     """Create the registry and one holder per alive node; returns the handles created.
+    Their processes run at ``niceness`` (the trainer passes ``scaling.worker_niceness``).
 
     A registry that already exists (a memory tier that outlives one fit, e.g.
     held by the elastic controller or a test) is reused and not returned, so
