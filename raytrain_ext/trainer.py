@@ -175,8 +175,8 @@ class Trainer:
             self._controller.interrupt(reason)
 
     def stop(self, reason: str = "stopped by the user") -> None:
-        """End a fit() running in another thread (a notebook cell, a test): at the
-        controller's next poll (``elastic.poll_interval_s`` while training; a group still
+        """End a fit() running in another thread (a notebook cell, a test): within a
+        quarter of a second while training (``controller.FLAG_CHECK_S``; a group still
         being placed is placed first) its workers are shut down and fit() raises
         ``TrainingFailed`` naming ``reason``.  Committed checkpoints are kept; the next
         fit() of the same run resumes from them."""

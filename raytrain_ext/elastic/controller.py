@@ -59,6 +59,9 @@ log = logging.getLogger(__name__)
 
 # deterministic failures, a restart would repeat them: a non-finite loss under
 # guards.nan_policy=fail, a checkpoint of another model, bad input only a worker can see
+# how often RUNNING looks at what another thread or a signal handler asked (stop, Ctrl-C)
+# between two polls of the ranks: ``elastic.poll_interval_s`` is longer, to spare them
+FLAG_CHECK_S = 0.25
 NOT_RETRIED = ("NonFiniteLossError", "CheckpointMismatch", "InputError", "ConfigError")
 
 Next = Tuple[RunState, str]
@@ -131,8 +134,8 @@ class Controller:
         return self.result
 
     def stop(self, reason: str) -> None:
-        """End the run from another thread: the loop ends at its next poll (within
-        ``elastic.poll_interval_s`` while running) in FAILED, and ``run`` shuts the group
+        """End the run from another thread: the loop ends within ``FLAG_CHECK_S`` while
+        running (as before in the other states) in FAILED, and ``run`` shuts the group
         down and raises ``TrainingFailed`` naming ``reason``.  Committed checkpoints stay,
         so a later fit() resumes from the newest one."""
         self._stop_reason = reason
@@ -217,16 +220,21 @@ class Controller:
         ]
 
     def _running(self) -> Next:
-        """Wait for the workers, forwarding metrics every poll interval."""
+        """Wait for the workers, forwarding metrics every poll interval; a stop or an
+        interrupt is looked at every ``FLAG_CHECK_S`` (a wait, no call into the ranks)."""
         interval = self.cfg.elastic.poll_interval_s
         self.notices.watch()
         finished = False
+        next_poll = self.clock() + interval
         while not finished and self._stop_reason is None:
-            status = self.group.wait_fit(interval)
+            status = self.group.wait_fit(min(FLAG_CHECK_S, max(0.0, next_poll - self.clock())))
             if status.error is not None:
                 return self._worker_failed(*status.error)
             finished = status.finished
-            interrupted = self._forward_interrupt() or self._between_polls()
+            interrupted = self._forward_interrupt()
+            if interrupted is None and self.clock() >= next_poll:
+                next_poll = self.clock() + interval
+                interrupted = self._between_polls()
             if interrupted is not None:
                 return interrupted
         if self._stop_reason is not None:

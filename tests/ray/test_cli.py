@@ -225,6 +225,9 @@ def test_a_killed_worker_is_recovered_by_default_and_ctrl_c_checkpoints_then_res
         f"run.output_dir={tmp_path}",
         "run.tensorboard=false",
         "run.name=ctrlc",
+        # progress lines reach stdout at each poll, and this test acts on them within a
+        # run of about a second: poll as often as before the 1 s default
+        "elastic.poll_interval_s=0.2",
         *FAST_MODEL,
     ]
     cmd = [*raytrain_ext_cmd(), "train", *common]
