@@ -57,11 +57,11 @@ from raytrain_ext.worker.form_options import FormOptions
 
 log = logging.getLogger(__name__)
 
-# deterministic failures, a restart would repeat them: a non-finite loss under
-# guards.nan_policy=fail, a checkpoint of another model, bad input only a worker can see
 # how often RUNNING looks at what another thread or a signal handler asked (stop, Ctrl-C)
 # between two polls of the ranks: ``elastic.poll_interval_s`` is longer, to spare them
 FLAG_CHECK_S = 0.25
+# deterministic failures, a restart would repeat them: a non-finite loss under
+# guards.nan_policy=fail, a checkpoint of another model, bad input only a worker can see
 NOT_RETRIED = ("NonFiniteLossError", "CheckpointMismatch", "InputError", "ConfigError")
 
 Next = Tuple[RunState, str]

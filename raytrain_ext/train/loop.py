@@ -208,7 +208,7 @@ class TrainLoop:
         """``Strategy.settle`` on this rank's first micro-batch of the next step (every
         rank of the group calls it: DDP's backward is a collective)."""
         local = rank_slice(self.sampler.peek_global_batch(), self.ctx.dp_rank, self.ctx.dp_size)
-        batch = self.prefetch.take(self._micro_batches(local)[0]).to(self.ctx.device)
+        batch = self._fetch(self._micro_batches(local)[0])
 
         def forward() -> torch.Tensor:
             with self._autocast():

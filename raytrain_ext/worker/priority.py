@@ -69,7 +69,7 @@ def yield_auxiliary_daemons() -> List[int]:
         log.debug("Ray's auxiliary daemons keep their priority: %s", e)
         return []
     for pid in pids:
-        for thread in _threads_of(pid):  # Linux keeps a niceness per thread
+        for thread in threads_of(pid):  # Linux keeps a niceness per thread
             try:
                 os.setpriority(os.PRIO_PROCESS, thread, AUXILIARY_NICENESS)
             except OSError as e:  # gone already, or not ours
@@ -77,7 +77,7 @@ def yield_auxiliary_daemons() -> List[int]:
     return pids
 
 
-def _threads_of(pid: int) -> List[int]:
+def threads_of(pid: int) -> List[int]:
     """The thread ids of ``pid`` (the process alone where /proc cannot list them)."""
     try:
         return [int(t) for t in os.listdir(f"/proc/{pid}/task")]

@@ -9,7 +9,7 @@ PROBE = """
 import json, os
 from ray._private import worker
 from raytrain_ext.trainer import connect_ray
-from raytrain_ext.worker.priority import AUXILIARY_AGENT, children_named
+from raytrain_ext.worker.priority import AUXILIARY_AGENT, children_named, threads_of
 
 assert connect_ray(None)  # started here
 processes = worker._global_node.all_processes
@@ -18,7 +18,7 @@ raylet = pids["raylet"][0]
 pids["dashboard_agent"] = children_named(raylet, AUXILIARY_AGENT)
 pids["runtime_env_agent"] = children_named(raylet, ("ray::RuntimeEnvAgent", "agent/main.py"))
 def niceness(pid):  # every thread's: Linux keeps one per thread
-    return sorted({os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir(f"/proc/{pid}/task")})
+    return sorted({os.getpriority(os.PRIO_PROCESS, t) for t in threads_of(pid)})
 print(json.dumps({t: [niceness(p) for p in ps] for t, ps in pids.items()}))
 """
 
