@@ -22,8 +22,6 @@ from omegaconf import DictConfig, OmegaConf
 
 from raytrain_ext.checkpoint.tiers.memory import start_memory_tier, stop_memory_tier
 from raytrain_ext.config import config_digest, load_config, to_yaml
-from raytrain_ext.config.choices import ModelSource
-from raytrain_ext.config.errors import ConfigError
 from raytrain_ext.data.ray_input import materialise_dataset
 from raytrain_ext.elastic.controller import Controller, ControllerResult, RunState
 from raytrain_ext.elastic.ray_group import RayGroup
@@ -31,6 +29,7 @@ from raytrain_ext.inputs.preflight import preflight
 from raytrain_ext.metrics import FanOut, StdoutSink, TensorBoardSink, summarize_records
 from raytrain_ext.metrics.sinks import eval_fields
 from raytrain_ext.metrics.start_phases import start_phases
+from raytrain_ext.models.sources import model_source
 from raytrain_ext.objectives import check_objective, objective_name
 from raytrain_ext.run_dir import SUMMARY, RunDirectory, refuse_finished_run
 from raytrain_ext.user_code import UserCode
@@ -344,12 +343,4 @@ def _start_phases(start: float, marks: Dict[str, float], result: ControllerResul
 def _check_model_argument(cfg, model: Any) -> None:
     """``Trainer(cfg, model=...)`` goes with ``model.source=python``; the model (or
     ``model.factory``) is checked before Ray, as a config key would be."""
-    if model is not None and cfg.model.source != ModelSource.python:
-        raise ConfigError(
-            f"model.source: Trainer(cfg, model=...) trains your model, but model.source is "
-            f"{cfg.model.source}. Set model.source=python."
-        )
-    if cfg.model.source == ModelSource.python:
-        from raytrain_ext.models.user_model import check_python_model
-
-        check_python_model(cfg, model)
+    model_source(cfg.model).check_model(cfg, model)

@@ -22,10 +22,9 @@ from raytrain_ext.checkpoint.reader import (
     map_files,
 )
 from raytrain_ext.checkpoint.resolve import Resolution, newest_usable
-from raytrain_ext.checkpoint.tiers.base import Tier, TierError
+from raytrain_ext.checkpoint.tiers.base import FetchMode, Tier, TierError
 from raytrain_ext.checkpoint.tiers.disk import DiskTier
 from raytrain_ext.checkpoint.tiers.s3 import S3Tier
-from raytrain_ext.checkpoint.tiers.s3_ranged import PlannedS3Fetch
 from raytrain_ext.inputs.paths import writable_file_problem
 from raytrain_ext.inputs.s3_errors import EXPORT_KEYS, endpoint_problem
 
@@ -80,8 +79,8 @@ def load_model_state(
     tier: Tier, step: int, manifest: Manifest, cache_dir: Path
 ) -> Tuple[Dict[str, torch.Tensor], Dict]:
     """The ``model.*`` tensors, verified; from S3 only their byte ranges are fetched."""
-    if isinstance(tier, S3Tier):
-        fetch = PlannedS3Fetch(tier, step, manifest, cache_dir)
+    if tier.fetch_mode is FetchMode.ranged:
+        fetch = tier.ranged_fetch(step, manifest, cache_dir)
         problem = fetch.fetch_metadata()
         state = _empty_model_state(fetch.metadata) if problem is None else {}
         problem = problem or fetch.prepare(state, is_coordinator=True)

@@ -21,8 +21,9 @@ from omegaconf import OmegaConf
 
 from raytrain_ext.checkpoint.export import ExportError, export_info, read_newest_model
 from raytrain_ext.config import config_from_dict
-from raytrain_ext.config.choices import DataFormat, ModelSource
+from raytrain_ext.config.choices import DataFormat
 from raytrain_ext.config.errors import ConfigError
+from raytrain_ext.models.sources import model_source
 from raytrain_ext.run_dir import CONFIG
 
 
@@ -44,18 +45,16 @@ def _hf_model(config_path: Path):
     """An empty model of the run's architecture (random weights, replaced by the export)."""
     from transformers import AutoModelForCausalLM
 
-    from raytrain_ext.models.hf_config import hf_config
-
     cfg = config_from_dict(OmegaConf.to_container(OmegaConf.load(config_path)))
-    if cfg.model.source != ModelSource.hf:
+    try:
+        config = model_source(cfg.model).hf_config(cfg.model)
+    except ConfigError as e:
+        raise ExportError(f"--to-hf: the run's {e}") from None
+    if config is None:
         raise ExportError(
             f"--to-hf: the run trained model.source={cfg.model.source}, which has no Hugging "
             "Face architecture. Export its tensors with --to FILE.safetensors instead."
         )
-    try:
-        config = hf_config(cfg.model)
-    except ConfigError as e:
-        raise ExportError(f"--to-hf: the run's {e}") from None
     return AutoModelForCausalLM.from_config(config), cfg
 
 

@@ -1,9 +1,10 @@
 """Bringing one committed step within reach of this rank's DCP load, tier by tier.
 
-Each tier hands over only what this rank's load plan reads (plus DCP's ``.metadata``):
-- local disk: the files themselves, mapped (nothing is read before the load);
-- memory: the holders' buffers, this node's copy first (zero-copy when held here);
-- S3: the byte ranges the plan needs when they are under half the files (verified as
+Each tier hands over only what this rank's load plan reads (plus DCP's ``.metadata``), by
+the ``Tier.fetch_mode`` it declares:
+- directory (local disk): the files themselves, mapped (nothing is read before the load);
+- views (memory): the holders' buffers, this node's copy first (zero-copy when held here);
+- ranged (S3): the byte ranges the plan needs when they are under half the files (verified as
   they arrive, see :mod:`.ranged`), else whole files downloaded into the cache, mapped.
 The data files' checksums are verified during the load (:class:`.reader.VerifiedReader`);
 sizes and ``.metadata`` before it, so a shape mismatch or a missing file is reported
@@ -21,7 +22,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.planner import LoadPlanner
 
 from raytrain_ext.checkpoint.held_chunks import HeldChunks
-from raytrain_ext.checkpoint.manifest import Manifest, step_dir_name, verify_dir
+from raytrain_ext.checkpoint.manifest import Manifest, verify_dir
 from raytrain_ext.checkpoint.phases import RestorePhases
 from raytrain_ext.checkpoint.reader import (
     METADATA,
@@ -30,10 +31,7 @@ from raytrain_ext.checkpoint.reader import (
     map_files,
     plan_files,
 )
-from raytrain_ext.checkpoint.tiers.base import Tier
-from raytrain_ext.checkpoint.tiers.memory import MemoryTier
-from raytrain_ext.checkpoint.tiers.s3 import S3Tier
-from raytrain_ext.checkpoint.tiers.s3_ranged import PlannedS3Fetch
+from raytrain_ext.checkpoint.tiers.base import FetchMode, Tier
 
 ShapeCheck = Callable[[Any, Dict[str, Any], str], None]  # (metadata, targets, where): raises
 ReadViews = Callable[[List[str]], Dict[str, memoryview]]  # file names -> their bytes
@@ -64,18 +62,19 @@ class StepLoad:
 
 
 def fetch_step(tier: Tier, load: StepLoad, whole: bool = False) -> Fetched:
-    """Fetch what this rank's ``load`` needs from ``tier`` (see the module doc)."""
+    """Fetch what this rank's ``load`` needs from ``tier``, the way it declares (module doc)."""
     if whole:
         return _fetch_whole(tier, load)
-    if isinstance(tier, S3Tier):
-        return _fetch_s3(tier, load)
-    if isinstance(tier, MemoryTier):
+    if tier.fetch_mode is FetchMode.ranged:
+        return _fetch_ranged(tier, load)
+    where = tier.location(load.step)
+    if tier.fetch_mode is FetchMode.views:
 
         def read(names: List[str]) -> Dict[str, memoryview]:
             with load.phases.time("fetch"):
                 return tier.read_files(load.step, names)
 
-        return _fetch_planned(read, load, f"memory://{tier.run}/{step_dir_name(load.step)}")
+        return _fetch_planned(read, load, where)
     directory = tier.materialize(load.step, [], load.cache)
     return _fetch_planned(lambda names: map_files(directory, names), load, str(directory))
 
@@ -110,12 +109,12 @@ def _fetch_planned(read: ReadViews, load: StepLoad, where: str) -> Fetched:
     return Fetched(reader, reader.problem_before_load(), planner)
 
 
-def _fetch_s3(tier: S3Tier, load: StepLoad) -> Fetched:
-    fetch = PlannedS3Fetch(tier, load.step, load.manifest, load.cache, tier.max_concurrency)
+def _fetch_ranged(tier: Tier, load: StepLoad) -> Fetched:
+    fetch = tier.ranged_fetch(load.step, load.manifest, load.cache)
     with load.phases.time("fetch"):  # each ranged chunk is verified as it arrives
         problem = fetch.fetch_metadata()
         if problem is None:
-            load.check_shapes(fetch.metadata, load.targets, tier.key(load.step))
+            load.check_shapes(fetch.metadata, load.targets, tier.location(load.step))
             problem = fetch.prepare(load.targets, load.is_coordinator)
     return Fetched(fetch.reader(load.read_threads), problem, fetch.planner)
 

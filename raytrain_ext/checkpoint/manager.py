@@ -192,7 +192,7 @@ class CheckpointManager:
         start = time.perf_counter()
         self.wait()  # the previous snapshot's buffers are free again
         native_files = self._save_native(state, step) if regular else native.NativeFiles()
-        tiers = None if regular else [t for t in self.tiers if t.name == "memory"]
+        tiers = None if regular else [t for t in self.tiers if t.holds_snapshots]
         snap = ckpt_state.snapshot(ckpt_state.capture(state), reuse=self._buffers)
         self._buffers = snap
         if torch.cuda.is_available() and state.ctx.device.type == "cuda":
@@ -259,7 +259,7 @@ class CheckpointManager:
 
     # ---- saving ---------------------------------------------------------------------------
     def _snapshot_due(self) -> bool:
-        return self.cfg.snapshot_every_step and any(t.name == "memory" for t in self.tiers)
+        return self.cfg.snapshot_every_step and any(t.holds_snapshots for t in self.tiers)
 
     def _persist(
         self,
@@ -399,14 +399,14 @@ class CheckpointManager:
         """Keep the tier's last K committed steps; the committing rank deletes the rest."""
         if not self._commits(tier):
             return
-        keep = self.cfg.keep_in_memory if tier.name == "memory" else self.cfg.keep_last
+        keep = tier.kept_steps(self.cfg)
         deleted = prune(tier, keep)
         if deleted and self.rank == 0:
             log.info("checkpoint retention (%s): deleted steps %s", tier.name, deleted)
 
     def _commits(self, tier: Tier) -> bool:
         """Node-local tiers are committed by each node's first rank, shared ones by rank 0."""
-        return self.local_rank == 0 if tier.name == "local" else self.rank == 0
+        return self.local_rank == 0 if tier.node_local else self.rank == 0
 
     # ---- restoring ------------------------------------------------------------------------
     def restore(

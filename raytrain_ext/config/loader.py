@@ -22,7 +22,6 @@ from omegaconf.errors import (
     ValidationError,
 )
 
-from raytrain_ext.config.choices import ModelSource
 from raytrain_ext.config.errors import ConfigError
 from raytrain_ext.config.fields import choice_of
 from raytrain_ext.config.schema import TrainConfig
@@ -64,16 +63,12 @@ def load_config(
 
 
 def _resolve_model(cfg: DictConfig) -> None:
-    """A Hugging Face model's shape into ``model.*``; the user's factory imported and checked
-    (both before Ray starts; :mod:`raytrain_ext.models.hf_config`, ``user_model``)."""
-    if cfg.model.source == ModelSource.hf:
-        from raytrain_ext.models.hf_config import resolve_hf_shape
+    """The model source's own resolution, before Ray starts: a Hugging Face model's shape
+    into ``model.*``, the user's factory imported and checked
+    (:mod:`raytrain_ext.models.sources`)."""
+    from raytrain_ext.models.sources import model_source
 
-        resolve_hf_shape(cfg)
-    elif cfg.model.source == ModelSource.python and cfg.model.factory is not None:
-        from raytrain_ext.models.user_model import check_python_model
-
-        check_python_model(cfg)  # without one, the Trainer checks the model given to it
+    model_source(cfg.model).resolve(cfg)
 
 
 def config_from_dict(data: dict) -> DictConfig:

@@ -17,6 +17,7 @@ from raytrain_ext.config.errors import ConfigError
 from raytrain_ext.config.fields import declared_ranges
 from raytrain_ext.config.schema import TrainConfig
 from raytrain_ext.inputs.s3_errors import endpoint_problem
+from raytrain_ext.parallel.catalog import capabilities, load_class, supporting
 from raytrain_ext.parallel.dims import (
     ParallelDims,
     ParallelLayoutError,
@@ -173,19 +174,20 @@ def _check_parallel(cfg: DictConfig) -> None:
 
 
 def _check_zero(cfg: DictConfig) -> None:
-    """``parallel.zero.*`` (only when ``parallel.strategy=zero``); see :mod:`raytrain_ext.parallel.zero`."""
-    if cfg.parallel.strategy != "zero":
-        if cfg.parallel.zero.native_checkpoint:
-            raise ConfigError(
-                "parallel.zero.native_checkpoint: DeepSpeed's own checkpoint files come from a "
-                f"DeepSpeed engine, but parallel.strategy={cfg.parallel.strategy}. Set "
-                "parallel.strategy=zero, or parallel.zero.native_checkpoint=false."
-            )
+    """The strategy's own options (``parallel.zero.*`` for DeepSpeed), checked by the
+    function its catalog entry names; see :mod:`raytrain_ext.parallel.catalog`."""
+    caps = capabilities(cfg.parallel.strategy)
+    if not caps.native_checkpoint and cfg.parallel.zero.native_checkpoint:
+        raise ConfigError(
+            "parallel.zero.native_checkpoint: DeepSpeed's own checkpoint files come from a "
+            f"DeepSpeed engine, but parallel.strategy={cfg.parallel.strategy}. Set "
+            f"parallel.strategy={' or '.join(supporting(lambda c: c.native_checkpoint))}, "
+            "or parallel.zero.native_checkpoint=false."
+        )
+    if caps.config_check is None:
         return
-    from raytrain_ext.parallel.zero import check_zero_config
-
     try:
-        check_zero_config(
+        load_class(caps.config_check)(
             cfg.parallel,
             cfg.data.global_batch_size,
             cfg.data.micro_batch_size,

@@ -26,10 +26,11 @@ from typing import Iterator, List, Optional
 
 import numpy as np
 
-from raytrain_ext.config.choices import DataFormat, ModelSource
+from raytrain_ext.config.choices import DataFormat
 from raytrain_ext.data.examples import PackedExamples, PreferencePairs
 from raytrain_ext.data.prepared_index import PreparedIndex, read_index
 from raytrain_ext.data.tokens import TokenDataset, open_token_dataset, read_token_file
+from raytrain_ext.models.sources import model_source
 
 CACHE_DIR = "data-cache"
 
@@ -84,15 +85,7 @@ def tokenizer_spec(cfg) -> Optional[str]:
     """``data.tokenizer``, else the tokenizer beside a Hugging Face model's weights."""
     if cfg.data.tokenizer:
         return cfg.data.tokenizer
-    if cfg.model.source == ModelSource.hf and cfg.model.hf.path:
-        from raytrain_ext.models.hf_config import local_dir
-
-        directory = local_dir(cfg.model.hf.path)
-        if directory is not None and any(
-            (directory / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")
-        ):
-            return str(directory)
-    return None
+    return model_source(cfg.model).default_tokenizer(cfg.model)
 
 
 def prepare_cached(cfg, path: str) -> Path:

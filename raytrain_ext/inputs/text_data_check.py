@@ -13,11 +13,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from raytrain_ext.config.choices import DataFormat, ModelSource
+from raytrain_ext.config.choices import DataFormat
 from raytrain_ext.data.eval_split import held_out_samples
 from raytrain_ext.data.open import open_prepared, prepared_directory, tokenizer_spec
 from raytrain_ext.data.prepared_index import PreparedIndex, read_index
 from raytrain_ext.inputs.errors import InputError
+from raytrain_ext.models.sources import model_source
 
 
 def uses_records(cfg) -> bool:
@@ -124,9 +125,11 @@ def check_document_mask(cfg) -> None:
             f"tokenizer's EOS), not {d.format}; chat and preference examples are already "
             "kept apart by their loss weights."
         )
-    if cfg.model.source == ModelSource.gpt:
+    source = model_source(cfg.model)
+    if not source.per_document_attention:
         raise InputError(
-            "data.document_mask: the reference GPT has no per-document attention; use "
+            f"data.document_mask: {source.label} has no per-document attention "
+            f"(model.source={source.name}); use "
             "model.source=hf (positions restart per document, attention stays within it) or "
             "a python ModelSpec with document_logits, or set data.document_mask=false."
         )

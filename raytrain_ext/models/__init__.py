@@ -1,28 +1,32 @@
 """Models and their specs: the reference GPT, Hugging Face causal LMs, the user's module.
 
-``model_spec`` is the one place that maps a ``model`` config section to the spec the
-strategies and the loop use (``model.source``).
+``model_spec`` maps a ``model`` config section to the spec the strategies and the loop
+use, through the source's hooks (:mod:`raytrain_ext.models.sources`).  The exports are
+imported on first use (:mod:`raytrain_ext.lazy_exports`): the driver imports
+``models.sources`` and ``models.hf_config`` without torch.
 """
 
-from raytrain_ext.config.choices import ModelSource
-from raytrain_ext.models.gpt import GPT, Block, build_model
-from raytrain_ext.models.gpt_spec import GPT_SPEC
-from raytrain_ext.models.moe import MoEFeedForward
-from raytrain_ext.models.spec import ModelSpec
+from typing import Any
+
+from raytrain_ext.lazy_exports import exporter
+
+_EXPORTS = {
+    "GPT": "raytrain_ext.models.gpt",
+    "Block": "raytrain_ext.models.gpt",
+    "build_model": "raytrain_ext.models.gpt",
+    "GPT_SPEC": "raytrain_ext.models.gpt_spec",
+    "MoEFeedForward": "raytrain_ext.models.moe",
+    "ModelSpec": "raytrain_ext.models.spec",
+}
 
 
-def model_spec(model_cfg, model_factory=None) -> ModelSpec:
+def model_spec(model_cfg: Any, model_factory: Any = None) -> Any:
     """The spec of the configured model; ``model_factory``: a callable or ``ModelSpec`` given
     from Python for ``model.source=python`` (``Trainer(cfg, model=...)``)."""
-    if model_cfg.source == ModelSource.hf:
-        from raytrain_ext.models.hf_spec import hf_spec
+    from raytrain_ext.models.sources import model_source
 
-        return hf_spec(model_cfg)
-    if model_cfg.source == ModelSource.python:
-        from raytrain_ext.models.user_model import python_spec
-
-        return python_spec(model_cfg, model_factory)
-    return GPT_SPEC
+    return model_source(model_cfg).spec(model_cfg, model_factory)
 
 
-__all__ = ["GPT", "GPT_SPEC", "Block", "ModelSpec", "MoEFeedForward", "build_model", "model_spec"]
+__getattr__ = exporter(globals(), _EXPORTS)
+__all__ = [*_EXPORTS, "model_spec"]

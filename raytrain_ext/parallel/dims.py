@@ -19,11 +19,15 @@ import math
 from dataclasses import dataclass
 from typing import List, Optional
 
-from raytrain_ext.config.choices import StrategyName
+from raytrain_ext.parallel.catalog import (
+    LiveState,
+    StrategyCapabilities,
+    capabilities,
+    live_state,
+    supporting,
+)
 
 MESH_DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "tp")
-STRATEGIES_WITH_TP = (StrategyName.fsdp,)
-STRATEGIES_WITH_PP = (StrategyName.ddp, StrategyName.fsdp)
 
 
 class ParallelLayoutError(ValueError):
@@ -142,13 +146,16 @@ def check_expert_parallel(parallel_cfg, model_cfg) -> None:
     if ep == 1:
         return
     strategy = parallel_cfg.strategy
-    unsupported = [f"parallel.strategy={strategy}"] if strategy not in ("ddp", "fsdp") else []
+    with_ep = _either(supporting(lambda c: c.expert_parallel is not None))
+    unsupported = (
+        [] if capabilities(strategy).expert_parallel else [f"parallel.strategy={strategy}"]
+    )
     if parallel_cfg.dp_replicate > 1:
         unsupported.append(f"parallel.dp_replicate={parallel_cfg.dp_replicate}")
     if unsupported:
         raise ParallelLayoutError(
             f"parallel.ep: expert parallelism (ep={ep}) is not supported yet with "
-            f"{', '.join(unsupported)}; it runs with parallel.strategy=ddp or fsdp (any tp and pp) "
+            f"{', '.join(unsupported)}; it runs with parallel.strategy={with_ep} (any tp and pp) "
             "and dp_replicate=1. Change those keys, or set parallel.ep=1."
         )
     experts = model_cfg.moe.num_experts
@@ -166,29 +173,43 @@ def check_expert_parallel(parallel_cfg, model_cfg) -> None:
 
 
 def check_strategy_support(parallel_cfg) -> None:
-    """TP and HSDP need FSDP2: DDP cannot all-reduce the DTensor parameters TP creates,
-    and with DDP every rank already is a replica, so ``dp_replicate`` has no meaning."""
+    """TP and HSDP need a strategy that declares them (FSDP2): DDP cannot all-reduce the
+    DTensor parameters TP creates, and with DDP every rank already is a replica, so
+    ``dp_replicate`` has no meaning."""
     strategy = parallel_cfg.strategy
-    if parallel_cfg.tp > 1 and strategy not in STRATEGIES_WITH_TP:
+    caps = capabilities(strategy)
+    if parallel_cfg.tp > 1 and not caps.tensor_parallel:
         raise ParallelLayoutError(
-            f"parallel.tp: tensor parallelism (tp={parallel_cfg.tp}) needs parallel.strategy=fsdp "
-            f"(got {strategy!r}: DDP cannot synchronise TP-sharded DTensor parameters). "
-            "Set parallel.strategy=fsdp or parallel.tp=1."
+            f"parallel.tp: tensor parallelism (tp={parallel_cfg.tp}) needs parallel.strategy="
+            f"{_either(supporting(_tensor_parallel))} (got {strategy!r}: {caps.label} cannot "
+            "synchronise TP-sharded DTensor parameters). "
+            f"Set parallel.strategy={_either(supporting(_tensor_parallel))} or parallel.tp=1."
         )
-    if parallel_cfg.dp_replicate > 1 and strategy != "fsdp":
+    with_replicas = _either(supporting(lambda c: c.replica_groups))
+    if parallel_cfg.dp_replicate > 1 and not caps.replica_groups:
         raise ParallelLayoutError(
             f"parallel.dp_replicate: HSDP replica groups "
-            f"(dp_replicate={parallel_cfg.dp_replicate}) need parallel.strategy=fsdp; "
+            f"(dp_replicate={parallel_cfg.dp_replicate}) need parallel.strategy={with_replicas}; "
             f"with {strategy!r} every rank is already a replica. "
-            "Set parallel.strategy=fsdp or parallel.dp_replicate=1."
+            f"Set parallel.strategy={with_replicas} or parallel.dp_replicate=1."
         )
+    with_options = _either(supporting(lambda c: c.layer_options))
     for key in ("activation_checkpointing", "cpu_offload", "compile"):
-        if getattr(parallel_cfg, key) and strategy != "fsdp":
+        if getattr(parallel_cfg, key) and not caps.layer_options:
             raise ParallelLayoutError(
                 f"parallel.{key}: only implemented for "
-                f"parallel.strategy=fsdp (got {strategy!r}). "
-                f"Set parallel.strategy=fsdp or parallel.{key}=false."
+                f"parallel.strategy={with_options} (got {strategy!r}). "
+                f"Set parallel.strategy={with_options} or parallel.{key}=false."
             )
+
+
+def _tensor_parallel(caps: StrategyCapabilities) -> bool:
+    return caps.tensor_parallel
+
+
+def _either(names: List[str]) -> str:
+    """``fsdp``, ``ddp or fsdp``: the strategies a message offers as the fix."""
+    return " or ".join(names) if len(names) <= 2 else ", ".join(names[:-1]) + " or " + names[-1]
 
 
 def check_pipeline(parallel_cfg, model_cfg) -> None:
@@ -202,10 +223,11 @@ def check_pipeline(parallel_cfg, model_cfg) -> None:
     pp = parallel_cfg.pp
     if pp == 1:
         return
-    if parallel_cfg.strategy not in STRATEGIES_WITH_PP:
+    if not capabilities(parallel_cfg.strategy).pipeline_stages:
+        with_pp = _either(supporting(lambda c: c.pipeline_stages))
         raise ParallelLayoutError(
-            f"parallel.pp: pipeline parallelism (pp={pp}) runs with parallel.strategy ddp or fsdp "
-            f"(got {parallel_cfg.strategy!r}). Set parallel.strategy=ddp or fsdp, "
+            f"parallel.pp: pipeline parallelism (pp={pp}) runs with parallel.strategy {with_pp} "
+            f"(got {parallel_cfg.strategy!r}). Set parallel.strategy={with_pp}, "
             "or parallel.pp=1."
         )
     if model_cfg.n_layers < pp:
@@ -312,7 +334,8 @@ def check_batch_split(
             "data-parallel rank needs at least one sample per step. Raise global_batch_size."
         )
     counts = microbatch_counts(global_batch, dims.dp_size, micro)
-    if (strategy == "fsdp" or dims.pp > 1 or dims.ep > 1) and len(counts) > 1:
+    lockstep = capabilities(strategy).lockstep_microbatches
+    if (lockstep or dims.pp > 1 or dims.ep > 1) and len(counts) > 1:
         raise ParallelLayoutError(
             f"data.global_batch_size: {global_batch} samples over {dims.dp_size} data-parallel "
             f"ranks (world {world}) in micro-batches of {micro} give some ranks "
@@ -325,8 +348,9 @@ def check_batch_split(
 
 def _lockstep_reason(strategy: str, dims: ParallelDims) -> str:
     """What makes every data-parallel rank run the same number of forwards."""
-    if strategy == "fsdp":
-        return "FSDP"
+    caps = capabilities(strategy)
+    if caps.lockstep_microbatches:
+        return caps.label
     return "pipeline parallelism" if dims.pp > 1 else "expert parallelism (all-to-all per forward)"
 
 
@@ -345,13 +369,8 @@ def dims_for_run(cfg, world_size: int) -> ParallelDims:
 
 def replicates_state(parallel_cfg) -> bool:
     """Whether every rank holds the whole training state, so that any one rank can hand it
-    to a re-formed group: plain data parallelism, no tensor, pipeline or expert sharding."""
-    return parallel_cfg.strategy == "ddp" and _data_parallel_only(parallel_cfg)
-
-
-def _data_parallel_only(p) -> bool:
-    """No tensor, pipeline or expert sharding."""
-    return p.tp == 1 and p.pp == 1 and p.ep <= 1
+    to a re-formed group (``parallel.catalog.live_state``: plain DDP)."""
+    return live_state(parallel_cfg) is LiveState.replicated
 
 
 def state_from_peers(cfg) -> bool:
@@ -365,9 +384,8 @@ def shards_from_replicas(cfg) -> bool:
     from a live rank of another replica that holds it (HSDP: FSDP with ``dp_replicate``
     > 1 and no tensor, pipeline or expert sharding); ``elastic.state_from_peers`` off
     turns it off."""
-    p = cfg.parallel
-    fsdp_only = p.strategy == "fsdp" and _data_parallel_only(p)
-    return cfg.elastic.state_from_peers and fsdp_only and p.dp_replicate > 1
+    held = live_state(cfg.parallel) is LiveState.replica_shards
+    return cfg.elastic.state_from_peers and held
 
 
 def restores_own_shards(cfg) -> bool:
@@ -378,8 +396,8 @@ def restores_own_shards(cfg) -> bool:
     global names, the same on every rank that holds them), but not a replicated one (its
     state comes from a live peer) nor ZeRO (DeepSpeed saves its own).
     ``elastic.state_from_peers`` off turns it off."""
-    p = cfg.parallel
-    return cfg.elastic.state_from_peers and p.strategy != "zero" and not replicates_state(p)
+    held = live_state(cfg.parallel) in (LiveState.own_shards, LiveState.replica_shards)
+    return cfg.elastic.state_from_peers and held
 
 
 def resize_unit(parallel_cfg) -> int:

@@ -42,6 +42,7 @@ from raytrain_ext.parallel.tp import apply_tensor_parallel
 
 class FSDPStrategy(Strategy):
     name = "fsdp"
+    shards_parameters = True
 
     def __init__(self, parallel_cfg, spec: ModelSpec):
         super().__init__(parallel_cfg, spec)

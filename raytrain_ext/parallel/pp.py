@@ -119,7 +119,7 @@ class PipelineStrategy(Strategy):
         if dims.ep > 1:  # experts split over this stage's data-parallel ranks
             self.experts = ExpertShards(stage, ctx)
         stage = self.stage_module = stage.to(ctx.device)
-        if self.inner.name == "fsdp":
+        if self.inner.shards_parameters:
             if self.experts is not None:
                 self.inner.ignored = set(self.experts.params)
             wrapped = self.inner.wrap(stage, ctx)  # builds the 4-D mesh, shards over dp
@@ -194,7 +194,7 @@ class PipelineStrategy(Strategy):
     @property
     def optimizer_foreach(self) -> bool:
         """Plain expert tensors beside FSDP's DTensors need the per-tensor step (train/optim.py)."""
-        return not (self.experts is not None and self.inner.name == "fsdp")
+        return not (self.experts is not None and self.inner.shards_parameters)
 
     def clip_grad_norm(self, wrapped: nn.Module, max_norm: float) -> torch.Tensor:
         """Clip by the whole model's norm: each stage's squared norm, summed over the pp group."""

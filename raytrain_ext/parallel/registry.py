@@ -1,4 +1,4 @@
-"""Which strategy a run uses: the one place that knows every strategy class.
+"""Which strategy a run uses: the class its catalog entry names, wrapped for pipeline stages.
 
 Imported by the training loop only; the strategies import their base (``strategy.py``)
 and the helpers they share, never this module, so the package has no import cycle.
@@ -6,36 +6,22 @@ and the helpers they share, never this module, so the package has no import cycl
 
 from __future__ import annotations
 
-from typing import Any, Dict, Type
+from typing import Any
 
-from raytrain_ext.config.choices import StrategyName
 from raytrain_ext.models.spec import ModelSpec
-from raytrain_ext.parallel.ddp import DDPStrategy
-from raytrain_ext.parallel.ep import ExpertParallelStrategy, FSDPExpertParallelStrategy
-from raytrain_ext.parallel.fsdp import FSDPStrategy
+from raytrain_ext.parallel.catalog import capabilities, load_class
 from raytrain_ext.parallel.pp import PipelineStrategy
 from raytrain_ext.parallel.strategy import Strategy
-from raytrain_ext.parallel.zero import ZeroStrategy
-
-STRATEGIES: Dict[str, Type[Strategy]] = {
-    StrategyName.ddp: DDPStrategy,
-    StrategyName.fsdp: FSDPStrategy,
-    StrategyName.zero: ZeroStrategy,
-}
 
 
 def build_strategy(parallel_cfg: Any, spec: ModelSpec) -> Strategy:
-    """The strategy named by ``parallel.strategy``; it reads its options from the section
-    and learns about the model from its spec only."""
-    name = parallel_cfg.strategy
-    if name not in STRATEGIES:
-        raise ValueError(
-            f"parallel.strategy: unknown strategy {name!r}; choose one of {', '.join(STRATEGIES)}"
-        )
+    """The strategy named by ``parallel.strategy`` (its class from
+    :data:`raytrain_ext.parallel.catalog.STRATEGY_CATALOG`); it reads its options from the
+    section and learns about the model from its spec only."""
+    caps = capabilities(parallel_cfg.strategy)
+    strategy_class = load_class(caps.implementation)
     if parallel_cfg.pp > 1:  # pipeline stages, each data-parallel under the named strategy
-        return PipelineStrategy(parallel_cfg, spec, STRATEGIES[name](parallel_cfg, spec))
-    if parallel_cfg.ep > 1:  # DDP or FSDP with the MoE experts sharded over groups of ep ranks
-        if name == "fsdp":
-            return FSDPExpertParallelStrategy(parallel_cfg, spec)
-        return ExpertParallelStrategy(parallel_cfg, spec)
-    return STRATEGIES[name](parallel_cfg, spec)
+        return PipelineStrategy(parallel_cfg, spec, strategy_class(parallel_cfg, spec))
+    if parallel_cfg.ep > 1:  # the experts sharded over groups of ep ranks
+        return load_class(caps.expert_parallel)(parallel_cfg, spec)
+    return strategy_class(parallel_cfg, spec)

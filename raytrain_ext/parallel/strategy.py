@@ -96,6 +96,9 @@ class Strategy(abc.ABC):
     """
 
     name: str = ""
+    # parameters become DTensors sharded over a mesh that ``wrap`` builds (``self.mesh``);
+    # a pipeline stage then shards under it instead of building its own mesh (parallel/pp.py)
+    shards_parameters: bool = False
     optimizer_foreach: bool = True
     runs_microbatches: bool = False
     owns_optimizer_state: bool = False

@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from raytrain_ext.config.choices import ModelSource
+from raytrain_ext.models.sources import model_source
 from raytrain_ext.plan.hf_shape import LlamaLayout, count_llama_params, llama_layout
 
 
@@ -141,11 +141,8 @@ def shape_from_config(model_cfg) -> ModelShape:
     """The shape of ``cfg.model`` from :func:`raytrain_ext.config.load_config` (for
     ``model.source: hf`` the loader already wrote the HF model's layers, hidden size, heads and
     vocabulary there; the rest of its layout comes from its config)."""
-    llama = None
-    if model_cfg.source == ModelSource.hf:
-        from raytrain_ext.models.hf_config import hf_config
-
-        llama = llama_layout(hf_config(model_cfg))
+    config = model_source(model_cfg).hf_config(model_cfg)
+    llama = None if config is None else llama_layout(config)
     return ModelShape(
         n_layers=int(model_cfg.n_layers),
         d_model=int(model_cfg.d_model),

@@ -12,9 +12,9 @@ import torch
 
 from raytrain_ext.config.choices import PipelineSchedule, StrategyName
 from raytrain_ext.models import GPT_SPEC
+from raytrain_ext.parallel.catalog import STRATEGY_CATALOG, load_class
 from raytrain_ext.parallel.ddp import DDPStrategy
 from raytrain_ext.parallel.pp import SCHEDULES, PipelineStrategy
-from raytrain_ext.parallel.registry import STRATEGIES
 from raytrain_ext.parallel.strategy import DistContext, Strategy
 from raytrain_ext.parallel.tp import apply_tensor_parallel
 from raytrain_ext.parallel.zero import ZeroStrategy
@@ -94,5 +94,10 @@ def test_a_layout_the_spec_cannot_cut_is_refused_naming_the_member_to_add():
 
 def test_every_allowed_strategy_and_schedule_has_an_implementation():
     """The enums of ``config/choices.py`` are the allowed values; the tables follow them."""
-    assert set(STRATEGIES) == set(StrategyName)
+    assert set(STRATEGY_CATALOG) == set(StrategyName)
+    for name, caps in STRATEGY_CATALOG.items():
+        for path in filter(None, (caps.implementation, caps.expert_parallel, caps.config_check)):
+            assert load_class(path) is not None, path
+        assert issubclass(load_class(caps.implementation), Strategy)
+        assert load_class(caps.implementation).name == name
     assert set(SCHEDULES) == set(PipelineSchedule)

@@ -15,6 +15,7 @@ from raytrain_ext.checkpoint.tiers.base import Tier, TierError
 
 class DiskTier(Tier):
     name = "local"
+    node_local = True
 
     def __init__(self, root: str | Path, recycle: bool = False):
         """``recycle``: deleted steps leave their data files to the next save's writer
@@ -24,6 +25,9 @@ class DiskTier(Tier):
 
     def step_dir(self, step: int) -> Path:
         return self.root / step_dir_name(step)
+
+    def location(self, step: int) -> str:
+        return str(self.step_dir(step))
 
     def probe(self) -> None:
         try:

@@ -21,14 +21,14 @@ from __future__ import annotations
 import logging
 import threading
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raytrain_ext.checkpoint.manifest import Manifest, step_dir_name
-from raytrain_ext.checkpoint.tiers.base import Tier, TierError
+from raytrain_ext.checkpoint.tiers.base import FetchMode, Tier, TierError
 from raytrain_ext.worker.priority import RAY_DEFAULT_NICENESS, with_niceness
 
 log = logging.getLogger(__name__)
@@ -217,6 +217,8 @@ def stop_memory_tier(actors: List[ray.actor.ActorHandle]) -> None:
 
 class MemoryTier(Tier):
     name = "memory"
+    holds_snapshots = True
+    fetch_mode = FetchMode.views
 
     def __init__(self, run: str):
         self.run = run
@@ -286,6 +288,12 @@ class MemoryTier(Tier):
 
     def manifest_text(self, step: int) -> Optional[str]:
         return ray.get(self.registry.manifest.remote(step)) or None
+
+    def kept_steps(self, ckpt_cfg: Any) -> int:
+        return ckpt_cfg.keep_in_memory
+
+    def location(self, step: int) -> str:
+        return f"memory://{self.run}/{step_dir_name(step)}"
 
     def materialize(self, step: int, names: List[str], cache_dir: Path) -> Path:
         target = cache_dir / step_dir_name(step)

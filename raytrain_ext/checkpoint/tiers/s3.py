@@ -13,11 +13,14 @@ import logging
 import time
 import uuid
 from pathlib import Path
-from typing import Callable, List, Optional, TypeVar
+from typing import TYPE_CHECKING, Callable, List, Optional, TypeVar
 
 from raytrain_ext.checkpoint.manifest import MANIFEST, Manifest, parse_step_dir, step_dir_name
-from raytrain_ext.checkpoint.tiers.base import Tier, TierError
+from raytrain_ext.checkpoint.tiers.base import FetchMode, Tier, TierError
 from raytrain_ext.inputs.s3_errors import CHECKPOINT_KEYS, S3Keys, describe_s3_error
+
+if TYPE_CHECKING:
+    from raytrain_ext.checkpoint.tiers.s3_ranged import PlannedS3Fetch
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -30,6 +33,7 @@ def split_uri(uri: str) -> tuple[str, str]:
 
 class S3Tier(Tier):
     name = "s3"
+    fetch_mode = FetchMode.ranged
 
     def __init__(
         self,
@@ -76,6 +80,16 @@ class S3Tier(Tier):
             max_concurrency=max_concurrency,
             use_threads=True,
         )
+
+    def location(self, step: int) -> str:
+        return self.key(step)
+
+    def ranged_fetch(
+        self, step: int, manifest: Manifest, cache_dir: Path, threads: Optional[int] = None
+    ) -> "PlannedS3Fetch":
+        from raytrain_ext.checkpoint.tiers.s3_ranged import PlannedS3Fetch
+
+        return PlannedS3Fetch(self, step, manifest, cache_dir, threads or self.max_concurrency)
 
     def key(self, step: int, name: str = "") -> str:
         parts = [self.prefix, step_dir_name(step), name]

@@ -17,7 +17,7 @@ import contextlib
 import io
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Dict, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Optional, Set, Tuple
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystem
@@ -30,7 +30,9 @@ from raytrain_ext.checkpoint.reader import (
     map_files,
     size_problem,
 )
-from raytrain_ext.checkpoint.tiers.s3 import S3Tier
+
+if TYPE_CHECKING:
+    from raytrain_ext.checkpoint.tiers.s3 import S3Tier
 
 RANGED_FRACTION = 0.5
 
