@@ -279,7 +279,7 @@ def _unexpected(command: str, error: Exception) -> int:
     import tempfile
     import traceback
 
-    from raytrain_ext.elastic.failure_text import one_line
+    from raytrain_ext.errors.text import one_line
 
     fd, path = tempfile.mkstemp(prefix=f"raytrain-ext-{command}-", suffix=".log")
     with os.fdopen(fd, "w") as f:

@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any, Dict, Optional
 
 from raytrain_ext.elastic.controller import TrainingFailed
-from raytrain_ext.elastic.failure_text import full_text, one_line, strip_ansi
-from raytrain_ext.inputs.errors import InputError
+from raytrain_ext.errors import InputError
+from raytrain_ext.errors.text import full_text, one_line, strip_ansi
 from raytrain_ext.run_lock import RunLock
 
 ATTEMPTS = "attempts"

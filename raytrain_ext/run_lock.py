@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Dict, Optional
 
-from raytrain_ext.inputs.errors import InputError
+from raytrain_ext.errors import InputError
 
 LOCK = ".lock"
 log = logging.getLogger(__name__)

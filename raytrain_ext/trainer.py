@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import importlib.metadata
 import logging
-import os
 import time
 from functools import partial
 from pathlib import Path
@@ -31,9 +30,10 @@ from raytrain_ext.metrics.sinks import eval_fields
 from raytrain_ext.metrics.start_phases import start_phases
 from raytrain_ext.models.sources import model_source
 from raytrain_ext.objectives import check_objective, objective_name
+from raytrain_ext.ray_session import connect_ray
 from raytrain_ext.run_dir import SUMMARY, RunDirectory, refuse_finished_run
 from raytrain_ext.user_code import UserCode
-from raytrain_ext.worker.priority import yield_auxiliary_daemons
+from raytrain_ext.worker.priority import with_niceness
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +158,8 @@ class Trainer:
         """The registry and per-node holders live for this fit(); it removes them at the end."""
         if not (self.cfg.checkpoint.enabled and self.cfg.checkpoint.memory):
             return []
-        return start_memory_tier(self.cfg.run.name, self.cfg.scaling.worker_niceness)
+        niceness = with_niceness(None, self.cfg.scaling.worker_niceness)
+        return start_memory_tier(self.cfg.run.name, niceness)
 
     def request_checkpoint(self) -> None:
         """Checkpoint at the next step boundary; callable from another thread during fit()."""
@@ -219,42 +220,6 @@ def resolve_cluster_defaults(cfg: DictConfig) -> DictConfig:
     cfg.checkpoint.memory = sum(1 for n in ray.nodes() if n["Alive"]) > 1
     OmegaConf.set_readonly(cfg, True)
     return cfg
-
-
-def connect_ray(address: Optional[str]) -> bool:
-    """Attach to Ray; returns True when this call started a local instance."""
-    import ray
-
-    if ray.is_initialized():
-        return False
-    address = address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, log_to_driver=True)
-        return False
-    _pin_local_ray_to_loopback()
-    ray.init(
-        address="local",
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
-        _system_config={"prestart_worker_first_driver": False},
-    )
-    yield_auxiliary_daemons()
-    return True
-
-
-def _pin_local_ray_to_loopback() -> None:
-    """Keep a private single-node Ray (and so gloo's rendezvous) on 127.0.0.1.
-
-    Ray otherwise resolves its node address to the first external interface even
-    with ``_node_ip_address``.  Its single-node switch is read from the
-    environment when ``ray`` is imported, so it is set for the child processes
-    and patched on the already-imported module.
-    """
-    from ray._private import ray_constants
-
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    if hasattr(ray_constants, "ENABLE_RAY_CLUSTER"):
-        ray_constants.ENABLE_RAY_CLUSTER = False
 
 
 def goodput(records, wall_time_s: float) -> Optional[float]:

@@ -192,7 +192,7 @@ def run_framework(args, endpoint, bucket, workdir, nbytes):
 
     from raytrain_ext import Trainer
     from raytrain_ext.checkpoint.tiers.memory import start_memory_tier, stop_memory_tier
-    from raytrain_ext.trainer import connect_ray
+    from raytrain_ext.ray_session import connect_ray
 
     connect_ray(None)
     put_s = object_store_put_s(nbytes, args.workers)

@@ -25,8 +25,8 @@ from raytrain_ext.checkpoint.resolve import Resolution, newest_usable
 from raytrain_ext.checkpoint.tiers.base import FetchMode, Tier, TierError
 from raytrain_ext.checkpoint.tiers.disk import DiskTier
 from raytrain_ext.checkpoint.tiers.s3 import S3Tier
-from raytrain_ext.inputs.paths import writable_file_problem
-from raytrain_ext.inputs.s3_errors import EXPORT_KEYS, endpoint_problem
+from raytrain_ext.storage.paths import writable_file_problem
+from raytrain_ext.storage.s3_errors import EXPORT_KEYS, endpoint_problem
 
 
 class ExportError(ValueError):

@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 from raytrain_ext.checkpoint.export import ExportError, export_info, read_newest_model
 from raytrain_ext.config import config_from_dict
 from raytrain_ext.config.choices import DataFormat
-from raytrain_ext.config.errors import ConfigError
+from raytrain_ext.errors import ConfigError
 from raytrain_ext.models.sources import model_source
 from raytrain_ext.run_dir import CONFIG
 
@@ -129,7 +129,7 @@ def _tokenizer_source(cfg) -> Optional[Tuple[str, Optional[str], Optional[int]]]
 def _run_tokenizer(spec: str, eos_token: Optional[str], eos_id: Optional[int]):
     """The run's tokenizer as it trained, its EOS token included."""
     from raytrain_ext.data.tokenizer import load_tokenizer
-    from raytrain_ext.inputs.errors import InputError
+    from raytrain_ext.errors import InputError
 
     try:
         tokenizer = load_tokenizer(spec, eos_token)

@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import torch
 
-from raytrain_ext.elastic.failure_text import one_line
+from raytrain_ext.errors.text import one_line
 
 
 def snapshot_bytes(snap: Any) -> int:

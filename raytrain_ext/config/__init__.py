@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from raytrain_ext.lazy_exports import exporter
 
 _EXPORTS = {
-    "ConfigError": "raytrain_ext.config.errors",
+    "ConfigError": "raytrain_ext.errors",
     "TrainConfig": "raytrain_ext.config.schema",
     **{
         name: "raytrain_ext.config.loader"
@@ -26,7 +26,6 @@ _EXPORTS = {
 }
 
 if TYPE_CHECKING:
-    from raytrain_ext.config.errors import ConfigError
     from raytrain_ext.config.loader import (
         config_digest,
         config_from_dict,
@@ -36,6 +35,7 @@ if TYPE_CHECKING:
         to_yaml,
     )
     from raytrain_ext.config.schema import TrainConfig
+    from raytrain_ext.errors import ConfigError
 
 
 __getattr__ = exporter(globals(), _EXPORTS)

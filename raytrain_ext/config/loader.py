@@ -22,10 +22,10 @@ from omegaconf.errors import (
     ValidationError,
 )
 
-from raytrain_ext.config.errors import ConfigError
 from raytrain_ext.config.fields import choice_of
 from raytrain_ext.config.schema import TrainConfig
 from raytrain_ext.config.validate import validate
+from raytrain_ext.errors import ConfigError
 
 
 def default_config_path() -> Path:

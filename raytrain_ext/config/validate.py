@@ -13,10 +13,9 @@ from typing import Callable, List
 
 from omegaconf import DictConfig
 
-from raytrain_ext.config.errors import ConfigError
 from raytrain_ext.config.fields import declared_ranges
 from raytrain_ext.config.schema import TrainConfig
-from raytrain_ext.inputs.s3_errors import endpoint_problem
+from raytrain_ext.errors import ConfigError
 from raytrain_ext.parallel.catalog import capabilities, load_class, supporting
 from raytrain_ext.parallel.dims import (
     ParallelDims,
@@ -30,6 +29,7 @@ from raytrain_ext.parallel.dims import (
     check_strategy_support,
     resize_unit,
 )
+from raytrain_ext.storage.s3_errors import endpoint_problem
 
 
 def validate(cfg: DictConfig) -> None:

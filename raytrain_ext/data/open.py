@@ -91,7 +91,7 @@ def tokenizer_spec(cfg) -> Optional[str]:
 def prepare_cached(cfg, path: str) -> Path:
     """Raw records prepared into the run's cache (once per node; see the module doc)."""
     from raytrain_ext.data.prepare import prepare_dataset
-    from raytrain_ext.inputs.errors import InputError
+    from raytrain_ext.errors import InputError
 
     spec = tokenizer_spec(cfg)
     if spec is None:

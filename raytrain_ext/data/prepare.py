@@ -42,7 +42,7 @@ from raytrain_ext.data.tokenizer import (
     load_tokenizer,
     tokenizer_info,
 )
-from raytrain_ext.inputs.errors import InputError
+from raytrain_ext.errors import InputError
 
 log = logging.getLogger(__name__)
 DEFAULT_RECORDS_PER_SHARD = 10_000
@@ -226,7 +226,7 @@ def _write_with_ray(
     if not ray.is_initialized():
         raise RuntimeError(
             f"workers={workers} runs on Ray: connect first (ray.init, or "
-            "raytrain_ext.trainer.connect_ray), or pass workers=0 to prepare in this process"
+            "raytrain_ext.ray_session.connect_ray), or pass workers=0 to prepare in this process"
         )
     if not pending:
         return

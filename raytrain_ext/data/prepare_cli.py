@@ -65,7 +65,7 @@ def add_parser(commands) -> None:
 
 
 def _prepare(args: argparse.Namespace) -> int:
-    from raytrain_ext.inputs.errors import InputError
+    from raytrain_ext.errors import InputError
 
     started_ray = False
     try:
@@ -82,7 +82,7 @@ def _prepare(args: argparse.Namespace) -> int:
         )
         check_workers(args.workers)
         if args.workers:
-            from raytrain_ext.trainer import connect_ray
+            from raytrain_ext.ray_session import connect_ray
 
             started_ray = connect_ray(args.address)
         done = run_job(job, args.workers)

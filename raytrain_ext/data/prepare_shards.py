@@ -36,7 +36,7 @@ from raytrain_ext.data.prepared_index import (
 )
 from raytrain_ext.data.render import render_records
 from raytrain_ext.data.text_sources import RecordSource
-from raytrain_ext.inputs.errors import InputError
+from raytrain_ext.errors import InputError
 
 OURS = re.compile(
     r"^(index\.json|shard-\d{5,}\.(arrow|json)|\.(index\.json|shard-\d{5,}\.\w+)\..*tmp)$"

@@ -33,7 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 from raytrain_ext.config.choices import DataFormat
 from raytrain_ext.data.corpus import write_token_file
 from raytrain_ext.data.prepared_index import read_index
-from raytrain_ext.inputs.errors import InputError
+from raytrain_ext.errors import InputError
 
 VIEW_DIR = "ray-dataset"
 CURRENT = "CURRENT"

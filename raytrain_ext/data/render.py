@@ -26,7 +26,7 @@ import pyarrow as pa
 
 from raytrain_ext.data.text_sources import COLUMN_KEY, PATH_KEY, Columns
 from raytrain_ext.data.tokenizer import TOKENIZER_KEY, encode_documents, has_chat_template
-from raytrain_ext.inputs.errors import InputError
+from raytrain_ext.errors import InputError
 
 Where = Callable[[int], str]  # global record index -> "FILE record j"
 Example = Tuple[List[int], List[int]]  # token ids and their loss mask

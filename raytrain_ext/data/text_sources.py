@@ -30,9 +30,9 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from raytrain_ext.data.s3_fs import s3_filesystem
-from raytrain_ext.inputs.errors import InputError
-from raytrain_ext.inputs.s3_errors import DATA_KEYS, describe_s3_error, missing_message
+from raytrain_ext.errors import InputError
+from raytrain_ext.storage.s3_errors import DATA_KEYS, describe_s3_error, missing_message
+from raytrain_ext.storage.s3_fs import s3_filesystem
 
 PATH_KEY = "data.path"
 COLUMN_KEY = "data.text_column (--text-column)"

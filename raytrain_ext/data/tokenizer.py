@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from raytrain_ext.data.prepared_index import TokenizerInfo
-from raytrain_ext.inputs.errors import InputError
+from raytrain_ext.errors import InputError
 
 TOKENIZER_KEY = "data.tokenizer (--tokenizer)"
 EOS_KEY = "data.eos_token (--eos-token)"

@@ -23,7 +23,7 @@ from raytrain_ext.data.batch import Batch
 if TYPE_CHECKING:
     import torch
 from raytrain_ext.data.corpus import builtin_corpus_path
-from raytrain_ext.data.s3_fs import s3_filesystem
+from raytrain_ext.storage.s3_fs import s3_filesystem
 
 TOKEN_COLUMN = "tokens"
 SUFFIXES = (".arrow", ".feather", ".ipc", ".parquet")

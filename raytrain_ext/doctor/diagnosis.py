@@ -109,7 +109,7 @@ def diagnose(args: argparse.Namespace, ops: List[str]) -> Dict:
     """Probe every node, run the benchmark, and judge; returns the JSON-ready report."""
     import ray
 
-    from raytrain_ext.trainer import connect_ray
+    from raytrain_ext.ray_session import connect_ray
 
     started = connect_ray(args.address)
     try:

@@ -34,7 +34,6 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 from raytrain_ext.config import to_dict
 from raytrain_ext.elastic.capacity import Capacity
 from raytrain_ext.elastic.cluster_probe import Cluster, RayCluster
-from raytrain_ext.elastic.failure_text import one_line, root_cause
 from raytrain_ext.elastic.group_port import GroupPort
 from raytrain_ext.elastic.in_place import InPlacePlan
 from raytrain_ext.elastic.notices import Notices
@@ -51,6 +50,7 @@ from raytrain_ext.elastic.records import (
     Transition,
 )
 from raytrain_ext.elastic.recovery import Recoveries
+from raytrain_ext.errors.text import one_line, root_cause
 from raytrain_ext.metrics import MetricsSink
 from raytrain_ext.parallel.dims import state_from_peers
 from raytrain_ext.worker.form_options import FormOptions

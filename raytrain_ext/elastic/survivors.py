@@ -14,8 +14,8 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 import ray
 
 from raytrain_ext.elastic.death import Fate, fates_of
-from raytrain_ext.elastic.failure_text import is_peer_loss
 from raytrain_ext.elastic.in_place import InPlacePlan
+from raytrain_ext.errors.text import is_peer_loss
 
 
 def origin_of(errors: Dict[int, BaseException]) -> Optional[int]:

@@ -19,15 +19,15 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from raytrain_ext.data.s3_fs import s3_filesystem
 from raytrain_ext.data.tokens import (
     SUFFIXES,
     TOKEN_COLUMN,
     local_token_files,
     remote_token_files,
 )
-from raytrain_ext.inputs.errors import InputError
-from raytrain_ext.inputs.s3_errors import DATA_KEYS, describe_s3_error, missing_message
+from raytrain_ext.errors import InputError
+from raytrain_ext.storage.s3_errors import DATA_KEYS, describe_s3_error, missing_message
+from raytrain_ext.storage.s3_fs import s3_filesystem
 
 RECORD_PEEK_BYTES = 1 << 16  # enough for a first JSON line of any sensible record
 FIX_FORMAT = (

@@ -16,15 +16,15 @@ from pathlib import Path
 from raytrain_ext.checkpoint.resolve import newest_usable
 from raytrain_ext.checkpoint.tiers.base import TierError
 from raytrain_ext.config.validate import schedule_warnings
+from raytrain_ext.errors import InputError
 from raytrain_ext.inputs.data_check import check_token_data
-from raytrain_ext.inputs.errors import InputError
-from raytrain_ext.inputs.paths import writable_dir_problem
 from raytrain_ext.inputs.text_data_check import (
     check_document_mask,
     check_eval_split,
     check_record_data,
     uses_records,
 )
+from raytrain_ext.storage.paths import writable_dir_problem
 
 log = logging.getLogger(__name__)
 

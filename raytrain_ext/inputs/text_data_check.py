@@ -17,7 +17,7 @@ from raytrain_ext.config.choices import DataFormat
 from raytrain_ext.data.eval_split import held_out_samples
 from raytrain_ext.data.open import open_prepared, prepared_directory, tokenizer_spec
 from raytrain_ext.data.prepared_index import PreparedIndex, read_index
-from raytrain_ext.inputs.errors import InputError
+from raytrain_ext.errors import InputError
 from raytrain_ext.models.sources import model_source
 
 

@@ -480,7 +480,7 @@ def write_report(run_dir: Path, out_dir: Optional[Path] = None) -> Dict[str, Pat
 
 
 def _report_command(args: argparse.Namespace) -> int:
-    from raytrain_ext.inputs.paths import writable_dir_problem
+    from raytrain_ext.storage.paths import writable_dir_problem
 
     problem = writable_dir_problem(
         Path(args.out or args.run_dir), "--out" if args.out else "RUN_DIR"

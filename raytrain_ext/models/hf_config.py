@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-from raytrain_ext.config.errors import ConfigError
+from raytrain_ext.errors import ConfigError
 
 SPEC_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # model_type values with a shipped spec
 ADD_A_SPEC = (

@@ -15,7 +15,7 @@ import struct
 from pathlib import Path
 from typing import List, Optional
 
-from raytrain_ext.config.errors import ConfigError
+from raytrain_ext.errors import ConfigError
 
 INDEX = "model.safetensors.index.json"
 MAX_HEADER = 100 * 2**20  # safetensors' own limit on a header

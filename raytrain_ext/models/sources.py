@@ -36,7 +36,7 @@ class ModelSourceHooks:
     def check_model(self, cfg: Any, model: Any) -> None:
         """Check ``Trainer(cfg, model=...)``'s model, or refuse one given (before Ray)."""
         if model is not None:
-            from raytrain_ext.config.errors import ConfigError
+            from raytrain_ext.errors import ConfigError
 
             raise ConfigError(
                 f"model.source: Trainer(cfg, model=...) trains your model, but model.source is "

@@ -15,7 +15,7 @@ from typing import Any, List
 
 import torch.nn as nn
 
-from raytrain_ext.config.errors import ConfigError
+from raytrain_ext.errors import ConfigError
 from raytrain_ext.models.spec import ModelSpec
 from raytrain_ext.user_code import import_named
 

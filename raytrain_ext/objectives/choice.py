@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from raytrain_ext.config.choices import DataFormat, ObjectiveName
-from raytrain_ext.inputs.errors import InputError
+from raytrain_ext.errors import InputError
 
 # the data format each built-in objective trains on
 FORMATS = {

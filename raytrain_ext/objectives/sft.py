@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from raytrain_ext.data.batch import Batch
-from raytrain_ext.inputs.errors import InputError
+from raytrain_ext.errors import InputError
 from raytrain_ext.objectives.base import LossTerms
 from raytrain_ext.objectives.causal_lm import CausalLM
 

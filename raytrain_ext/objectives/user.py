@@ -14,7 +14,7 @@ from typing import Callable, Optional
 import torch
 
 from raytrain_ext.data.batch import Batch
-from raytrain_ext.inputs.errors import InputError
+from raytrain_ext.errors import InputError
 from raytrain_ext.objectives.base import LossTerms, Objective
 from raytrain_ext.user_code import import_named
 

@@ -43,14 +43,15 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from raytrain_ext.config.choices import PipelineSchedule
 from raytrain_ext.models.spec import ModelSpec, PipelineStageModule
 from raytrain_ext.parallel.ep_shards import ExpertShards
 from raytrain_ext.parallel.grads import global_grad_norm, group_by_mesh
 from raytrain_ext.parallel.stage_state import StageStateDict, whole_model_keys
 from raytrain_ext.parallel.strategy import DistContext, Strategy
 
-SCHEDULES = {PipelineSchedule.gpipe: ScheduleGPipe, PipelineSchedule["1f1b"]: Schedule1F1B}
+# keyed by ``parallel.pp_schedule``'s values (``config.choices.PipelineSchedule``, which
+# a unit test holds equal to these keys)
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
 
 class TokenLossSum:

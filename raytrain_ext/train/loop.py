@@ -37,7 +37,7 @@ from raytrain_ext.data.batch import Batch
 from raytrain_ext.data.eval_split import split_eval
 from raytrain_ext.data.open import open_dataset
 from raytrain_ext.data.prefetch import BatchPrefetcher
-from raytrain_ext.elastic.failure_text import is_peer_loss
+from raytrain_ext.errors.text import is_peer_loss
 from raytrain_ext.faults import FaultInjector
 from raytrain_ext.metrics.flops import mfu, model_flops_per_token, peak_flops_for
 from raytrain_ext.models import model_spec

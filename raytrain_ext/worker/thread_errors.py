@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from raytrain_ext.elastic.failure_text import one_line
+from raytrain_ext.errors.text import one_line
 
 log = logging.getLogger(__name__)
 REPORTED_BY_THEIR_CALLER = ("_write_files_from_queue",)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from raytrain_ext.config import load_config
-from raytrain_ext.config.errors import ConfigError
+from raytrain_ext.errors import ConfigError
 from raytrain_ext.parallel.zero import deep_merge, deepspeed_config
 from tests.helpers.dist import train_processes
 

@@ -368,8 +368,8 @@ def check_s3_token_data(s3_endpoint, tmp_path):
     import boto3
 
     from raytrain_ext.config import load_config
+    from raytrain_ext.errors import InputError
     from raytrain_ext.inputs.data_check import check_token_data
-    from raytrain_ext.inputs.errors import InputError
 
     client = boto3.client("s3", endpoint_url=s3_endpoint)
     for name, ids in (("good", np.arange(9000) % 256), ("bad", np.arange(9000) % 300)):
@@ -537,7 +537,7 @@ def test_the_rendezvous_store_listens_on_the_group_address_only():
 def test_s3_error_mapper_names_the_key_for_each_class():
     from botocore.exceptions import ClientError, EndpointConnectionError, NoCredentialsError
 
-    from raytrain_ext.inputs.s3_errors import CHECKPOINT_KEYS, DATA_KEYS, describe_s3_error
+    from raytrain_ext.storage.s3_errors import CHECKPOINT_KEYS, DATA_KEYS, describe_s3_error
 
     def client_error(code):
         return ClientError({"Error": {"Code": code, "Message": "m"}}, "PutObject")

@@ -8,7 +8,7 @@ import sys
 PROBE = """
 import json, os
 from ray._private import worker
-from raytrain_ext.trainer import connect_ray
+from raytrain_ext.ray_session import connect_ray
 from raytrain_ext.worker.priority import AUXILIARY_AGENT, children_named, threads_of
 
 assert connect_ray(None)  # started here

@@ -144,7 +144,7 @@ def test_fit_writes_run_dir_and_matches_the_plain_gloo_run_bit_for_bit(ray_local
 
 
 def test_input_the_driver_can_check_is_refused_before_anything_is_written(tmp_path):
-    from raytrain_ext.inputs.errors import InputError
+    from raytrain_ext.errors import InputError
 
     cfg = load_config(None, tiny_overrides(tmp_path, "data.path=/nonexistent/tokens.parquet"))
     with pytest.raises(

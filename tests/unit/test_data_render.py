@@ -15,7 +15,7 @@ import pytest
 from raytrain_ext.data.render import render_records
 from raytrain_ext.data.text_sources import check_source, open_source
 from raytrain_ext.data.tokenizer import encode_documents, load_tokenizer, tokenizer_info
-from raytrain_ext.inputs.errors import InputError
+from raytrain_ext.errors import InputError
 from tests.helpers.text_data import (
     build_tokenizer,
     messages_records,

@@ -10,7 +10,7 @@ import torch
 
 from raytrain_ext.config import load_config
 from raytrain_ext.data.tokens import TokenDataset
-from raytrain_ext.inputs.errors import InputError
+from raytrain_ext.errors import InputError
 from raytrain_ext.inputs.text_data_check import check_document_mask
 from raytrain_ext.models.hf_spec import HF_SPEC
 from raytrain_ext.models.spec import batch_logits

@@ -84,8 +84,8 @@ def test_node_probe_counts_nodes_proven_alive_without_pinging_them():
 def test_failure_origin_is_the_dead_rank_not_the_peers_that_echo_it():
     import ray
 
-    from raytrain_ext.elastic.failure_text import is_peer_loss
     from raytrain_ext.elastic.survivors import origin_of
+    from raytrain_ext.errors.text import is_peer_loss
 
     echo = RuntimeError(
         "[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:39856"

@@ -94,6 +94,58 @@ def cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
     return found
 
 
+# Folders (and top-level modules) that run inside a rank, and the driver's controller above
+# them: nothing in the first imports the second.
+WORKER_SIDE = ("worker", "train", "parallel", "models", "objectives", "checkpoint", "data")
+DRIVER_CONTROL = ("elastic", "trainer", "cli", "tune")
+
+
+def folder_of(module: str) -> str:
+    """``raytrain_ext.data.open`` -> ``data``; a top-level module is its own unit."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def two_way_folder_pairs(graph: Dict[str, Set[str]]) -> List[str]:
+    """Folders that import each other, each with one import of each direction."""
+    edges: Dict[tuple, str] = {}
+    for module, imported in sorted(graph.items()):
+        for target in sorted(imported):
+            pair = (folder_of(module), folder_of(target))
+            if pair[0] != pair[1]:
+                edges.setdefault(pair, f"{module} -> {target}")
+    return [
+        f"{a} <-> {b}: {edges[(a, b)]}; {edges[(b, a)]}"
+        for (a, b) in sorted(edges)
+        if a < b and (b, a) in edges
+    ]
+
+
+def test_pair_finder_names_both_directions():
+    graph = {"p.a.x": {"p.b.y"}, "p.b.y": set(), "p.b.z": {"p.a.w"}, "p.a.w": set()}
+    assert two_way_folder_pairs(graph) == ["a <-> b: p.a.x -> p.b.y; p.b.z -> p.a.w"]
+    assert two_way_folder_pairs({"p.a.x": {"p.b.y"}, "p.b.y": set()}) == []
+
+
+def test_no_two_folders_import_each_other():
+    """Leaves (``errors``, ``storage``) sit under everything, so dependencies between the
+    package's folders run one way (docs/architecture.md, import rules)."""
+    found = two_way_folder_pairs(import_graph())
+    assert found == [], "folders importing each other both ways:\n" + "\n".join(found)
+
+
+def test_worker_code_never_imports_the_drivers_controller():
+    graph = import_graph()
+    back = [
+        f"{module} -> {target}"
+        for module, imported in sorted(graph.items())
+        if folder_of(module) in WORKER_SIDE
+        for target in sorted(imported)
+        if folder_of(target) in DRIVER_CONTROL
+    ]
+    assert back == []
+
+
 def test_cycle_finder_finds_a_hidden_cycle_and_ignores_a_chain():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []

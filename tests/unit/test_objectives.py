@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 
 from raytrain_ext.config.schema import ModelConfig, ObjectiveConfig, TrainConfig
 from raytrain_ext.data.batch import Batch
-from raytrain_ext.inputs.errors import InputError
+from raytrain_ext.errors import InputError
 from raytrain_ext.models.gpt import build_model
 from raytrain_ext.objectives import (
     DPO,

@@ -10,7 +10,7 @@ import pytest
 
 from raytrain_ext.config import load_config
 from raytrain_ext.data.prepare import prepare_dataset
-from raytrain_ext.inputs.errors import InputError
+from raytrain_ext.errors import InputError
 from raytrain_ext.inputs.preflight import preflight
 from tests.helpers.text_data import (
     build_tokenizer,

@@ -236,7 +236,7 @@ class ToySource(ModelSourceHooks):
 
 def test_a_new_model_source_is_served_by_its_registry_line_alone(monkeypatch):
     from raytrain_ext.data.open import tokenizer_spec
-    from raytrain_ext.inputs.errors import InputError
+    from raytrain_ext.errors import InputError
     from raytrain_ext.inputs.text_data_check import check_document_mask
 
     monkeypatch.setitem(MODEL_SOURCES, "toy", ToySource())

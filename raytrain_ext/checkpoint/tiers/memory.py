@@ -29,7 +29,6 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raytrain_ext.checkpoint.manifest import Manifest, step_dir_name
 from raytrain_ext.checkpoint.tiers.base import FetchMode, Tier, TierError
-from raytrain_ext.worker.priority import RAY_DEFAULT_NICENESS, with_niceness
 
 log = logging.getLogger(__name__)
 NAMESPACE = "raytrain_ext"
@@ -137,10 +136,12 @@ class CheckpointRegistry:
 
 
 def start_memory_tier(
-    run: str, niceness: int = RAY_DEFAULT_NICENESS
+    run: str, runtime_env: Optional[Dict[str, Any]] = None
 ) -> List[ray.actor.ActorHandle]:
     """Create the registry and one holder per alive node; returns the handles created.
-    Their processes run at ``niceness`` (the trainer passes ``scaling.worker_niceness``).
+    Their processes start in ``runtime_env``: the trainer's sets the ranks' niceness
+    (``scaling.worker_niceness``, ``worker.priority.with_niceness``), since a holder takes
+    their shards on the step's path; None leaves Ray's default.
 
     A registry that already exists (a memory tier that outlives one fit, e.g.
     held by the elastic controller or a test) is reused and not returned, so
@@ -152,8 +153,8 @@ def start_memory_tier(
     except ValueError:
         pass
     options = dict(namespace=NAMESPACE, lifetime="detached", get_if_exists=True, num_cpus=0)
-    # the ranks' priority (``scaling.worker_niceness``): a holder takes their shards
-    options["runtime_env"] = with_niceness(None, niceness)
+    if runtime_env is not None:
+        options["runtime_env"] = runtime_env
     # The registry lives on the head node, whose loss ends the Ray cluster anyway.
     actors = [
         ray.remote(CheckpointRegistry)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Callable, List, Optional, TypeVar
 
 from raytrain_ext.checkpoint.manifest import MANIFEST, Manifest, parse_step_dir, step_dir_name
 from raytrain_ext.checkpoint.tiers.base import FetchMode, Tier, TierError
-from raytrain_ext.inputs.s3_errors import CHECKPOINT_KEYS, S3Keys, describe_s3_error
+from raytrain_ext.storage.s3_errors import CHECKPOINT_KEYS, S3Keys, describe_s3_error
 
 if TYPE_CHECKING:
     from raytrain_ext.checkpoint.tiers.s3_ranged import PlannedS3Fetch
