@@ -23,13 +23,14 @@ from raytrain_ext.checkpoint.tiers.memory import start_memory_tier, stop_memory_
 from raytrain_ext.config import config_digest, load_config, to_yaml
 from raytrain_ext.data.ray_input import materialise_dataset
 from raytrain_ext.elastic.controller import Controller, ControllerResult, RunState
-from raytrain_ext.elastic.ray_group import RayGroup
 from raytrain_ext.inputs.preflight import preflight
 from raytrain_ext.metrics import FanOut, StdoutSink, TensorBoardSink, summarize_records
 from raytrain_ext.metrics.sinks import eval_fields
 from raytrain_ext.metrics.start_phases import start_phases
 from raytrain_ext.models.sources import model_source
 from raytrain_ext.objectives import check_objective, objective_name
+from raytrain_ext.ray_group.cluster import RayCluster
+from raytrain_ext.ray_group.port import RayGroup
 from raytrain_ext.ray_session import connect_ray
 from raytrain_ext.run_dir import SUMMARY, RunDirectory, refuse_finished_run
 from raytrain_ext.user_code import UserCode
@@ -134,6 +135,7 @@ class Trainer:
                 self.cfg,
                 sink,
                 group_factory=partial(RayGroup.for_config, user=self._user),
+                cluster=RayCluster(),
             )
             if self._stop_reason is not None:  # stop() came before the controller existed
                 self._controller.stop(self._stop_reason)

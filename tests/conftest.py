@@ -126,3 +126,57 @@ def ddp_layout_reference(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("ddp-layout-reference")
     return {"ranks": train(2, tmp), "ckpt": tmp / "ckpt"}
+
+
+# ---- the ladder: tiers run cheapest first, and the unit tier gates the rest -------------------
+TIERS = ("unit", "multiprocess", "ray", "cluster")
+UNIT_BUDGET_S = 60.0
+_unit = {"failed": 0, "started": None, "ended": None}
+
+
+def tier_of(item) -> str:
+    """The tier folder a test lives in (``tests/<tier>/...``); others run last."""
+    parts = item.nodeid.split("/")
+    return parts[1] if len(parts) > 2 and parts[0] == "tests" else ""
+
+
+def _tier_rank(item) -> int:
+    tier = tier_of(item)
+    return TIERS.index(tier) if tier in TIERS else len(TIERS)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Unit -> multiprocess -> single-node Ray -> multi-node Ray (stable within a tier, so a
+    module's tests stay together)."""
+    items.sort(key=_tier_rank)
+
+
+def pytest_runtest_setup(item):
+    """The first test above the unit tier does not start while a unit test has failed: the
+    unit tier is the gate that costs seconds, the rest costs minutes."""
+    if tier_of(item) == "unit":
+        if _unit["started"] is None:
+            import time
+
+            _unit["started"] = time.monotonic()
+        return
+    if _unit["failed"]:
+        pytest.exit(f"{_unit['failed']} unit test(s) failed: the slower tiers did not run", 1)
+
+
+def pytest_runtest_logreport(report):
+    if not report.nodeid.startswith("tests/unit/"):
+        return
+    import time
+
+    _unit["ended"] = time.monotonic()
+    _unit["failed"] += report.failed
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The unit tier's own time, against its budget (``pytest tests/unit`` under 60 s)."""
+    if _unit["started"] is None or _unit["ended"] is None:
+        return
+    took = _unit["ended"] - _unit["started"]
+    over = " OVER BUDGET" if took > UNIT_BUDGET_S else ""
+    terminalreporter.write_line(f"unit tier: {took:.1f} s (budget {UNIT_BUDGET_S:.0f} s){over}")

@@ -11,16 +11,17 @@ the gang, so the capacity they need is taken off every count.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Callable, Dict, Iterable, Optional, Set
 
 from raytrain_ext.elastic.cluster_probe import Cluster
+from raytrain_ext.elastic.decision import Situation, decide_recovery
 from raytrain_ext.elastic.policy import (
     Action,
     Budget,
     Decision,
     GrowPolicy,
     ScalingPolicy,
-    recovery_decision,
     workers_that_fit,
 )
 from raytrain_ext.parallel.dims import resize_unit
@@ -97,13 +98,14 @@ class Capacity:
 
     def decide(
         self,
-        failures: int,
+        situation: Situation,
         budget: Budget,
         wait_s: float,
         avoid: Set[str],
         stopping: Callable[[], bool],
     ) -> Decision:
-        """Decide the next size; below min_workers, wait up to ``wait_s`` for capacity.
+        """Measure what fits and decide a restart's size (``decision.decide_recovery``);
+        below min_workers, wait up to ``wait_s`` for capacity.
 
         Committed checkpoints stay where they are meanwhile (the memory tier's
         holders outlive the group), so a node that comes back resumes from peer memory.
@@ -111,9 +113,10 @@ class Capacity:
         deadline = self.clock() + wait_s
         while True:
             capacity = self.settled(avoid)
-            decision = recovery_decision(failures, capacity, budget, self.scaling)
+            stopped = replace(situation, evidence=None, capacity=capacity)  # no process is kept
+            decision = decide_recovery(stopped, budget, self.scaling)
             if (
-                decision.action == Action.RESTART
+                decision.action != Action.FAIL
                 or capacity >= self.scaling.min_workers
                 or self.clock() >= deadline
                 or stopping()

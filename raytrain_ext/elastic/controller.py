@@ -33,12 +33,12 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from raytrain_ext.config import to_dict
 from raytrain_ext.elastic.capacity import Capacity
-from raytrain_ext.elastic.cluster_probe import Cluster, RayCluster
+from raytrain_ext.elastic.cluster_probe import Cluster
+from raytrain_ext.elastic.decision import Situation, decide_recovery
 from raytrain_ext.elastic.group_port import GroupPort
 from raytrain_ext.elastic.in_place import InPlacePlan
 from raytrain_ext.elastic.notices import Notices
 from raytrain_ext.elastic.policy import Action, Decision
-from raytrain_ext.elastic.ray_group import RayGroup
 from raytrain_ext.elastic.records import (
     TERMINAL,
     ControllerResult,
@@ -79,17 +79,17 @@ class Controller:
         sink: MetricsSink,
         clock: Callable[[], float] = time.time,
         *,
-        group_factory: Callable[[Any], GroupPort] = RayGroup.for_config,
-        cluster: Optional[Cluster] = None,
+        group_factory: Callable[[Any], GroupPort],
+        cluster: Cluster,
         sleep: Callable[[float], None] = time.sleep,
     ):
         """``group_factory(cfg)`` makes the worker group and ``cluster`` answers what the
-        cluster has room for (default: Ray's); tests pass fakes, with ``clock`` and ``sleep``."""
+        cluster has room for (the trainer passes Ray's, ``ray_group``; tests pass fakes,
+        with ``clock`` and ``sleep``)."""
         self.cfg, self.sink, self.clock = cfg, sink, clock
         self.state = RunState.SCHEDULING
         self.result = ControllerResult(state=self.state)
         self.group = group_factory(cfg)
-        cluster = RayCluster() if cluster is None else cluster
         self.capacity = Capacity(cfg, cluster, clock, sleep)
         self.notices = Notices(cfg, self.group, cluster, clock)
         self.recoveries = Recoveries(cfg, self.group, clock, self.result.recovery_log)
@@ -433,31 +433,26 @@ class Controller:
         return max(steps)
 
     def _recover(self) -> Next:
-        """Re-form in place when a process survived (refilling lost ranks whose node is
-        alive, leaving out those whose node died); else stop the survivors, see what
-        fits now, and re-form from the newest checkpoint."""
+        """Re-form in place when surviving processes can fill an allowed size (refilling lost
+        ranks whose node is alive, leaving out those whose node died); else stop the
+        survivors, see what fits now, and re-form from the newest checkpoint.  What to do
+        is ``decision.decide_recovery``'s; this executes it."""
         recovery = self.recoveries.current
         self._resize_target, self._grow_in_place = None, False  # a failure overtook a resize
-        plan = self.recoveries.plan_in_place(self.notices.hung_ranks, self.capacity.scaling)
-        if plan is not None:
-            self._in_place = plan
-            action = Action.SHRINK if plan.shrinks else Action.REPLACE
-            recovery.decide(self.clock(), action, plan.size)
+        situation = self.recoveries.situation(self.notices.hung_ranks)
+        decision = decide_recovery(situation, self.recoveries.failure_budget, self.capacity.scaling)
+        if decision.plan is not None:
+            plan = self._in_place = decision.plan
+            recovery.decide(self.clock(), decision.action, plan.size)
             recovery.lost = [{"rank": r, "fate": f} for r, f in sorted(plan.fates.items())]
             self.world_size = plan.size
             self.attempt += 1
-            lost = ", ".join(f"rank {r} ({f})" for r, f in sorted(plan.fates.items()))
-            left_out = plan.from_size - plan.size
-            return RunState.SCHEDULING, (
-                f"re-forming {plan.size} workers in place: {len(plan.keep)} surviving "
-                f"process(es) kept"
-                + (f"; lost {lost}" if lost else "")
-                + (f", {left_out} lost rank(s) left out (node lost)" if left_out > 0 else "")
-            )
+            return RunState.SCHEDULING, decision.reason
         self.group.shutdown()
         preempted = recovery.kind is RecoveryKind.PREEMPTION
         e = self.cfg.elastic
-        decision = self._decide(e.preemption_wait_s if preempted else e.wait_for_capacity_s)
+        wait_s = e.preemption_wait_s if preempted else e.wait_for_capacity_s
+        decision = self._decide(wait_s, situation)
         recovery.decide(self.clock(), decision.action, decision.world_size)
         if decision.action == Action.FAIL and preempted:
             return RunState.PREEMPTED, (
@@ -481,9 +476,11 @@ class Controller:
             books.account(record.restored, record.time)
         self.group.replenish(self.cfg.elastic.spare_workers)
 
-    def _decide(self, wait_s: float) -> Decision:
+    def _decide(self, wait_s: float, situation: Optional[Situation] = None) -> Decision:
+        """A restart's size from what fits once the group stopped (``situation``: the
+        failure's; a planned resize decides from the failures counted alone)."""
         return self.capacity.decide(
-            self.recoveries.failures,
+            situation or Situation(self.recoveries.failures),
             self.recoveries.failure_budget,
             wait_s,
             self.group.avoid_nodes,

@@ -3,7 +3,7 @@
 The controller never handles a Ray future: starting ``fit`` on every rank,
 waiting on it, polling heartbeats and per-step records, and asking ranks to
 checkpoint all go through ``GroupPort``.  ``ray_group.RayGroup`` implements it
-over ``worker.group.WorkerGroup``; the controller's unit tests step the state
+over ``worker.group.WorkerGroup`` (``ray_group/port.py``); the controller's unit tests step the state
 machine with a fake.  Ranks are the group's current ranks: every ``start`` and
 ``reform`` renumbers them, and ``infos[rank]`` names each rank's node and process.
 """
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Protocol, Sequence, Set, Tuple
 
+from raytrain_ext.elastic.decision import Evidence
 from raytrain_ext.elastic.in_place import InPlacePlan
 from raytrain_ext.worker.form_options import FormOptions
 
@@ -90,11 +91,12 @@ class GroupPort(Protocol):
 
     def request_checkpoint(self) -> None: ...
 
-    def plan_in_place(
-        self, hung_ranks: List[int], wait_s: float, evidence_s: float, background: bool
-    ) -> Optional[InPlacePlan]:
-        """Which processes to keep and which lost ranks' nodes are alive (their slots can
-        be refilled); None to restart every process."""
+    def gather_evidence(
+        self, hung_ranks: List[int], wait_s: float, evidence_s: float
+    ) -> Optional[Evidence]:
+        """After a failure: kill ``hung_ranks``, take the others out of their collectives,
+        and report which processes came out healthy and Ray's verdict on the rest (the
+        controller decides, ``decision.decide_recovery``); None when nothing ran."""
         ...
 
     def ready_spare_count(self) -> int:

@@ -1,8 +1,8 @@
 """A re-form in place, as data: which processes stay, which slots are refilled, the size.
 
-Pure (no Ray): the controller sizes the plan with the scaling policy, and the unit
-tests step it with made-up survivors.  ``survivors.plan_in_place`` fills it from the
-group's finished ``fit`` calls and Ray's verdict on each lost process.
+Pure (no Ray): ``decision.in_place_plan`` builds it from the broken group's evidence (its
+healthy processes, Ray's verdict on each lost one: ``ray_group.survivors``) and ``sized``
+fits it to the scaling policy; the unit tests step it with made-up survivors.
 """
 
 from __future__ import annotations

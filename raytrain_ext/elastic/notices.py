@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Set
 
 from raytrain_ext.elastic.cluster_probe import Cluster
-from raytrain_ext.elastic.diagnostics import newly_flagged_stragglers
 from raytrain_ext.elastic.group_port import GroupPort
 from raytrain_ext.elastic.records import StepRecord
 from raytrain_ext.elastic.watchdog import HangWatchdog
@@ -112,3 +111,38 @@ class Notices:
         if self.cfg.guards.hang_stacks:
             run = self.cfg.run
             self.group.dump_stacks(Path(run.output_dir) / run.name / "hang-stacks", attempt)
+
+
+def newly_flagged_stragglers(
+    record: Dict[str, Any], infos: List[Dict[str, Any]], already_named: set, window: int
+) -> List[Dict[str, Any]]:
+    """One entry per rank flagged in ``record`` for the first time, named with node and GPU."""
+    times = record.get("rank_compute_s", [])
+    entries = []
+    for rank in record.get("stragglers", []):
+        if rank in already_named or rank >= len(infos) or rank >= len(times):
+            continue
+        already_named.add(rank)
+        info = infos[rank]
+        others = sorted(t for r, t in enumerate(times) if r != rank)
+        entry = {
+            "step": record["step"],
+            "rank": rank,
+            "node_ip": info["node_ip"],
+            "node_id": info["node_id"],
+            "gpu_ids": info["gpu_ids"],
+            "compute_s": times[rank],
+            "peers_median_s": others[len(others) // 2],
+        }
+        log.warning(
+            "controller: straggler rank %d (node %s, GPU %s): compute %.1f ms per step "
+            "vs %.1f ms median of the other ranks for %d steps",
+            rank,
+            info["node_ip"],
+            ",".join(info["gpu_ids"]) or "none",
+            entry["compute_s"] * 1e3,
+            entry["peers_median_s"] * 1e3,
+            window,
+        )
+        entries.append(entry)
+    return entries

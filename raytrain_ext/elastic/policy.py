@@ -10,14 +10,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Iterable, Mapping, Optional
+from typing import TYPE_CHECKING, Iterable, Mapping, Optional
+
+if TYPE_CHECKING:
+    from raytrain_ext.elastic.in_place import InPlacePlan
 
 
 class Action(StrEnum):
     """What the controller does after a failure (a ``str``: records and logs print it).
 
-    ``REPLACE`` and ``SHRINK`` are chosen by the recovery from the surviving processes;
-    the policies here return ``RESTART`` or ``FAIL``.
+    ``REPLACE`` and ``SHRINK`` are chosen from the surviving processes
+    (``decision.decide_recovery``); the policies here return ``RESTART`` or ``FAIL``.
     """
 
     RESTART = "restart"  # re-form with ``Decision.world_size`` workers
@@ -28,9 +31,13 @@ class Action(StrEnum):
 
 @dataclass(frozen=True)
 class Decision:
+    """``world_size``: the next group's size (None: to be measured, or FAIL); ``plan``: for
+    REPLACE and SHRINK, the re-form in place the group carries out."""
+
     action: Action
     reason: str
     world_size: Optional[int] = None
+    plan: Optional["InPlacePlan"] = None
 
 
 def workers_that_fit(

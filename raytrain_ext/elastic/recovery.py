@@ -13,9 +13,9 @@ from __future__ import annotations
 import logging
 from typing import Callable, List, Optional
 
+from raytrain_ext.elastic.decision import Situation, in_place_considered
 from raytrain_ext.elastic.group_port import GroupPort
-from raytrain_ext.elastic.in_place import InPlacePlan, sized
-from raytrain_ext.elastic.policy import Budget, ScalingPolicy
+from raytrain_ext.elastic.policy import Budget
 from raytrain_ext.elastic.records import Recovery, RecoveryKind, StepRecord
 
 log = logging.getLogger(__name__)
@@ -62,20 +62,15 @@ class Recoveries:
         self.records.append(Recovery(kind, self.failures, reason, self.clock(), step))
         return None
 
-    def plan_in_place(self, hung_ranks: List[int], policy: ScalingPolicy) -> Optional[InPlacePlan]:
-        """The re-form in place (see ``survivors.plan_in_place``), sized by ``policy``; None
-        to restart every process (and wait for capacity, below ``min_workers``).
-
-        Only after a failure: a preemption or eviction re-forms away from nodes that are
-        still alive.
-        """
+    def situation(self, hung_ranks: List[int]) -> Situation:
+        """What the recovery decision reads after this failure: the broken group's evidence
+        when a re-form in place is considered (gathering it kills hung ranks and takes the
+        others out of their collectives), the failures counted, and no capacity yet."""
         e = self.cfg.elastic
-        if not e.reuse_survivors or self.current.kind is not RecoveryKind.FAILURE:
-            return None
-        plan = self.group.plan_in_place(
-            hung_ranks, e.reuse_wait_s, e.fate_wait_s, e.replace_in_background
-        )
-        return None if plan is None else sized(plan, policy)
+        evidence = None
+        if in_place_considered(self.current.kind is RecoveryKind.FAILURE, e.reuse_survivors):
+            evidence = self.group.gather_evidence(hung_ranks, e.reuse_wait_s, e.fate_wait_s)
+        return Situation(self.failures, evidence, background=e.replace_in_background)
 
     def account(self, record: StepRecord) -> None:
         """The first step after a re-form closes the books on the last recovery."""

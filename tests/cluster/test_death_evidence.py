@@ -1,4 +1,4 @@
-"""How a worker died, from Ray's evidence (raytrain_ext.elastic.death), on a real
+"""How a worker died, from Ray's evidence (raytrain_ext.ray_group.death), on a real
 multi-node Cluster: a killed process on a live node, a removed node, a healthy actor.
 
 The actors are small threaded ones (like TrainWorker, max_concurrency 4) that do
@@ -13,7 +13,7 @@ import time
 import pytest
 import ray
 
-from raytrain_ext.elastic.death import Fate, fates_of
+from raytrain_ext.ray_group.death import Fate, fates_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 

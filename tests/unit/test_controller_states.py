@@ -15,6 +15,7 @@ import ray
 
 from raytrain_ext.config import load_config
 from raytrain_ext.elastic.controller import Controller, TrainingFailed
+from raytrain_ext.elastic.decision import Evidence, Fate
 from raytrain_ext.elastic.group_port import FitStatus
 from raytrain_ext.elastic.in_place import InPlacePlan, sized
 from raytrain_ext.elastic.policy import Action, ScalingPolicy
@@ -107,7 +108,7 @@ class FakeGroup:
         self.calls: List[tuple] = []
         self.faults: List[Fault] = []
         self.at_step: Dict[int, Callable[[], None]] = {}  # run once the step is done
-        self.plan: Optional[InPlacePlan] = None  # what plan_in_place answers
+        self.evidence: Optional[Evidence] = None  # what gather_evidence answers
         self.spares_ready = 0  # warm spares waiting in the gang's slots
         self.pausing = False
         self.paused_at: Optional[int] = None
@@ -229,9 +230,9 @@ class FakeGroup:
     def request_checkpoint(self):
         self.calls.append(("request_checkpoint",))
 
-    def plan_in_place(self, hung_ranks, wait_s, evidence_s, background):
-        self.calls.append(("plan_in_place", list(hung_ranks)))
-        return self.plan
+    def gather_evidence(self, hung_ranks, wait_s, evidence_s):
+        self.calls.append(("gather_evidence", list(hung_ranks)))
+        return self.evidence
 
     def ready_spare_count(self):
         return self.spares_ready
@@ -354,7 +355,7 @@ def test_worker_failure_recovers_at_the_same_size():
     }
     assert run.steps() == [1, 2, 3, 4, 5, 5, 6, 7, 8]  # step 5 redone from the step-4 checkpoint
     assert [r["recoveries"] for r in result.records] == [0] * 5 + [1] * 4
-    assert ("plan_in_place", []) in run.group.calls  # survivors were considered first
+    assert ("gather_evidence", []) in run.group.calls  # survivors were considered first
     assert ("replenish", 0) in run.group.calls  # after the first step, off the path
     assert result.world_size_history == [
         {"step": 0, "world_size": 2},
@@ -367,7 +368,7 @@ def test_failure_with_survivors_reforms_in_place():
     run = make_run(
         {"n1": 1, "n2": 1}, ["elastic.max_failures=1"], faults=[Fault(0, 3, rank=1, error=died)]
     )
-    run.group.plan = InPlacePlan(keep=[0], refill=[1], left_out=[], fates={1: "process_died"})
+    run.group.evidence = Evidence(2, healthy=[0], fates={1: Fate.PROCESS_DIED})
     result = run.controller.run()
     (recovery,) = result.recoveries
     assert recovery["lost"] == [{"rank": 1, "fate": "process_died"}]
@@ -391,7 +392,7 @@ def test_node_loss_with_survivors_shrinks_in_place_then_grows_back_in_place():
         faults=[Fault(0, 3, rank=2, error=died)],
         max_steps=10,
     )
-    run.group.plan = InPlacePlan(keep=[0, 1], refill=[], left_out=[2])
+    run.group.evidence = Evidence(3, healthy=[0, 1], fates={2: Fate.NODE_DIED})
     run.group.at_step[5] = lambda: setattr(run.group, "spares_ready", 1)
     result = run.controller.run()
     (recovery,) = result.recoveries
@@ -567,7 +568,7 @@ def test_hang_names_the_rank_dumps_stacks_and_recovers():
     assert recovery["reason"].startswith("hang: rank 1 (node 10.0.0.2, pid 1001) made no progress")
     assert recovery["last_step"] == 3 and recovery["world_size"] == 2
     assert ("dump_stacks", 0) in run.group.calls
-    assert ("plan_in_place", [1]) in run.group.calls  # the hung rank is not kept
+    assert ("gather_evidence", [1]) in run.group.calls  # the hung rank is not kept
     assert result.state is RunState.FINISHED
 
 
@@ -602,7 +603,7 @@ def test_start_marks_are_the_first_groups_and_its_first_records():
     run = make_run(
         {"n1": 1, "n2": 1}, ["elastic.max_failures=1"], faults=[Fault(0, 3, rank=1, error=died)]
     )
-    run.group.plan = InPlacePlan(keep=[0], refill=[1], left_out=[], fates={1: "process_died"})
+    run.group.evidence = Evidence(2, healthy=[0], fates={1: Fate.PROCESS_DIED})
     result = run.controller.run()
     assert ("reform", [0], 2) in run.group.calls
     first = result.records[0]

@@ -3,7 +3,7 @@ no Ray.  The same rules meet real deaths in tests/cluster/test_death_evidence.py
 
 import pytest
 
-from raytrain_ext.elastic.death import Fate, verdict
+from raytrain_ext.ray_group.death import Fate, verdict
 
 
 @pytest.mark.parametrize(

@@ -74,7 +74,7 @@ def test_preemption_budget_is_separate_from_failures():
 def test_node_probe_counts_nodes_proven_alive_without_pinging_them():
     """After a failure, the nodes whose ranks answered the controller's poll are alive; the
     capacity check counts them at once instead of waiting for a ping task to start there."""
-    from raytrain_ext.elastic.cluster_probe import NodeProbe
+    from raytrain_ext.ray_group.cluster import NodeProbe
 
     probe = NodeProbe(known_alive={"node-a"})
     probe.add(["node-a"])  # already known: no ping task is submitted (no Ray needed)
@@ -84,8 +84,8 @@ def test_node_probe_counts_nodes_proven_alive_without_pinging_them():
 def test_failure_origin_is_the_dead_rank_not_the_peers_that_echo_it():
     import ray
 
-    from raytrain_ext.elastic.survivors import origin_of
     from raytrain_ext.errors.text import is_peer_loss
+    from raytrain_ext.ray_group.survivors import origin_of
 
     echo = RuntimeError(
         "[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:39856"

@@ -146,6 +146,39 @@ def test_worker_code_never_imports_the_drivers_controller():
     assert back == []
 
 
+def imports_ray(path: Path) -> bool:
+    """Whether ``path`` imports Ray (or a module of it), anywhere in the file."""
+    tree = ast.parse(path.read_text())
+    skipped = _type_checking_only(tree)
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import) and any(
+            alias.name.split(".")[0] == "ray" for alias in node.names
+        ):
+            return True
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "ray":
+            return True
+    return False
+
+
+def test_the_controller_decides_without_ray():
+    """``elastic/`` (the state machine, policies, the recovery decision) imports no Ray,
+    directly or through the Ray-bound ``ray_group/``, which the trainer hands it."""
+    elastic = sorted((PACKAGE / "elastic").glob("*.py"))
+    assert [p.name for p in elastic if imports_ray(p)] == []
+    graph = import_graph()
+    reaching = sorted(
+        f"{module} -> {target}"
+        for module, imported in graph.items()
+        if folder_of(module) == "elastic"
+        for target in imported
+        if folder_of(target) == "ray_group"
+    )
+    assert reaching == []
+    assert imports_ray(PACKAGE / "ray_group" / "port.py")  # the scan sees an import of Ray
+
+
 def test_cycle_finder_finds_a_hidden_cycle_and_ignores_a_chain():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
@@ -173,7 +206,7 @@ def test_the_driver_checks_a_config_and_builds_its_trainer_without_torch():
     imports torch (2-3 s of the command's start when the config checks imported the
     strategies, and the worker group the process-group code)."""
     code = (
-        "import raytrain_ext.cli, raytrain_ext.trainer, raytrain_ext.elastic.ray_group\n"
+        "import raytrain_ext.cli, raytrain_ext.trainer, raytrain_ext.ray_group.port\n"
         "from raytrain_ext.config import load_config\n"
         "from raytrain_ext.inputs.preflight import preflight\n"
         "from raytrain_ext.objectives import check_objective\n"

@@ -14,9 +14,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set
 
 import ray
 
-from raytrain_ext.elastic.diagnostics import dump_worker_stacks
+from raytrain_ext.elastic.decision import Evidence
 from raytrain_ext.elastic.group_port import FitStatus
-from raytrain_ext.elastic.survivors import InPlacePlan, first_error, plan_in_place
+from raytrain_ext.elastic.in_place import InPlacePlan
+from raytrain_ext.ray_group.diagnostics import dump_worker_stacks
+from raytrain_ext.ray_group.survivors import first_error, gather_evidence
 from raytrain_ext.user_code import UserCode
 from raytrain_ext.worker.form_options import FormOptions
 from raytrain_ext.worker.group import WorkerGroup
@@ -130,14 +132,12 @@ class RayGroup:
         if self._group.actors:
             self._group.actors[0].request_checkpoint.remote()
 
-    def plan_in_place(
-        self, hung_ranks: List[int], wait_s: float, evidence_s: float, background: bool
-    ) -> Optional[InPlacePlan]:
+    def gather_evidence(
+        self, hung_ranks: List[int], wait_s: float, evidence_s: float
+    ) -> Optional[Evidence]:
         if not self._fit_refs:
             return None  # nothing ran: no survivor to keep
-        return plan_in_place(
-            self._group, self._fit_refs, hung_ranks, wait_s, evidence_s, background
-        )
+        return gather_evidence(self._group, self._fit_refs, hung_ranks, wait_s, evidence_s)
 
     def ready_spare_count(self) -> int:
         return self._group.ready_spare_count()

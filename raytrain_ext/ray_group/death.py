@@ -30,13 +30,14 @@ is UNKNOWN at the deadline.
 
 from __future__ import annotations
 
-import enum
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
 import ray
 from ray.actor import ActorHandle
 from ray.exceptions import ActorUnavailableError, GetTimeoutError
+
+from raytrain_ext.elastic.decision import Fate
 
 # The GCS's causes that say the worker *process* ended while Ray still ran its node.
 PROCESS_CAUSES = frozenset(
@@ -53,15 +54,6 @@ PROCESS_CAUSES = frozenset(
 NODE_CAUSE = "NODE_DIED"
 # How long a probe may wait on the object store inside the actor (it holds a thread).
 PROBE_TIMEOUT_S = 5.0
-
-
-class Fate(enum.StrEnum):
-    """What became of a lost actor."""
-
-    ALIVE = "alive"  # it answered after all, through its node's object store
-    PROCESS_DIED = "process_died"  # replace in place, same node
-    NODE_DIED = "node_died"  # shrink away from the node
-    UNKNOWN = "unknown"  # no verdict by the deadline
 
 
 def verdict(

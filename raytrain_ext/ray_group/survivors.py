@@ -9,13 +9,14 @@ collectives failed cleanly and their processes are sound.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable, Dict, List, Optional, Set, Tuple
 
 import ray
 
-from raytrain_ext.elastic.death import Fate, fates_of
-from raytrain_ext.elastic.in_place import InPlacePlan
+from raytrain_ext.elastic.decision import Evidence
 from raytrain_ext.errors.text import is_peer_loss
+from raytrain_ext.ray_group.death import fates_of
 
 
 def origin_of(errors: Dict[int, BaseException]) -> Optional[int]:
@@ -71,52 +72,31 @@ def first_error(
     return rank, errors[rank]
 
 
-def plan_in_place(
-    group,
-    fit_refs: List[ray.ObjectRef],
-    hung_ranks: List[int],
-    wait_s: float,
-    evidence_s: float,
-    background: bool = False,
-) -> Optional[InPlacePlan]:
-    """Which ranks of ``group`` to keep for a re-form in place, and what became of the
-    others; None when no process survived (or none was lost).
+def gather_evidence(
+    group, fit_refs: List[ray.ObjectRef], hung_ranks: List[int], wait_s: float, evidence_s: float
+) -> Evidence:
+    """What the broken ``group`` shows (``elastic.decision.Evidence``), for the controller
+    to decide on.
 
     Hung ranks are killed first, so that their peers' collectives fail at once, and the
     others leave their collectives (NCCL: aborted; gloo raises on the closed connection
-    or at ``parallel.timeout_s``).  A survivor is a rank whose ``fit`` ended within
-    ``wait_s`` and left a healthy process.
-    Each lost rank's fate is Ray's verdict (``death.fates_of``, waiting up to
-    ``evidence_s`` for it): a process that died on a node Ray still reports alive is
-    refilled in its own slot (``background``: later, the group going on without it); a
-    dead node, or no verdict in time, leaves the rank out (a ping can still be answered
-    in the moments between a node's workers' and its raylet's death, so a live-looking
-    node is not proof enough).
+    or at ``parallel.timeout_s``).  A healthy rank is one whose ``fit`` ended within
+    ``wait_s`` and left a sound process.  Each other rank's fate is Ray's verdict
+    (``death.fates_of``, waiting up to ``evidence_s`` for it), asked only when some
+    process is healthy: without one, nothing would be kept.
     """
     group.kill(hung_ranks)
     group.abort_collectives([r for r in range(len(fit_refs)) if r not in hung_ranks])
     done, _ = ray.wait(fit_refs, num_returns=len(fit_refs), timeout=wait_s)
-    keep = [
+    healthy = [
         rank
         for rank, ref in enumerate(fit_refs)
         if ref in done and rank not in hung_ranks and healthy_after(ref)
     ]
-    lost = [rank for rank in range(len(fit_refs)) if rank not in keep]
-    if not keep or not lost:
-        return None
-    fates = fates_of(
-        [group.actors[r] for r in lost], [group.infos[r]["node_id"] for r in lost], evidence_s
-    )
-    on_live_nodes = [
-        r for r, fate in zip(lost, fates, strict=True) if fate in (Fate.PROCESS_DIED, Fate.ALIVE)
-    ]
-    left_out = [r for r in lost if r not in on_live_nodes]
-    refill, deferred = ([], on_live_nodes) if background else (on_live_nodes, [])
-    return InPlacePlan(
-        keep,
-        refill,
-        left_out,
-        deferred,
-        spares=group.ready_spare_count(),
-        fates={r: str(fate) for r, fate in zip(lost, fates, strict=True)},
-    )
+    lost = [rank for rank in range(len(fit_refs)) if rank not in healthy]
+    evidence = Evidence(len(fit_refs), healthy, spares=group.ready_spare_count())
+    if not healthy or not lost:
+        return evidence
+    actors = [group.actors[r] for r in lost]
+    fates = fates_of(actors, [group.infos[r]["node_id"] for r in lost], evidence_s)
+    return replace(evidence, fates=dict(zip(lost, fates, strict=True)))

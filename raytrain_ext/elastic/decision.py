@@ -1,0 +1,121 @@
+"""The recovery decision: evidence + budgets + scaling -> REPLACE, SHRINK, RESTART or FAIL.
+
+One pure function decides; the worker group only gathers the evidence (which processes
+came out of the broken group healthy, Ray's verdict on each lost one, the warm spares;
+``ray_group.survivors.gather_evidence``) and acts on the plan it is handed, and the
+capacity check only measures what fits (``capacity.Capacity``).  As Ray Train v2's
+failure and scaling policies return decision objects, ``decide_recovery`` returns a
+``Decision`` whose ``plan`` says, for a re-form in place, which processes stay, which
+slots are refilled now or later and which are left out.
+
+Why a restart may be decided in two calls: the workers that fit are measured only after
+the broken group has stopped and released its resources, which is done only when no
+re-form in place is possible.  The first call (``capacity`` None) either re-forms in place
+or says RESTART without a size; the second, with the capacity, sizes it or fails.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+from raytrain_ext.elastic.in_place import InPlacePlan, sized
+from raytrain_ext.elastic.policy import Action, Budget, Decision, ScalingPolicy, recovery_decision
+
+
+class Fate(enum.StrEnum):
+    """What became of a lost worker, in Ray's own words (``ray_group.death``)."""
+
+    ALIVE = "alive"  # it answered after all, through its node's object store
+    PROCESS_DIED = "process_died"  # replace in place, same node
+    NODE_DIED = "node_died"  # shrink away from the node
+    UNKNOWN = "unknown"  # no verdict by the deadline
+
+
+# a lost rank on a node in these states gets a new process in its own slot
+ON_A_LIVE_NODE = (Fate.PROCESS_DIED, Fate.ALIVE)
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """What the broken group showed.  ``healthy``: ranks whose ``fit`` ended and left a
+    process fit to join a new group; ``fates``: Ray's verdict on every other rank (left
+    empty when no process was healthy: nothing would be kept); ``spares``: warm spares
+    ready to take a place now."""
+
+    world_size: int
+    healthy: List[int]
+    fates: Dict[int, Fate] = field(default_factory=dict)
+    spares: int = 0
+
+
+@dataclass(frozen=True)
+class Situation:
+    """Everything a recovery decision reads.  ``evidence``: None when no re-form in place
+    is considered (``in_place_considered``) or nothing ran; ``capacity``: the workers that
+    fit once the group stopped, None before it was measured; ``background``:
+    ``elastic.replace_in_background`` (a lost rank on a live node joins later)."""
+
+    failures: int
+    evidence: Optional[Evidence] = None
+    capacity: Optional[int] = None
+    background: bool = False
+
+
+def in_place_considered(failure: bool, reuse_survivors: bool) -> bool:
+    """Only a failure re-forms in place (``elastic.reuse_survivors``): a preemption or an
+    eviction re-forms away from nodes that are still alive."""
+    return failure and reuse_survivors
+
+
+def in_place_plan(evidence: Evidence, background: bool) -> Optional[InPlacePlan]:
+    """Who stays and where new processes go, before sizing; None when no process survived
+    or none was lost.  A lost rank whose node is alive is refilled in its own slot (later,
+    with ``background``); a dead node, or no verdict in time, leaves the rank out (a ping
+    can still be answered between a node's workers' and its raylet's death, so a
+    live-looking node is not proof enough)."""
+    keep = sorted(evidence.healthy)
+    lost = [rank for rank in range(evidence.world_size) if rank not in keep]
+    if not keep or not lost:
+        return None
+    fates = {rank: evidence.fates.get(rank, Fate.UNKNOWN) for rank in lost}
+    on_live_nodes = [rank for rank in lost if fates[rank] in ON_A_LIVE_NODE]
+    left_out = [rank for rank in lost if rank not in on_live_nodes]
+    refill, deferred = ([], on_live_nodes) if background else (on_live_nodes, [])
+    return InPlacePlan(
+        keep,
+        refill,
+        left_out,
+        deferred,
+        spares=evidence.spares,
+        fates={rank: str(fate) for rank, fate in fates.items()},
+    )
+
+
+def decide_recovery(situation: Situation, budget: Budget, scaling: ScalingPolicy) -> Decision:
+    """The one recovery decision (module doc): FAIL once ``budget`` is spent; REPLACE or
+    SHRINK with a sized plan when surviving processes can fill an allowed size; else
+    RESTART, sized by ``capacity`` (without one yet: unsized, measure it and ask again),
+    or FAIL below ``scaling.min_workers``."""
+    if not budget.allows(situation.failures):
+        return Decision(Action.FAIL, budget.spent(situation.failures, "failure"))
+    evidence = situation.evidence
+    plan = None if evidence is None else in_place_plan(evidence, situation.background)
+    plan = None if plan is None else sized(plan, scaling)
+    if plan is not None:
+        action = Action.SHRINK if plan.shrinks else Action.REPLACE
+        return Decision(action, _in_place_reason(plan), plan.size, plan)
+    if situation.capacity is None:
+        return Decision(Action.RESTART, "no surviving process can be kept: every rank restarts")
+    return recovery_decision(situation.failures, situation.capacity, budget, scaling)
+
+
+def _in_place_reason(plan: InPlacePlan) -> str:
+    lost = ", ".join(f"rank {rank} ({fate})" for rank, fate in sorted(plan.fates.items()))
+    left_out = plan.from_size - plan.size
+    return (
+        f"re-forming {plan.size} workers in place: {len(plan.keep)} surviving process(es) kept"
+        + (f"; lost {lost}" if lost else "")
+        + (f", {left_out} lost rank(s) left out (node lost)" if left_out > 0 else "")
+    )
