@@ -244,13 +244,13 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--max-shard-size", default="5GB", help="--to-hf: per safetensors file")
     export.add_argument("--s3-endpoint-url", default=None)
     export.set_defaults(func=_ckpt_export)
-    from raytrain_ext.doctor.diagnosis import add_parser as add_doctor
+    from raytrain_ext.ops.doctor.diagnosis import add_parser as add_doctor
 
     add_doctor(commands)
-    from raytrain_ext.plan.cli import add_parser as add_plan
+    from raytrain_ext.ops.plan.cli import add_parser as add_plan
 
     add_plan(commands)
-    from raytrain_ext.metrics.report import add_parser as add_report
+    from raytrain_ext.ops.report import add_parser as add_report
 
     add_report(commands)
     from raytrain_ext.data.prepare_cli import add_parser as add_data

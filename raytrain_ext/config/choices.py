@@ -14,13 +14,19 @@ config becomes YAML or a plain dict (``enum_to_str``), so name and value must be
 same string; :func:`_choice` builds every enum from its values to guarantee it, which
 also admits values that are not identifiers (``1f1b``).
 
-Imports nothing from the package, so any module can import it without a cycle.
+The strategies and model sources are the keys of their registries
+(``parallel.catalog``, ``models.sources``), so a new one is its module and its registry
+line.  Those two registries import nothing from the package, and this module nothing
+else, so any module can import it without a cycle.
 """
 
 from __future__ import annotations
 
 from enum import StrEnum
 from typing import Tuple, Type
+
+from raytrain_ext.models.sources import MODEL_SOURCES
+from raytrain_ext.parallel.catalog import STRATEGY_CATALOG
 
 
 class Choice(StrEnum):
@@ -61,17 +67,15 @@ PlacementStrategy = _choice(
 ModelSource = _choice(
     "ModelSource",
     "``model.source``: the built-in reference GPT, a Hugging Face causal LM "
-    "(``model.hf``), or the user's own ``nn.Module`` (``model.factory``).",
-    "gpt",
-    "hf",
-    "python",
+    "(``model.hf``), or the user's own ``nn.Module`` (``model.factory``); one per entry of "
+    "``models.sources.MODEL_SOURCES``.",
+    *MODEL_SOURCES,
 )
 StrategyName = _choice(
     "StrategyName",
-    "``parallel.strategy``: DDP, FSDP2, or DeepSpeed ZeRO (configured by ``parallel.zero``).",
-    "ddp",
-    "fsdp",
-    "zero",
+    "``parallel.strategy``: DDP, FSDP2, or DeepSpeed ZeRO (configured by ``parallel.zero``); "
+    "one per entry of ``parallel.catalog.STRATEGY_CATALOG``.",
+    *STRATEGY_CATALOG,
 )
 Backend = _choice(
     "Backend",

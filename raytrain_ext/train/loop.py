@@ -13,12 +13,15 @@ global batch, known to every rank from the sampler before any forward (dp_size =
 world_size unless parallel.tp > 1).  DDP and FSDP average gradients over ``dp_size``,
 so the update is the gradient of the mean loss per unit over the *global* batch,
 identical for any world size up to float summation order.
+
+The loop orchestrates named parts: ``ForwardBackward`` (the step's compute over its
+micro-batches, :mod:`.forward_backward`), ``Handover`` (what this rank keeps for the next
+group, :mod:`.handover`), the data (sampler, prefetcher), the checkpoint manager, the
+guards and the evaluator; it owns the order of a step and the step's record.
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import math
 import random
 import resource
@@ -28,12 +31,11 @@ from typing import Any, Callable, Dict, List, Optional
 import numpy as np
 import torch
 
-from raytrain_ext.checkpoint.held_chunks import HeldChunks, hold_chunks
+from raytrain_ext.checkpoint.held_chunks import HeldChunks
 from raytrain_ext.checkpoint.manager import REQUEST_EMERGENCY, CheckpointManager, SaveRequests
 from raytrain_ext.checkpoint.train_state import Progress, TrainState
 from raytrain_ext.config import config_digest
 from raytrain_ext.data import GlobalSampler, rank_slice
-from raytrain_ext.data.batch import Batch
 from raytrain_ext.data.eval_split import split_eval
 from raytrain_ext.data.open import open_dataset
 from raytrain_ext.data.prefetch import BatchPrefetcher
@@ -41,29 +43,18 @@ from raytrain_ext.errors.text import is_peer_loss
 from raytrain_ext.faults import FaultInjector
 from raytrain_ext.metrics.flops import mfu, model_flops_per_token, peak_flops_for
 from raytrain_ext.models import model_spec
-from raytrain_ext.models.moe import moe_aux_loss, moe_layers
-from raytrain_ext.models.spec import batch_logits
+from raytrain_ext.models.moe import moe_layers
 from raytrain_ext.objectives import build_objective
 from raytrain_ext.parallel import DistContext, dims_for_run
-from raytrain_ext.parallel.dims import (
-    restores_own_shards,
-    shards_from_replicas,
-    state_from_peers,
-)
 from raytrain_ext.parallel.registry import build_strategy
 from raytrain_ext.train.evaluation import Evaluator
 from raytrain_ext.train.exchange import exchange
 from raytrain_ext.train.expert_load import ExpertLoad
-from raytrain_ext.train.guards import (
-    StepAction,
-    StragglerDetector,
-)
+from raytrain_ext.train.forward_backward import ForwardBackward
+from raytrain_ext.train.guards import StepAction, StragglerDetector
+from raytrain_ext.train.handover import Handover
 from raytrain_ext.train.ledger import SampleLedger, params_sha256
-from raytrain_ext.train.live_state import (
-    LiveState,
-    capture_live,
-    restore_from_peers,
-)
+from raytrain_ext.train.live_state import LiveState
 from raytrain_ext.train.nonfinite import NonFiniteGuard
 from raytrain_ext.train.optim import build_optimizer, build_scheduler
 from raytrain_ext.train.profiler import StepProfiler
@@ -72,9 +63,6 @@ from raytrain_ext.train.step_clock import StepClock
 from raytrain_ext.user_code import UserCode
 
 Report = Callable[[Dict[str, Any]], None]
-# where a step stands, for ``TrainLoop.live_state``
-BOUNDARY, BATCH_TAKEN, UPDATING = "boundary", "batch_taken", "updating"
-log = logging.getLogger(__name__)
 
 
 def seed_everything(seed: int, device: Optional[torch.device] = None) -> None:
@@ -167,9 +155,20 @@ class TrainLoop:
         self.requests = requests or SaveRequests()
         self.preempted_at: Optional[int] = None
         self.faults = faults or FaultInjector.disarmed(cfg.chaos, rank)
+        self.compute = ForwardBackward(
+            cfg,
+            self.ctx,
+            self.strategy,
+            self.spec,
+            self.objective,
+            self.prefetch,
+            self.expert_load,
+            self.moe_layers,
+            self.faults,
+            mark,
+            self.reference,
+        )
         self._first_report = True
-        self._compute_s = 0.0
-        self._data_s = 0.0
         self._reported_s = 0.0  # the last step's reporting, after its clock stopped
         self.stragglers = StragglerDetector(
             cfg.guards.straggler_factor, cfg.guards.straggler_window
@@ -179,20 +178,12 @@ class TrainLoop:
         self.peak_flops = (
             peak_flops_for(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
         )
-        self.hands_over = state_from_peers(cfg)  # every rank holds the whole state (DDP)
-        # HSDP: each rank holds a shard that the ranks of the other replicas hold too
-        replicas = shards_from_replicas(cfg)
-        self.keeps_live = self.hands_over or replicas
-        self.holds_shards = restores_own_shards(cfg)
-        dims = self.ctx.dims
-        self.shard = (dims.dp_shard, dims.shard_index(rank)) if replicas else (1, 0)
+        self.handover = Handover(cfg, self.ctx)
         self.paused_at: Optional[int] = None
-        self._position = BOUNDARY
-        self._sampler_at_boundary: Optional[Dict[str, Any]] = None  # set as a step begins
         self.ckpt: Optional[CheckpointManager] = None
         if cfg.checkpoint.enabled:
             self._open_checkpoints(cfg)
-        self.restored = restore_from_peers(self.state, live, self.keeps_live, self.shard)
+        self.restored = self.handover.restore(self.state, live)
         if self.restored is None and self.ckpt is not None:
             self.restored = self.ckpt.restore(self.state, held=held)
         self.nonfinite = NonFiniteGuard(cfg.guards, self.state, self.ckpt)
@@ -202,19 +193,11 @@ class TrainLoop:
             cfg, self.eval_split, self.objective, self.ctx, self.spec, self.reference
         )
         if self.progress.step < cfg.run.max_steps and not self.strategy.runs_microbatches:
-            self._settle_wrapper()
-
-    def _settle_wrapper(self) -> None:
-        """``Strategy.settle`` on this rank's first micro-batch of the next step (every
-        rank of the group calls it: DDP's backward is a collective)."""
-        local = rank_slice(self.sampler.peek_global_batch(), self.ctx.dp_rank, self.ctx.dp_size)
-        batch = self._fetch(self._micro_batches(local)[0])
-
-        def forward() -> torch.Tensor:
-            with self._autocast():
-                return batch_logits(self.spec, self.model, batch)
-
-        self.strategy.settle(self.model, forward)
+            # the wrapper settles on the next step's first micro-batch (DDP: its buckets)
+            upcoming = self.sampler.peek_global_batch()
+            self.compute.settle(
+                self.model, rank_slice(upcoming, self.ctx.dp_rank, self.ctx.dp_size)
+            )
 
     def _open_data(self, cfg) -> None:
         """The dataset (its ids checked against the model's vocabulary), the evaluation
@@ -239,7 +222,7 @@ class TrainLoop:
         """DPO: the starting weights' log-probs of every training and evaluation sample,
         before step 1 (:mod:`raytrain_ext.train.reference`)."""
         micro, split = self.cfg.data.micro_batch_size, self.eval_split
-        args = (self.ctx, micro, self._autocast)
+        args = (self.ctx, micro, self.compute.autocast)
         self.reference.train = compute_logps(
             self.model,
             self.spec,
@@ -328,29 +311,25 @@ class TrainLoop:
         step, ctx = self.progress.step, self.ctx
         self.mark("compute")
         seed_everything(step_seed(self.cfg.run.seed, step, ctx.rank), ctx.device)
-        self._sampler_at_boundary = self.sampler.state_dict()
-        self._position = BATCH_TAKEN
+        self.handover.batch_taken(self.sampler)
         global_batch = self.sampler.next_global_batch()
         local = rank_slice(global_batch, ctx.dp_rank, ctx.dp_size)
         upcoming = rank_slice(self.sampler.peek_global_batch(), ctx.dp_rank, ctx.dp_size)
-        self.prefetch.ahead(self._micro_batches(local) + self._micro_batches(upcoming))
+        compute = self.compute
+        self.prefetch.ahead(compute.micro_batches(local) + compute.micro_batches(upcoming))
         units = max(float(self.dataset.target_weights(global_batch).sum()), 1e-12)
-        self._metric_sums = [0.0] * len(self.objective.metric_names)
-        self._data_s = 0.0
+        compute.begin()
         lr = self.scheduler.get_last_lr()[0]
         skip_batch = step in self.progress.skip_steps  # rolled back past it: consume, do not train
         if skip_batch:
-            loss_sum, grad_norm, self._compute_s = (
-                torch.zeros((), dtype=torch.float64),
-                torch.zeros(()),
-                0.0,
-            )
+            loss_sum, grad_norm = torch.zeros((), dtype=torch.float64), torch.zeros(())
+            compute.compute_s = 0.0
         else:
             self.faults.before_compute()
             clock.lap("bookkeeping")
-            loss_sum = self._forward_backward(local, units, start)
+            loss_sum = compute.run(self.model, local, units, start, step)
             clock.lap("forward_backward")
-            clock.move(self._data_s, "forward_backward", "data")
+            clock.move(compute.data_s, "forward_backward", "data")
             self.mark("compute")
             grad_norm = self.strategy.clip_grad_norm(self.model, self.cfg.optim.grad_clip)
             clock.lap("optimizer")
@@ -365,14 +344,14 @@ class TrainLoop:
             local,
             self.max_local,
             loss_sum,
-            (vote, busy, self._compute_s, self.requests.pause_vote()),
-            self._metric_sums,
+            (vote, busy, compute.compute_s, self.requests.pause_vote()),
+            compute.metric_sums,
             self.expert_load.take(),
         )
         clock.lap("exchange")
         loss = exchanged.loss_sum / units
         decision = self.nonfinite.decide(step, loss, float(grad_norm), exchanged.consumed)
-        self._position = UPDATING
+        self.handover.updating()
         clock.lap("bookkeeping")
         if not skip_batch and decision.action == StepAction.OK:
             self.strategy.step(self.model, self.optimizer)
@@ -382,7 +361,7 @@ class TrainLoop:
         self.ledger.record(step, exchanged.consumed)
         self.progress.step += 1
         rolled_back = decision.action == StepAction.ROLLBACK and self.nonfinite.rollback(step)
-        self._position = BOUNDARY
+        self.handover.at_boundary()
         if rolled_back:
             return loss
         if exchanged.pause > 0:
@@ -393,7 +372,7 @@ class TrainLoop:
             stall = self.ckpt.after_step(
                 self.state,
                 self.progress.step,
-                self._save_request(exchanged),
+                self.handover.save_request(exchanged.request, self.paused_at is not None),
                 exchanged.busy > 0,
                 final=self.progress.step == self.cfg.run.max_steps,
                 deadline=self.requests.deadline,
@@ -416,7 +395,7 @@ class TrainLoop:
         evaluated_s = 0.0
         if self.evaluator.due(self.progress.step):
             evaluated_s = time.perf_counter()
-            record.update(self.evaluator.run(self.model, self._autocast))
+            record.update(self.evaluator.run(self.model, self.compute.autocast))
             evaluated_s = time.perf_counter() - evaluated_s
         if self._first_report:  # tells the controller where this group resumed from
             record["restored"], self._first_report = self.restored, False
@@ -444,10 +423,10 @@ class TrainLoop:
             "grad_norm": grad_norm,
             "step_time_s": step_time,
             "tokens_per_s": self.global_tokens / step_time,
-            "compute_s": self._compute_s,
-            "data_s": self._data_s,
+            "compute_s": self.compute.compute_s,
+            "data_s": self.compute.data_s,
             "ckpt_stall_s": stall,
-            "wait_s": max(0.0, step_time - self._compute_s - stall),  # comm + peers
+            "wait_s": max(0.0, step_time - self.compute.compute_s - stall),  # comm + peers
             "phases_s": clock.phases(),
             "world_size": ctx.world_size,
             "time": time.time(),
@@ -463,13 +442,6 @@ class TrainLoop:
             **self.expert_load.field(exchanged.expert_tokens),
         }
 
-    def _save_request(self, exchanged) -> float:
-        """The step's agreed save request; a pause whose state the ranks do not hand over
-        (a sharded layout) saves first, synchronously, so the grown group restores that step."""
-        if self.paused_at is not None and not self.hands_over:
-            return max(exchanged.request, REQUEST_EMERGENCY)
-        return exchanged.request
-
     @property
     def finished(self) -> bool:
         """The run is complete: every step done, not stopped by a pause or a preemption
@@ -481,33 +453,12 @@ class TrainLoop:
         )
 
     def live_state(self) -> Optional[LiveState]:
-        """This rank's state (or shard) at the last step boundary, for the next group's
-        ranks; None when it is not handed over (``state_from_peers``,
-        ``shards_from_replicas``) or the failure struck mid-update (between the optimizer
-        step and the step count), where model and bookkeeping may disagree.  A failure
-        after the step's batch was taken hands over the boundary before it: the sampler's
-        position saved at the step's start."""
-        if not self.keeps_live or self._position == UPDATING:
-            return None
-        boundary = self._sampler_at_boundary if self._position == BATCH_TAKEN else None
-        return capture_live(self.state, boundary, self.shard)
+        """This rank's state at the last step boundary, for the next group (``Handover``)."""
+        return self.handover.live_state(self.state)
 
     def held_chunks(self) -> Optional[HeldChunks]:
-        """This rank's own shards at the last step boundary, for a checkpoint restore of
-        that step in the next group (``parallel.dims.restores_own_shards``); None as for
-        ``live_state``, or when capturing them fails (the restore then reads them)."""
-        if not self.holds_shards or self._position == UPDATING:
-            return None
-        try:
-            return hold_chunks(self.state)
-        except Exception as e:  # a broken group's state dict: read from storage instead
-            log.warning(
-                "could not keep this rank's shards for the next group (%s: %s); its restore "
-                "reads them from the checkpoint",
-                type(e).__name__,
-                e,
-            )
-            return None
+        """This rank's own shards at the last step boundary (``Handover``)."""
+        return self.handover.held_chunks(self.state)
 
     def _objective_fields(self, metric_sums: List[float], units: float) -> Dict[str, float]:
         """The objective's metrics for the step, per loss unit (DPO: accuracy, margins)."""
@@ -520,76 +471,3 @@ class TrainLoop:
         if self.ctx.rank != 0:
             return {}
         return {"rank_compute_s": [round(s, 6) for s in compute_s], "stragglers": flagged}
-
-    def _forward_backward(self, local: np.ndarray, units: float, start: float) -> torch.Tensor:
-        """Accumulate gradients over this rank's micro-batches; return its loss sum.
-
-        ``units``: the global batch's loss units (the normaliser).  ``self._compute_s``
-        becomes the time from ``start`` to the synchronising backward: this rank's own
-        work, before it can wait for any peer.
-        """
-        ctx, chunks = self.ctx, self._micro_batches(local)
-        scale = ctx.dp_size / units
-        if self.strategy.runs_microbatches:  # a pipeline schedule: compute_s includes waiting
-            batches = [self._fetch(i) for i in chunks]
-            loss_sum = self.strategy.forward_backward(
-                self.model,
-                [(b.inputs, b.targets) for b in batches],
-                scale,
-                self._autocast,
-                aux_weight=self.cfg.model.moe.aux_loss_weight,
-            )
-            self.expert_load.tokens = self.strategy.take_kept_tokens()
-            self._compute_s = time.perf_counter() - start
-            return loss_sum
-        self.expert_load.tokens = None  # a rolled-back step's counts do not carry over
-        loss_sum = torch.zeros((), device=ctx.device, dtype=torch.float64)
-        for j, indices in enumerate(chunks):
-            batch = self._fetch(indices)
-            sync = j == len(chunks) - 1
-            with self.strategy.accumulate(self.model, sync=sync):
-                loss, terms = self._micro_batch_loss(batch, scale)
-                loss = self.faults.on_loss(self.progress.step + 1, loss)
-                if sync:  # the gradient all-reduce: from here on this rank waits for its peers
-                    self._compute_s = time.perf_counter() - start
-                    self.mark("exchange")
-                self.strategy.backward(self.model, loss)
-            loss_sum += terms.loss_sum.detach()
-        return loss_sum
-
-    def _micro_batches(self, local: np.ndarray) -> List[np.ndarray]:
-        micro = self.cfg.data.micro_batch_size
-        return [local[i : i + micro] for i in range(0, len(local), micro)]
-
-    def _fetch(self, indices: np.ndarray) -> Batch:
-        """A micro-batch on this rank's device; the time this step waited for it adds to
-        the step's ``data_s`` (the input pipeline's cost; usually assembled ahead by
-        :class:`BatchPrefetcher` while the previous micro-batch computed)."""
-        start = time.perf_counter()
-        batch = self.prefetch.take(indices).to(self.ctx.device)
-        self._data_s += time.perf_counter() - start
-        return batch
-
-    def _micro_batch_loss(self, batch: Batch, scale: float):
-        """The scaled loss to back-propagate (with the MoE auxiliary loss) and the
-        objective's terms; adds the terms' metric sums to the step's."""
-        with self._autocast():
-            logits = batch_logits(self.spec, self.model, batch)
-        reference = None
-        if self.reference is not None:
-            reference = self.reference.for_batch(batch.indices, self.ctx.device)
-        terms = self.objective.loss(logits, batch, reference)
-        for k, name in enumerate(self.objective.metric_names):
-            self._metric_sums[k] += float(terms.metrics[name])
-        loss = terms.loss_sum * scale
-        aux = moe_aux_loss(self.moe_layers)
-        if aux is not None:
-            weight = self.cfg.model.moe.aux_loss_weight
-            loss = loss + weight * aux * (batch.targets.numel() * scale)
-            self.expert_load.count()
-        return loss, terms
-
-    def _autocast(self):
-        if self.ctx.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.ctx.device.type, dtype=self.ctx.autocast_dtype)

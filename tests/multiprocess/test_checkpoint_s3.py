@@ -132,7 +132,9 @@ def test_s3_outage_during_training_delays_uploads_but_loses_nothing(aws_env, tmp
         while not marker.exists() and time.time() < deadline:
             time.sleep(0.02)
         servers[0].stop()
-        time.sleep(4.0)
+        # longer than botocore's own three attempts can bridge (backoff up to 1 + 2 s,
+        # jittered): a 4 s outage was once absorbed there, and no retry of ours counted it
+        time.sleep(8.0)
         servers.append(ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False))
         servers[-1].start()
 

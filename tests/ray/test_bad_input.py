@@ -510,7 +510,7 @@ def test_a_damaged_newest_manifest_is_described_alike_by_export_report_and_resto
     assert "never committed" not in export.stderr
 
     from raytrain_ext.config import load_config, to_yaml
-    from raytrain_ext.metrics.report import newest_local_checkpoint
+    from raytrain_ext.ops.report import newest_local_checkpoint
 
     cfg = load_config(None, [f"checkpoint.dir={ckpt}"])
     assert re.search(rf"step 4 in {ckpt}; skipped " + damaged, newest_local_checkpoint(cfg))

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from raytrain_ext.doctor.collectives import (
+from raytrain_ext.ops.doctor.collectives import (
     bus_factor,
 )
 
@@ -16,7 +16,7 @@ def test_doctor_end_to_end_on_cpu(ray_local, capsys):
     from ray._private.state import actors
 
     from raytrain_ext.cli import main
-    from raytrain_ext.doctor.text import render_text
+    from raytrain_ext.ops.doctor.text import render_text
     from tests.helpers.leaks import live_placement_groups
 
     start = time.time()

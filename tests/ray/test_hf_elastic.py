@@ -27,7 +27,7 @@ from raytrain_ext.checkpoint.tiers.disk import DiskTier
 from raytrain_ext.data import open_token_dataset
 from raytrain_ext.data.corpus import write_token_file
 from raytrain_ext.errors import InputError
-from raytrain_ext.metrics.report import write_report
+from raytrain_ext.ops.report import write_report
 from tests.helpers.hf_models import hf_overrides, save_tiny
 from tests.helpers.layouts import ATOL_UNEVEN, max_param_diff
 from tests.helpers.leaks import assert_nothing_left

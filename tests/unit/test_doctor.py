@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from raytrain_ext.doctor.collectives import (
+from raytrain_ext.ops.doctor.collectives import (
     algbw_gbps,
     bus_factor,
     busbw_gbps,
@@ -13,17 +13,17 @@ from raytrain_ext.doctor.collectives import (
     parse_size,
     size_range,
 )
-from raytrain_ext.doctor.diagnosis import find_mismatches
-from raytrain_ext.doctor.gpu_health import decode_clock_events, evaluate_gpu, parse_xid_lines
-from raytrain_ext.doctor.nccl_env import check_nccl_env, match_interfaces, nccl_settings
-from raytrain_ext.doctor.nccl_log import classify_transport, parse_nccl_log, transport_verdict
-from raytrain_ext.doctor.network import (
+from raytrain_ext.ops.doctor.diagnosis import find_mismatches
+from raytrain_ext.ops.doctor.gpu_health import decode_clock_events, evaluate_gpu, parse_xid_lines
+from raytrain_ext.ops.doctor.nccl_env import check_nccl_env, match_interfaces, nccl_settings
+from raytrain_ext.ops.doctor.nccl_log import classify_transport, parse_nccl_log, transport_verdict
+from raytrain_ext.ops.doctor.network import (
     infiniband_problems,
     net_dev_problems,
     parse_proc_net_dev,
     read_infiniband,
 )
-from raytrain_ext.doctor.probe import same_pci_device
+from raytrain_ext.ops.doctor.probe import same_pci_device
 
 FIXTURES = Path(__file__).parent / "fixtures" / "nccl"
 
@@ -409,8 +409,8 @@ def test_version_mismatches_name_the_nodes():
 
 
 def test_gpu_transport_section_from_captured_logs_renders_the_fallback():
-    from raytrain_ext.doctor.diagnosis import transport_section
-    from raytrain_ext.doctor.text import transport_lines
+    from raytrain_ext.ops.doctor.diagnosis import transport_section
+    from raytrain_ext.ops.doctor.text import transport_lines
 
     logs = (FIXTURES / "socket_fallback.log").read_text().split("node2:4410:4410", 1)
     bench = {"status": "ran", "nccl_logs": [logs[0], "node2:4410:4410" + logs[1]]}

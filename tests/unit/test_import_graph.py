@@ -146,6 +146,17 @@ def test_worker_code_never_imports_the_drivers_controller():
     assert back == []
 
 
+def test_operator_tools_are_imported_by_the_cli_only():
+    """``ops/`` (doctor, plan, report) stands apart from what runs a training job."""
+    graph = import_graph()
+    users = sorted(
+        module
+        for module, imported in graph.items()
+        if folder_of(module) != "ops" and any(folder_of(t) == "ops" for t in imported)
+    )
+    assert users == ["raytrain_ext.cli"]
+
+
 def imports_ray(path: Path) -> bool:
     """Whether ``path`` imports Ray (or a module of it), anywhere in the file."""
     tree = ast.parse(path.read_text())

@@ -17,9 +17,9 @@ from raytrain_ext.models.hf_config import SPEC_FAMILIES
 from raytrain_ext.models.hf_parallel import hf_block_plan
 from raytrain_ext.models.hf_spec import HF_SPEC, HFStage, build_hf, hf_logits
 from raytrain_ext.models.user_model import python_spec
+from raytrain_ext.ops.plan import count_params, shape_from_config
+from raytrain_ext.ops.plan.hf_shape import FAMILY_BIASES
 from raytrain_ext.parallel.fsdp import FSDPStrategy
-from raytrain_ext.plan import count_params, shape_from_config
-from raytrain_ext.plan.hf_shape import FAMILY_BIASES
 from tests.helpers.hf_models import hf_overrides, save_tiny
 
 pytest.importorskip("transformers")

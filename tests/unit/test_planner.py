@@ -9,8 +9,8 @@ import pytest
 from raytrain_ext.cli import main
 from raytrain_ext.config import load_config
 from raytrain_ext.models import build_model
-from raytrain_ext.plan import Cluster, ModelShape, PlanError, Settings, count_params, make_plan
-from raytrain_ext.plan.memory import (
+from raytrain_ext.ops.plan import Cluster, ModelShape, PlanError, Settings, count_params, make_plan
+from raytrain_ext.ops.plan.memory import (
     Layout,
     activations,
     bytes_per_param,
@@ -18,7 +18,7 @@ from raytrain_ext.plan.memory import (
     layer_activation_bytes,
     model_states,
 )
-from raytrain_ext.plan.shape import ParamCounts, shape_from_config
+from raytrain_ext.ops.plan.shape import ParamCounts, shape_from_config
 
 GB = 1e9
 GIB = 2**30

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, List, Optional
 
-from raytrain_ext.plan.evaluation import Evaluation
+from raytrain_ext.ops.plan.evaluation import Evaluation
 
 if TYPE_CHECKING:
-    from raytrain_ext.plan.layout import Plan
+    from raytrain_ext.ops.plan.layout import Plan
 
 
 def _gib(n: float) -> str:

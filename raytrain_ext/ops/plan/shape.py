@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from raytrain_ext.models.sources import model_source
-from raytrain_ext.plan.hf_shape import LlamaLayout, count_llama_params, llama_layout
+from raytrain_ext.ops.plan.hf_shape import LlamaLayout, count_llama_params, llama_layout
 
 
 class PlanError(ValueError):

@@ -7,7 +7,7 @@ beyond; expert parallelism on top for MoE models.
 
 The planner walks an escalation ladder (DDP, ZeRO-1, ZeRO-2, HSDP/FSDP,
 TP x DP, TP x PP x DP) upward from the rule's rung, then the simpler rungs
-below it, then CPU offload, and takes the first layout that fits (:mod:`raytrain_ext.plan.evaluation`),
+below it, then CPU offload, and takes the first layout that fits (:mod:`raytrain_ext.ops.plan.evaluation`),
 trying each candidate first without, then with full activation
 checkpointing.  Every rejected
 candidate gets a sentence saying by how much it misses, and the plan says
@@ -19,17 +19,17 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import List, Optional, Tuple
 
-from raytrain_ext.plan.candidates import (
+from raytrain_ext.ops.plan.candidates import (
     data_parallel_layouts,
     model_parallel_splits,
     user_split,
     with_ep,
 )
-from raytrain_ext.plan.cluster import Cluster, Settings, validate_cluster, validate_settings
-from raytrain_ext.plan.evaluation import Evaluation, evaluate
-from raytrain_ext.plan.memory import Layout
-from raytrain_ext.plan.notes import plan_notes
-from raytrain_ext.plan.shape import ModelShape, ParamCounts, count_params, validate_shape
+from raytrain_ext.ops.plan.cluster import Cluster, Settings, validate_cluster, validate_settings
+from raytrain_ext.ops.plan.evaluation import Evaluation, evaluate
+from raytrain_ext.ops.plan.memory import Layout
+from raytrain_ext.ops.plan.notes import plan_notes
+from raytrain_ext.ops.plan.shape import ModelShape, ParamCounts, count_params, validate_shape
 
 RUNGS = (
     "DDP",

@@ -5,9 +5,9 @@ Pure arithmetic (no Ray, no processes): :mod:`.shape` counts parameters,
 :mod:`.layout` picks the layout, :mod:`.cli` is ``raytrain-ext plan``.
 """
 
-from raytrain_ext.plan.cluster import Cluster, Settings
-from raytrain_ext.plan.layout import Plan, make_plan
-from raytrain_ext.plan.shape import (
+from raytrain_ext.ops.plan.cluster import Cluster, Settings
+from raytrain_ext.ops.plan.layout import Plan, make_plan
+from raytrain_ext.ops.plan.shape import (
     ModelShape,
     PlanError,
     count_params,

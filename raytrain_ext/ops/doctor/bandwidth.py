@@ -41,7 +41,7 @@ class BenchWorker(TrainWorker):
 
     def sweep(self, ops: Sequence[str], sizes: Sequence[int], iters: int, warmup: int) -> Dict:
         """Time every op at every size; this rank's rows and its own NCCL log."""
-        from raytrain_ext.doctor.collectives import run_sweep
+        from raytrain_ext.ops.doctor.collectives import run_sweep
 
         rows = run_sweep(ops, sizes, iters, warmup, self.device)
         return {"rank": self.env.rank, "rows": rows, "nccl_log": _own_nccl_log()}

@@ -26,7 +26,7 @@ import os
 import re
 from typing import Dict, List, Optional
 
-from raytrain_ext.doctor.findings import finding
+from raytrain_ext.ops.doctor.findings import finding
 
 HOT_DEFAULT_C = 87.0
 WARM_DEFAULT_C = 80.0

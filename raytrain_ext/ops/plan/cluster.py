@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 
 from raytrain_ext.config.choices import Precision
-from raytrain_ext.plan.shape import PlanError
+from raytrain_ext.ops.plan.shape import PlanError
 
 GIB = 2**30
 INTRA_NODE = ("nvlink", "pcie")

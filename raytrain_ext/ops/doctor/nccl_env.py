@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
-from raytrain_ext.doctor.findings import finding
+from raytrain_ext.ops.doctor.findings import finding
 
 KEY_VARIABLES = (
     "NCCL_IB_DISABLE",

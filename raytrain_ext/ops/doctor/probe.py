@@ -17,8 +17,8 @@ import socket
 from pathlib import Path
 from typing import Dict, List
 
-from raytrain_ext.doctor import gpu_health, network
-from raytrain_ext.doctor.nccl_env import nccl_settings
+from raytrain_ext.ops.doctor import gpu_health, network
+from raytrain_ext.ops.doctor.nccl_env import nccl_settings
 
 CONF_FILES = ("~/.nccl.conf", "/etc/nccl.conf")
 

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from raytrain_ext.doctor.findings import finding
+from raytrain_ext.ops.doctor.findings import finding
 
 RX_COLUMNS = ("bytes", "packets", "errs", "drop", "fifo", "frame", "compressed", "multicast")
 TX_COLUMNS = ("bytes", "packets", "errs", "drop", "fifo", "colls", "carrier", "compressed")

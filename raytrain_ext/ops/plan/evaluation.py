@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from raytrain_ext.plan.cluster import GIB, Cluster, Settings
-from raytrain_ext.plan.memory import (
+from raytrain_ext.ops.plan.cluster import GIB, Cluster, Settings
+from raytrain_ext.ops.plan.memory import (
     Activations,
     Layout,
     ModelStates,
@@ -21,7 +21,7 @@ from raytrain_ext.plan.memory import (
     host_bytes_per_node,
     model_states,
 )
-from raytrain_ext.plan.shape import ModelShape, ParamCounts
+from raytrain_ext.ops.plan.shape import ModelShape, ParamCounts
 
 
 def gib(n: float) -> float:

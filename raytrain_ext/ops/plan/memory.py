@@ -59,7 +59,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from raytrain_ext.plan.shape import ModelShape, ParamCounts
+from raytrain_ext.ops.plan.shape import ModelShape, ParamCounts
 
 ENGINES = ("pytorch", "deepspeed")
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import List, Optional
 
-from raytrain_ext.plan.cluster import Cluster
-from raytrain_ext.plan.memory import Layout
-from raytrain_ext.plan.shape import ModelShape, PlanError
+from raytrain_ext.ops.plan.cluster import Cluster
+from raytrain_ext.ops.plan.memory import Layout
+from raytrain_ext.ops.plan.shape import ModelShape, PlanError
 
 
 def divisors(n: int) -> List[int]:

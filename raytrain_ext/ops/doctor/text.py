@@ -1,6 +1,6 @@
 """The doctor report as text for a terminal: one section per concern, problems tagged.
 
-A pure function of the report dict built by :mod:`raytrain_ext.doctor.diagnosis`,
+A pure function of the report dict built by :mod:`raytrain_ext.ops.doctor.diagnosis`,
 so whatever ``--json`` prints, the text says the same.  Problems are
 prefixed ``[error]`` / ``[warning]`` / ``[info]`` so they can be grepped.
 """

@@ -5,7 +5,7 @@ reports versions, GPUs (NVML), NCCL settings and network; a gang of
 benchmark actors times all_reduce / all_gather / reduce_scatter / broadcast
 (NCCL on GPUs, gloo otherwise) and, on GPUs, captures NCCL's INFO log to show
 which transport NCCL actually chose per peer.  The report is a plain dict
-(``--json`` prints it) rendered as text by :mod:`raytrain_ext.doctor.text`.
+(``--json`` prints it) rendered as text by :mod:`raytrain_ext.ops.doctor.text`.
 
 Exit status: 0 when nothing is at error severity, 1 when something is (an
 unhealthy GPU, a broken NCCL setting, a node that did not answer, a failed
@@ -19,12 +19,12 @@ import json
 import sys
 from typing import Dict, List
 
-from raytrain_ext.doctor import network
-from raytrain_ext.doctor.collectives import OPS, parse_size, size_range
-from raytrain_ext.doctor.findings import finding
-from raytrain_ext.doctor.gpu_health import evaluate_gpu
-from raytrain_ext.doctor.nccl_env import check_nccl_env
-from raytrain_ext.doctor.nccl_log import parse_nccl_log, transport_verdict
+from raytrain_ext.ops.doctor import network
+from raytrain_ext.ops.doctor.collectives import OPS, parse_size, size_range
+from raytrain_ext.ops.doctor.findings import finding
+from raytrain_ext.ops.doctor.gpu_health import evaluate_gpu
+from raytrain_ext.ops.doctor.nccl_env import check_nccl_env
+from raytrain_ext.ops.doctor.nccl_log import parse_nccl_log, transport_verdict
 
 COMPARED_VERSIONS = ("python", "torch", "ray", "cuda", "nccl")
 
@@ -72,7 +72,7 @@ def add_parser(commands) -> None:
 
 
 def run_doctor_command(args: argparse.Namespace) -> int:
-    from raytrain_ext.doctor.text import render_text
+    from raytrain_ext.ops.doctor.text import render_text
 
     try:
         ops = _parse_ops(args.ops)
@@ -137,7 +137,7 @@ def probe_all(alive: List[Dict], timeout_s: float) -> List[Dict]:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from raytrain_ext.doctor.probe import probe_node
+    from raytrain_ext.ops.doctor.probe import probe_node
 
     task = ray.remote(num_cpus=0)(probe_node)
     refs = {
@@ -225,7 +225,7 @@ def find_mismatches(nodes: List[Dict]) -> List[Dict]:
 def _bandwidth(args, ops: List[str], total_gpus: int) -> Dict:
     if args.skip_bench:
         return {"status": "skipped", "reason": "--skip-bench"}
-    from raytrain_ext.doctor.bandwidth import run_benchmark
+    from raytrain_ext.ops.doctor.bandwidth import run_benchmark
 
     gpu = total_gpus > 0
     workers = args.workers or (total_gpus if gpu else 2)
