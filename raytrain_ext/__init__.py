@@ -7,7 +7,7 @@ The plain Python API (for notebooks and jobs)::
     summary = Trainer(cfg).fit()
 
 The names below are imported on first use: a process that needs one submodule (a
-``data prepare`` worker imports ``raytrain_ext.data.prepare``) does not pay for torch
+``data prepare`` worker imports ``raytrain_ext.prepare.pipeline``) does not pay for torch
 and the trainer (3.3 s of imports per worker here).
 """
 

@@ -253,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     from raytrain_ext.ops.report import add_parser as add_report
 
     add_report(commands)
-    from raytrain_ext.data.prepare_cli import add_parser as add_data
+    from raytrain_ext.prepare.cli import add_parser as add_data
 
     add_data(commands)
     return parser

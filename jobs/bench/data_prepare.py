@@ -33,7 +33,7 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker on both si
 
 import numpy as np  # noqa: E402
 
-from raytrain_ext.data.prepare import make_job, run_job  # noqa: E402
+from raytrain_ext.prepare.pipeline import make_job, run_job  # noqa: E402
 
 EOS = "<|endoftext|>"
 SYLLABLES = "ka ri to ne mu sa lo pe di ga vu ho zi be fa qu ly or en at".split()

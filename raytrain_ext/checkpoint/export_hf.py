@@ -117,7 +117,7 @@ def _tokenizer_source(cfg) -> Optional[Tuple[str, Optional[str], Optional[int]]]
         return cfg.data.tokenizer, cfg.data.eos_token, None
     if cfg.data.format == DataFormat.tokens or cfg.data.path.startswith("s3://"):
         return None
-    from raytrain_ext.data.prepared_index import read_index
+    from raytrain_ext.prepare.prepared_index import read_index
 
     path = Path(cfg.data.path)
     index = read_index(path) if path.is_dir() else None
@@ -128,8 +128,8 @@ def _tokenizer_source(cfg) -> Optional[Tuple[str, Optional[str], Optional[int]]]
 
 def _run_tokenizer(spec: str, eos_token: Optional[str], eos_id: Optional[int]):
     """The run's tokenizer as it trained, its EOS token included."""
-    from raytrain_ext.data.tokenizer import load_tokenizer
     from raytrain_ext.errors import InputError
+    from raytrain_ext.prepare.tokenizer import load_tokenizer
 
     try:
         tokenizer = load_tokenizer(spec, eos_token)
@@ -145,7 +145,7 @@ def _run_tokenizer(spec: str, eos_token: Optional[str], eos_id: Optional[int]):
 
 def _align_generation_ids(model, tokenizer) -> None:
     """``generate`` stops at the EOS the run trained on and pads with its pad id."""
-    from raytrain_ext.data.tokenizer import eos_token_id
+    from raytrain_ext.prepare.tokenizer import eos_token_id
 
     eos = eos_token_id(tokenizer, "of the run")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos

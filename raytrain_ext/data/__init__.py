@@ -1,7 +1,7 @@
 """Data: the builtin corpus, token files, and the world-size-independent global sampler.
 
 The names below are imported on first use, so that importing one data module (a
-``data prepare`` worker's ``raytrain_ext.data.prepare``) does not import torch.
+``data prepare`` worker's ``raytrain_ext.prepare.pipeline``) does not import torch.
 """
 
 from typing import TYPE_CHECKING

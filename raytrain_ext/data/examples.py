@@ -1,6 +1,6 @@
 """Prepared chat and preference data as samples of the global order.
 
-Both read the shards of a prepared directory (:mod:`raytrain_ext.data.prepared_index`)
+Both read the shards of a prepared directory (:mod:`raytrain_ext.prepare.prepared_index`)
 memory-mapped; a list column stays in place as Arrow's values + offsets, so opening a
 dataset copies nothing but the offsets.
 

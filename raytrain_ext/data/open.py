@@ -28,9 +28,9 @@ import numpy as np
 
 from raytrain_ext.config.choices import DataFormat
 from raytrain_ext.data.examples import PackedExamples, PreferencePairs
-from raytrain_ext.data.prepared_index import PreparedIndex, read_index
 from raytrain_ext.data.tokens import TokenDataset, open_token_dataset, read_token_file
 from raytrain_ext.models.sources import model_source
+from raytrain_ext.prepare.prepared_index import PreparedIndex, read_index
 
 CACHE_DIR = "data-cache"
 
@@ -90,8 +90,8 @@ def tokenizer_spec(cfg) -> Optional[str]:
 
 def prepare_cached(cfg, path: str) -> Path:
     """Raw records prepared into the run's cache (once per node; see the module doc)."""
-    from raytrain_ext.data.prepare import prepare_dataset
     from raytrain_ext.errors import InputError
+    from raytrain_ext.prepare.pipeline import prepare_dataset
 
     spec = tokenizer_spec(cfg)
     if spec is None:

@@ -32,8 +32,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from raytrain_ext.config.choices import DataFormat
 from raytrain_ext.data.corpus import write_token_file
-from raytrain_ext.data.prepared_index import read_index
 from raytrain_ext.errors import InputError
+from raytrain_ext.prepare.prepared_index import read_index
 
 VIEW_DIR = "ray-dataset"
 CURRENT = "CURRENT"
@@ -52,7 +52,7 @@ def materialise_dataset(cfg: DictConfig, dataset, run_dir: Path) -> DictConfig:
         _write_tokens(table, view)
     elif read_index(view) is None:
         from raytrain_ext.data.open import tokenizer_spec
-        from raytrain_ext.data.prepare import prepare_dataset
+        from raytrain_ext.prepare.pipeline import prepare_dataset
 
         spec = tokenizer_spec(cfg)
         if spec is None:

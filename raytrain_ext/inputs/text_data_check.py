@@ -1,7 +1,7 @@
 """Records and prepared directories, checked on the driver before Ray starts.
 
 For ``data.format`` text, chat or preference (or any prepared directory) the driver
-checks the source (:func:`raytrain_ext.data.text_sources.check_source`: the path, the
+checks the source (:func:`raytrain_ext.prepare.text_sources.check_source`: the path, the
 file's real format, the columns, no records), tokenizes raw records into the run's
 cache (:func:`raytrain_ext.data.open.prepare_cached`, which the workers then reuse),
 and refuses a prepared directory whose format, tokenizer or vocabulary does not fit
@@ -16,9 +16,9 @@ from typing import Optional
 from raytrain_ext.config.choices import DataFormat
 from raytrain_ext.data.eval_split import held_out_samples
 from raytrain_ext.data.open import open_prepared, prepared_directory, tokenizer_spec
-from raytrain_ext.data.prepared_index import PreparedIndex, read_index
 from raytrain_ext.errors import InputError
 from raytrain_ext.models.sources import model_source
+from raytrain_ext.prepare.prepared_index import PreparedIndex, read_index
 
 
 def uses_records(cfg) -> bool:
@@ -47,7 +47,7 @@ def check_record_data(cfg) -> None:
 def _prepared(cfg, key: str, path: str) -> Path:
     local = not path.startswith("s3://")
     if not (local and read_index(Path(path)) is not None):
-        from raytrain_ext.data.text_sources import check_source
+        from raytrain_ext.prepare.text_sources import check_source
 
         check_source(
             path,
@@ -74,7 +74,7 @@ def _check_format(cfg, key: str, path: str, index: PreparedIndex) -> None:
 
 
 def _check_tokenizer(cfg, key: str, path: str, index: PreparedIndex) -> None:
-    from raytrain_ext.data.tokenizer import load_tokenizer, tokenizer_sha256
+    from raytrain_ext.prepare.tokenizer import load_tokenizer, tokenizer_sha256
 
     spec: Optional[str] = tokenizer_spec(cfg)
     if spec is not None:

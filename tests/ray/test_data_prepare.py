@@ -15,10 +15,10 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from raytrain_ext.data.prepare import run_preparation
-from raytrain_ext.data.prepared_index import read_index
 from raytrain_ext.data.tokens import open_token_dataset
 from raytrain_ext.errors import InputError
+from raytrain_ext.prepare.pipeline import run_preparation
+from raytrain_ext.prepare.prepared_index import read_index
 from tests.helpers.cli import RaySessionWatch, clean_env, raytrain_ext_cmd, run
 from tests.helpers.text_data import build_tokenizer, messages_records, text_records, write_jsonl
 

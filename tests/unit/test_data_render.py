@@ -12,10 +12,10 @@ import pyarrow.feather as feather
 import pyarrow.parquet as pq
 import pytest
 
-from raytrain_ext.data.render import render_records
-from raytrain_ext.data.text_sources import check_source, open_source
-from raytrain_ext.data.tokenizer import encode_documents, load_tokenizer, tokenizer_info
 from raytrain_ext.errors import InputError
+from raytrain_ext.prepare.render import render_records
+from raytrain_ext.prepare.text_sources import check_source, open_source
+from raytrain_ext.prepare.tokenizer import encode_documents, load_tokenizer, tokenizer_info
 from tests.helpers.text_data import (
     build_tokenizer,
     messages_records,
@@ -194,7 +194,7 @@ def test_a_bare_tokenizer_json_takes_its_eos_from_data_eos_token(tmp_path, capsy
     --eos-token; given by that key, it ends the documents, through the real ``data prepare``
     command too; a token the tokenizer lacks is refused by name."""
     from raytrain_ext.cli import main
-    from raytrain_ext.data.prepared_index import read_index
+    from raytrain_ext.prepare.prepared_index import read_index
 
     bare = _bare_tokenizer_ending_in(tmp_path, "[EOS]")
     with pytest.raises(InputError, match=r"data\.eos_token=<token> \(data prepare: --eos-token"):
@@ -327,7 +327,7 @@ def test_s3_json_lines_and_parquet_read_like_local_files(s3_endpoint, tmp_path):
 
 
 def test_a_table_in_memory_prepares_to_the_shards_of_its_jsonl_file(tokenizers, tmp_path):
-    from raytrain_ext.data.prepare import run_preparation
+    from raytrain_ext.prepare.pipeline import run_preparation
 
     records = prompt_response_records(25, seed=8)
     data = write_jsonl(tmp_path / "pairs.jsonl", records)

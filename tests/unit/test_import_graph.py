@@ -157,6 +157,19 @@ def test_operator_tools_are_imported_by_the_cli_only():
     assert users == ["raytrain_ext.cli"]
 
 
+def test_the_offline_data_pipeline_imports_only_leaves():
+    """``prepare/`` (``data prepare``) stands on the leaves alone, not on the training side
+    (its command connects to Ray the way every command does, ``ray_session``)."""
+    graph = import_graph()
+    reached = {
+        folder_of(target)
+        for module, imported in graph.items()
+        if folder_of(module) == "prepare"
+        for target in imported
+    }
+    assert reached <= {"prepare", "errors", "storage", "ray_session"}, reached
+
+
 def imports_ray(path: Path) -> bool:
     """Whether ``path`` imports Ray (or a module of it), anywhere in the file."""
     tree = ast.parse(path.read_text())
@@ -207,7 +220,7 @@ def test_the_package_has_no_import_cycle():
 def test_a_data_prepare_worker_imports_neither_torch_nor_the_trainer():
     """What a ``data prepare`` Ray task imports: its module, not torch (3.3 s per worker
     process when the package's ``__init__`` imported the trainer)."""
-    code = "import raytrain_ext.data.prepare"
+    code = "import raytrain_ext.prepare.pipeline"
     assert modules_imported_by(code, ("torch", "raytrain_ext.trainer")) == []
 
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from raytrain_ext.config import load_config
-from raytrain_ext.data.prepare import prepare_dataset
 from raytrain_ext.errors import InputError
 from raytrain_ext.inputs.preflight import preflight
+from raytrain_ext.prepare.pipeline import prepare_dataset
 from tests.helpers.text_data import (
     build_tokenizer,
     preference_records,

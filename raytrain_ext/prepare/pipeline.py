@@ -28,21 +28,21 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import pyarrow as pa
 
-from raytrain_ext.data.prepare_shards import (
+from raytrain_ext.errors import InputError
+from raytrain_ext.prepare.prepared_index import PreparedIndex, ShardInfo, write_index
+from raytrain_ext.prepare.shards import (
     PrepareJob,
     claim_out_dir,
     finished_shard,
     write_shard,
 )
-from raytrain_ext.data.prepared_index import PreparedIndex, ShardInfo, write_index
-from raytrain_ext.data.text_sources import check_source
-from raytrain_ext.data.tokenizer import (
+from raytrain_ext.prepare.text_sources import check_source
+from raytrain_ext.prepare.tokenizer import (
     TOKENIZER_KEY,
     has_chat_template,
     load_tokenizer,
     tokenizer_info,
 )
-from raytrain_ext.errors import InputError
 
 log = logging.getLogger(__name__)
 DEFAULT_RECORDS_PER_SHARD = 10_000

@@ -9,8 +9,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from raytrain_ext.data.prepare import DEFAULT_RECORDS_PER_SHARD, check_workers, make_job, run_job
-from raytrain_ext.data.text_sources import FORMATS
+from raytrain_ext.prepare.pipeline import (
+    DEFAULT_RECORDS_PER_SHARD,
+    check_workers,
+    make_job,
+    run_job,
+)
+from raytrain_ext.prepare.text_sources import FORMATS
 
 
 def add_parser(commands) -> None:

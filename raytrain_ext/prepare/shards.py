@@ -26,7 +26,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import pyarrow as pa
 
-from raytrain_ext.data.prepared_index import (
+from raytrain_ext.errors import InputError
+from raytrain_ext.prepare.prepared_index import (
     INDEX_NAME,
     PreparedIndex,
     ShardInfo,
@@ -34,9 +35,8 @@ from raytrain_ext.data.prepared_index import (
     read_index,
     shard_name,
 )
-from raytrain_ext.data.render import render_records
-from raytrain_ext.data.text_sources import RecordSource
-from raytrain_ext.errors import InputError
+from raytrain_ext.prepare.render import render_records
+from raytrain_ext.prepare.text_sources import RecordSource
 
 OURS = re.compile(
     r"^(index\.json|shard-\d{5,}\.(arrow|json)|\.(index\.json|shard-\d{5,}\.\w+)\..*tmp)$"

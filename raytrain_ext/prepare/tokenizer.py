@@ -17,8 +17,8 @@ import json
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from raytrain_ext.data.prepared_index import TokenizerInfo
 from raytrain_ext.errors import InputError
+from raytrain_ext.prepare.prepared_index import TokenizerInfo
 
 TOKENIZER_KEY = "data.tokenizer (--tokenizer)"
 EOS_KEY = "data.eos_token (--eos-token)"

@@ -24,9 +24,9 @@ from typing import Any, Callable, Dict, List, Tuple
 import numpy as np
 import pyarrow as pa
 
-from raytrain_ext.data.text_sources import COLUMN_KEY, PATH_KEY, Columns
-from raytrain_ext.data.tokenizer import TOKENIZER_KEY, encode_documents, has_chat_template
 from raytrain_ext.errors import InputError
+from raytrain_ext.prepare.text_sources import COLUMN_KEY, PATH_KEY, Columns
+from raytrain_ext.prepare.tokenizer import TOKENIZER_KEY, encode_documents, has_chat_template
 
 Where = Callable[[int], str]  # global record index -> "FILE record j"
 Example = Tuple[List[int], List[int]]  # token ids and their loss mask
