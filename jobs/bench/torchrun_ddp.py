@@ -94,6 +94,9 @@ def main() -> None:
                 }
             )
         )
+    # both ranks leave together: a rank that tore its group down while its peer still wrote
+    # the results aborted once in a while ("terminate called without an active exception")
+    dist.barrier()
     del model, opt  # DDP's Reducer must not be the last owner of the group (worker/dist_env.py)
     dist.destroy_process_group()
 
