@@ -262,6 +262,9 @@ def restore_once(tier, workdir, overrides):
     """One run that only restores (it starts at its last step): the restore record."""
     from raytrain_ext import Trainer
 
+    # the same finished run is restored again and again: its summary would make the trainer
+    # refuse it (run_dir.refuse_finished_run), and this run only measures the restore
+    (workdir / "bench" / "summary.json").unlink(missing_ok=True)
     if tier == "local":  # a restore after a node's restart reads from the disk
         drop_from_page_cache(step_files(newest_step_dir(workdir)))
     restored = Trainer(load_config(None, overrides)).fit()["restored"]

@@ -82,7 +82,8 @@ def prepared_index(cfg, path: str) -> Optional[PreparedIndex]:
 
 
 def tokenizer_spec(cfg) -> Optional[str]:
-    """``data.tokenizer``, else the tokenizer beside a Hugging Face model's weights."""
+    """``data.tokenizer``, else the model source's own (``models.sources``: the tokenizer
+    beside a Hugging Face model's weights)."""
     if cfg.data.tokenizer:
         return cfg.data.tokenizer
     return model_source(cfg.model).default_tokenizer(cfg.model)

@@ -38,7 +38,6 @@ from tests.helpers.toy import TOY_SPEC, PlainStrategy
 PACKAGE = Path(__file__).resolve().parents[2] / "raytrain_ext"
 REGISTRIES = {
     "parallel/catalog.py",  # strategies
-    "parallel/registry.py",
     "checkpoint/tiers/__init__.py",  # tiers
     "models/sources.py",  # model sources
 }
