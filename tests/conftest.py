@@ -1,6 +1,7 @@
 """Shared fixtures. Ray, gloo and servers stay on loopback (see FIELD_NOTES)."""
 
 import os
+import time
 
 # Must be set before ray is imported: Ray then resolves its own address to 127.0.0.1.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -156,8 +157,6 @@ def pytest_runtest_setup(item):
     unit tier is the gate that costs seconds, the rest costs minutes."""
     if tier_of(item) == "unit":
         if _unit["started"] is None:
-            import time
-
             _unit["started"] = time.monotonic()
         return
     if _unit["failed"]:
@@ -167,8 +166,6 @@ def pytest_runtest_setup(item):
 def pytest_runtest_logreport(report):
     if not report.nodeid.startswith("tests/unit/"):
         return
-    import time
-
     _unit["ended"] = time.monotonic()
     _unit["failed"] += report.failed
 

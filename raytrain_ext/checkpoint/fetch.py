@@ -67,14 +67,13 @@ def fetch_step(tier: Tier, load: StepLoad, whole: bool = False) -> Fetched:
         return _fetch_whole(tier, load)
     if tier.fetch_mode is FetchMode.ranged:
         return _fetch_ranged(tier, load)
-    where = tier.location(load.step)
     if tier.fetch_mode is FetchMode.views:
 
         def read(names: List[str]) -> Dict[str, memoryview]:
             with load.phases.time("fetch"):
                 return tier.read_files(load.step, names)
 
-        return _fetch_planned(read, load, where)
+        return _fetch_planned(read, load, tier.location(load.step))
     directory = tier.materialize(load.step, [], load.cache)
     return _fetch_planned(lambda names: map_files(directory, names), load, str(directory))
 

@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 from raytrain_ext.config.fields import declared_ranges
 from raytrain_ext.config.schema import TrainConfig
 from raytrain_ext.errors import ConfigError
-from raytrain_ext.parallel.catalog import capabilities, load_class, supporting
+from raytrain_ext.parallel.catalog import capabilities, load_class, offered
 from raytrain_ext.parallel.dims import (
     ParallelDims,
     ParallelLayoutError,
@@ -181,7 +181,7 @@ def _check_zero(cfg: DictConfig) -> None:
         raise ConfigError(
             "parallel.zero.native_checkpoint: DeepSpeed's own checkpoint files come from a "
             f"DeepSpeed engine, but parallel.strategy={cfg.parallel.strategy}. Set "
-            f"parallel.strategy={' or '.join(supporting(lambda c: c.native_checkpoint))}, "
+            f"parallel.strategy={offered(lambda c: c.native_checkpoint)}, "
             "or parallel.zero.native_checkpoint=false."
         )
     if caps.config_check is None:

@@ -2,8 +2,8 @@
 
 The controller never handles a Ray future: starting ``fit`` on every rank,
 waiting on it, polling heartbeats and per-step records, and asking ranks to
-checkpoint all go through ``GroupPort``.  ``ray_group.RayGroup`` implements it
-over ``worker.group.WorkerGroup`` (``ray_group/port.py``); the controller's unit tests step the state
+checkpoint all go through ``GroupPort``.  ``ray_group.port.RayGroup`` implements it
+over ``worker.group.WorkerGroup``; the controller's unit tests step the state
 machine with a fake.  Ranks are the group's current ranks: every ``start`` and
 ``reform`` renumbers them, and ``infos[rank]`` names each rank's node and process.
 """

@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Optional
 
 
 class LiveState(StrEnum):
@@ -89,9 +89,11 @@ def capabilities(name: str) -> StrategyCapabilities:
     return STRATEGY_CATALOG[name]
 
 
-def supporting(capability: Callable[[StrategyCapabilities], Any]) -> List[str]:
-    """The strategies with ``capability``, for the fix a message offers (``ddp or fsdp``)."""
-    return [name for name, caps in STRATEGY_CATALOG.items() if capability(caps)]
+def offered(capability: Callable[[StrategyCapabilities], Any]) -> str:
+    """The strategies with ``capability``, as a message offers them for the fix: ``fsdp``,
+    ``ddp or fsdp``, ``a, b or c``."""
+    names = [name for name, caps in STRATEGY_CATALOG.items() if capability(caps)]
+    return " or ".join(names) if len(names) <= 2 else ", ".join(names[:-1]) + " or " + names[-1]
 
 
 def load_class(path: str) -> Any:

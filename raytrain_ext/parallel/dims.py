@@ -19,13 +19,7 @@ import math
 from dataclasses import dataclass
 from typing import List, Optional
 
-from raytrain_ext.parallel.catalog import (
-    LiveState,
-    StrategyCapabilities,
-    capabilities,
-    live_state,
-    supporting,
-)
+from raytrain_ext.parallel.catalog import LiveState, capabilities, live_state, offered
 
 MESH_DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "tp")
 
@@ -146,7 +140,6 @@ def check_expert_parallel(parallel_cfg, model_cfg) -> None:
     if ep == 1:
         return
     strategy = parallel_cfg.strategy
-    with_ep = _either(supporting(lambda c: c.expert_parallel is not None))
     unsupported = (
         [] if capabilities(strategy).expert_parallel else [f"parallel.strategy={strategy}"]
     )
@@ -155,7 +148,8 @@ def check_expert_parallel(parallel_cfg, model_cfg) -> None:
     if unsupported:
         raise ParallelLayoutError(
             f"parallel.ep: expert parallelism (ep={ep}) is not supported yet with "
-            f"{', '.join(unsupported)}; it runs with parallel.strategy={with_ep} (any tp and pp) "
+            f"{', '.join(unsupported)}; it runs with parallel.strategy="
+            f"{offered(lambda c: c.expert_parallel is not None)} (any tp and pp) "
             "and dp_replicate=1. Change those keys, or set parallel.ep=1."
         )
     experts = model_cfg.moe.num_experts
@@ -179,37 +173,28 @@ def check_strategy_support(parallel_cfg) -> None:
     strategy = parallel_cfg.strategy
     caps = capabilities(strategy)
     if parallel_cfg.tp > 1 and not caps.tensor_parallel:
+        with_tp = offered(lambda c: c.tensor_parallel)
         raise ParallelLayoutError(
             f"parallel.tp: tensor parallelism (tp={parallel_cfg.tp}) needs parallel.strategy="
-            f"{_either(supporting(_tensor_parallel))} (got {strategy!r}: {caps.label} cannot "
-            "synchronise TP-sharded DTensor parameters). "
-            f"Set parallel.strategy={_either(supporting(_tensor_parallel))} or parallel.tp=1."
+            f"{with_tp} (got {strategy!r}: {caps.label} cannot synchronise TP-sharded DTensor "
+            f"parameters). Set parallel.strategy={with_tp} or parallel.tp=1."
         )
-    with_replicas = _either(supporting(lambda c: c.replica_groups))
     if parallel_cfg.dp_replicate > 1 and not caps.replica_groups:
+        with_replicas = offered(lambda c: c.replica_groups)
         raise ParallelLayoutError(
             f"parallel.dp_replicate: HSDP replica groups "
             f"(dp_replicate={parallel_cfg.dp_replicate}) need parallel.strategy={with_replicas}; "
             f"with {strategy!r} every rank is already a replica. "
             f"Set parallel.strategy={with_replicas} or parallel.dp_replicate=1."
         )
-    with_options = _either(supporting(lambda c: c.layer_options))
     for key in ("activation_checkpointing", "cpu_offload", "compile"):
         if getattr(parallel_cfg, key) and not caps.layer_options:
+            with_options = offered(lambda c: c.layer_options)
             raise ParallelLayoutError(
                 f"parallel.{key}: only implemented for "
                 f"parallel.strategy={with_options} (got {strategy!r}). "
                 f"Set parallel.strategy={with_options} or parallel.{key}=false."
             )
-
-
-def _tensor_parallel(caps: StrategyCapabilities) -> bool:
-    return caps.tensor_parallel
-
-
-def _either(names: List[str]) -> str:
-    """``fsdp``, ``ddp or fsdp``: the strategies a message offers as the fix."""
-    return " or ".join(names) if len(names) <= 2 else ", ".join(names[:-1]) + " or " + names[-1]
 
 
 def check_pipeline(parallel_cfg, model_cfg) -> None:
@@ -224,7 +209,7 @@ def check_pipeline(parallel_cfg, model_cfg) -> None:
     if pp == 1:
         return
     if not capabilities(parallel_cfg.strategy).pipeline_stages:
-        with_pp = _either(supporting(lambda c: c.pipeline_stages))
+        with_pp = offered(lambda c: c.pipeline_stages)
         raise ParallelLayoutError(
             f"parallel.pp: pipeline parallelism (pp={pp}) runs with parallel.strategy {with_pp} "
             f"(got {parallel_cfg.strategy!r}). Set parallel.strategy={with_pp}, "
