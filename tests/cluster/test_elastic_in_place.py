@@ -22,7 +22,7 @@ from raytrain_ext.checkpoint.export import load_model_state
 from raytrain_ext.checkpoint.resolve import check_step
 from raytrain_ext.checkpoint.tiers.disk import DiskTier
 from tests.helpers.layouts import ATOL_UNEVEN
-from tests.helpers.leaks import assert_nothing_left
+from tests.helpers.leaks import assert_nothing_left, idle_processes_with_torch
 from tests.helpers.reference import uninterrupted
 from tests.helpers.runs import FitThread, tiny_overrides, wait_until
 
@@ -137,12 +137,16 @@ def test_lone_worker_killed_on_a_live_node_is_replaced_in_place_bit_identical(
     node and gets the state from rank 0: same world size, nothing redone, and the run
     ends bit-identical to the uninterrupted one."""
     add_nodes(ray_cluster, 2)
-    steps = 16
+    steps = 40  # the kill waits for the pool's processes (3-4 s of imports at idle priority)
     cfg = run_config(tmp_path, steps, "checkpoint.every_steps=100")  # only the final one
     reference = uninterrupted(steps)["result"]
     trainer = Trainer(cfg)
+    idle_before = idle_processes_with_torch()
     with FitThread(trainer) as run:
         wait_until(lambda: last_step(trainer) >= 6, "step 6")
+        # the pool's process on each node has started (its start, not the kill, is timed)
+        wait_until(lambda: len(idle_processes_with_torch() - idle_before) >= 2, "stocked pool")
+        assert last_step(trainer) < steps - 4, "the run ended before its pool was stocked"
         before = processes(trainer.controller.group.infos)
         victim = trainer.controller.group.infos[1]
         os.kill(victim["pid"], signal.SIGKILL)

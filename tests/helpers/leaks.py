@@ -57,3 +57,17 @@ def assert_nothing_left(timeout_s: float = 30.0) -> None:
         f"left behind (actors, placement groups, pids): {left}; "
         + "; ".join(describe(pid) for pid in left[2])
     )
+
+
+def idle_processes_with_torch() -> set:
+    """Ray's idle worker processes on this machine that have torch loaded."""
+    found = set()
+    for proc in psutil.process_iter(["cmdline"]):
+        if "ray::IDLE" not in " ".join(proc.info["cmdline"] or []):
+            continue
+        try:
+            if any("libtorch_cpu" in m.path for m in proc.memory_maps()):
+                found.add(proc.pid)
+        except psutil.Error:
+            continue  # gone meanwhile
+    return found

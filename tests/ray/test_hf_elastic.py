@@ -107,11 +107,14 @@ def test_killed_worker_of_an_hf_model_on_a_ray_dataset_ends_bit_identical(
         recovery["reason"].startswith("worker rank 1 ") and "ActorDiedError" in recovery["reason"]
     )
     assert recovery["decision"] == "replace" and recovery["world_size"] == 2
-    assert recovery["reformed"] == {
+    # whether the pool's idle process had started by step 7 depends on the machine's load
+    # (CI once took a cold start): test_worker_group checks the taking of a stocked one
+    reformed = dict(recovery["reformed"])
+    del reformed["prestarted"]
+    assert reformed == {
         "kept": 1,
         "spares_used": 0,
         "started": 1,
-        "prestarted": 1,
         "left_out": 0,
     }
     assert recovery["restored_from"] == "memory"

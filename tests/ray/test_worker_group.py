@@ -14,7 +14,7 @@ from raytrain_ext.worker.form_options import FormOptions
 from raytrain_ext.worker.group import PlacementTimeout, WorkerGroup
 from raytrain_ext.worker.process_pool import ProcessPool
 from raytrain_ext.worker.rendezvous import assign_ranks
-from tests.helpers.leaks import assert_nothing_left
+from tests.helpers.leaks import assert_nothing_left, idle_processes_with_torch
 from tests.helpers.reference import uninterrupted
 from tests.helpers.runs import FitThread, tiny_overrides, wait_for_checkpoint, wait_until
 
@@ -63,20 +63,6 @@ def test_workers_get_torchrun_environment_and_one_gloo_group(ray_local):
     finally:
         group.shutdown()
     assert_nothing_left()
-
-
-def idle_processes_with_torch() -> set:
-    """Ray's idle worker processes on this machine that have torch loaded."""
-    found = set()
-    for proc in psutil.process_iter(["cmdline"]):
-        if "ray::IDLE" not in " ".join(proc.info["cmdline"] or []):
-            continue
-        try:
-            if any("libtorch_cpu" in m.path for m in proc.memory_maps()):
-                found.add(proc.pid)
-        except psutil.Error:
-            continue  # gone meanwhile
-    return found
 
 
 @pytest.mark.slow
