@@ -15,7 +15,7 @@ import logging
 import time
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -24,7 +24,7 @@ from raytrain_ext.config import config_digest, load_config, to_yaml
 from raytrain_ext.data.ray_input import materialise_dataset
 from raytrain_ext.elastic.controller import Controller, ControllerResult, RunState
 from raytrain_ext.inputs.preflight import preflight
-from raytrain_ext.metrics import FanOut, StdoutSink, TensorBoardSink, summarize_records
+from raytrain_ext.metrics import FanOut, MetricsSink, StdoutSink, TensorBoardSink, summarize_records
 from raytrain_ext.metrics.sinks import eval_fields
 from raytrain_ext.metrics.start_phases import start_phases
 from raytrain_ext.models.sources import model_source
@@ -109,8 +109,8 @@ class Trainer:
         try:
             result = self._run(start)
         except BaseException as error:
-            result = self._controller.result if self._controller is not None else None
-            summary = build_summary(self.cfg, result, start, self._marks, self._user.loss_fn)
+            so_far = self._controller.result if self._controller is not None else None
+            summary = build_summary(self.cfg, so_far, start, self._marks, self._user.loss_fn)
             if isinstance(error, KeyboardInterrupt):  # a second Ctrl-C: stopped at once
                 summary["status"] = "interrupted"
             records.finish(attempt, summary, error=error)
@@ -150,8 +150,8 @@ class Trainer:
 
                 ray.shutdown()
 
-    def _sinks(self) -> list:
-        sinks = [StdoutSink(self.cfg.run.log_every, self.cfg.run.max_steps)]
+    def _sinks(self) -> List[MetricsSink]:
+        sinks: List[MetricsSink] = [StdoutSink(self.cfg.run.log_every, self.cfg.run.max_steps)]
         if self.cfg.run.tensorboard:
             sinks.append(TensorBoardSink(self.run_dir / "tensorboard"))
         return sinks
@@ -254,8 +254,8 @@ def build_summary(
     result = result or ControllerResult(state=RunState.FAILED)
     records = result.records
     ranks = result.worker_results
-    hashes = sorted({r["params_sha256"] for r in ranks})
-    digests = sorted({r["samples_digest"] for r in ranks})
+    hashes = sorted({r.params_sha256 for r in ranks})
+    digests = sorted({r.samples_digest for r in ranks})
     summary: Dict[str, Any] = {
         "run_name": cfg.run.name,
         "objective": str(objective_name(cfg.objective, cfg.data.format, loss_fn)),
@@ -264,7 +264,7 @@ def build_summary(
             if result.state in (RunState.FINISHED, RunState.PREEMPTED, RunState.INTERRUPTED)
             else "failed"
         ),
-        "steps_completed": ranks[0]["steps"] if ranks else (records[-1]["step"] if records else 0),
+        "steps_completed": ranks[0].steps if ranks else (records[-1]["step"] if records else 0),
         "final_loss": records[-1]["loss"] if records else None,
         "first_loss": records[0]["loss"] if records else None,
         **summarize_records(records),
@@ -283,10 +283,10 @@ def build_summary(
         "goodput": goodput(records, time.time() - start),
         "params_sha256": hashes[0] if len(hashes) == 1 else hashes or None,
         "samples_digest": digests[0] if len(digests) == 1 else digests or None,
-        "samples_consumed": ranks[0]["samples_consumed"] if ranks else 0,
+        "samples_consumed": ranks[0].samples_consumed if ranks else 0,
         "replicas_identical": len(hashes) == 1 if ranks else None,
-        "restored": ranks[0]["restored"] if ranks else None,
-        "checkpoint": ranks[0]["checkpoint"] if ranks else None,
+        "restored": ranks[0].restored if ranks else None,
+        "checkpoint": ranks[0].checkpoint if ranks else None,
         "checkpoint_stall_s": sum(r.get("ckpt_stall_s", 0.0) for r in records),
         "backend": result.backend,
         "config_digest": config_digest(cfg),

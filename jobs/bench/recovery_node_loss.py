@@ -111,7 +111,7 @@ def node_loss_ours(args, workdir: Path, name: str) -> dict:
     with ray_cluster(3) as cluster:
         run = Background(trainer.fit)
         wait_for(lambda: ours_at_step(trainer, args.fault_at), run, "ours: the fault step")
-        victim = trainer.controller.group.infos[1]["node_id"]  # rank 1's node
+        victim = trainer.controller.group.infos[1].node_id  # rank 1's node
         fault = lose_a_node(cluster, victim, args.rejoin_after)
         summary = run.result()
     figures = ours_recovery(summary, fault)

@@ -274,7 +274,7 @@ STATE_SHAPES = {
 
 def kill_a_worker(trainer, rank: int = 1) -> float:
     """SIGKILL rank ``rank``'s process once the run passed the fault step; the fault time."""
-    pid = trainer.controller.group.infos[rank]["pid"]
+    pid = trainer.controller.group.infos[rank].pid
     fault = time.time()
     os.kill(pid, signal.SIGKILL)
     return fault

@@ -112,10 +112,11 @@ def snapshot(state: Any, reuse: Any = None) -> Any:
         )
         return host.copy_(state.detach(), non_blocking=state.device.type == "cuda")
     if isinstance(state, dict):
-        old = reuse if isinstance(reuse, dict) else {}
-        return {k: snapshot(v, old.get(k)) for k, v in state.items()}
+        old_items = reuse if isinstance(reuse, dict) else {}
+        return {k: snapshot(v, old_items.get(k)) for k, v in state.items()}
     if isinstance(state, list):
-        old = reuse if isinstance(reuse, list) and len(reuse) == len(state) else [None] * len(state)
+        same = isinstance(reuse, list) and len(reuse) == len(state)
+        old = reuse if same else [None] * len(state)
         return [snapshot(v, o) for v, o in zip(state, old, strict=True)]
     if isinstance(state, io.BytesIO):
         return io.BytesIO(state.getvalue())

@@ -11,8 +11,10 @@ dicts keyed by strings and formats them into messages.  A ``StrEnum`` member equ
 hashes and formats as its value, and :class:`Choice` makes its ``repr`` the value's
 too.  OmegaConf accepts a member's name or its value and writes the *name* when a
 config becomes YAML or a plain dict (``enum_to_str``), so name and value must be the
-same string; :func:`_choice` builds every enum from its values to guarantee it, which
-also admits values that are not identifiers (``1f1b``).
+same string: each enum is declared with members named by their values.  Three are built
+at run time by :func:`_choice` instead, from values a registry holds or that are not
+identifiers (``1f1b``); a type checker sees them as a ``Choice`` without named members
+(no code names one of their members: a registry key is looked up, not spelled).
 
 The strategies and model sources are the keys of their registries
 (``parallel.catalog``, ``models.sources``), so a new one is its module and its registry
@@ -23,7 +25,7 @@ else, so any module can import it without a cycle.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Tuple, Type
+from typing import TYPE_CHECKING, Tuple, Type, cast
 
 from raytrain_ext.models.sources import MODEL_SOURCES
 from raytrain_ext.parallel.catalog import STRATEGY_CATALOG
@@ -44,101 +46,125 @@ class Choice(StrEnum):
 
 def _choice(name: str, doc: str, *values: str) -> Type[Choice]:
     """An enum whose members are named by their values (see the module docstring)."""
-    enum = Choice(name, [(value, value) for value in values], module=__name__, qualname=name)
+    members = [(value, value) for value in values]
+    enum = Choice(name, members, module=__name__, qualname=name)  # type: ignore[call-arg]
     enum.__doc__ = doc
-    return enum
+    return cast(Type[Choice], enum)
 
 
-Device = _choice(
-    "Device",
-    "``run.device``: auto is cuda when the worker has a GPU, else cpu.",
-    "auto",
-    "cpu",
-    "cuda",
-)
-PlacementStrategy = _choice(
-    "PlacementStrategy",
-    "``scaling.placement_strategy``: Ray placement-group strategies, spelled as Ray does.",
-    "PACK",
-    "SPREAD",
-    "STRICT_PACK",
-    "STRICT_SPREAD",
-)
-ModelSource = _choice(
-    "ModelSource",
-    "``model.source``: the built-in reference GPT, a Hugging Face causal LM "
-    "(``model.hf``), or the user's own ``nn.Module`` (``model.factory``); one per entry of "
-    "``models.sources.MODEL_SOURCES``.",
-    *MODEL_SOURCES,
-)
-StrategyName = _choice(
-    "StrategyName",
-    "``parallel.strategy``: DDP, FSDP2, or DeepSpeed ZeRO (configured by ``parallel.zero``); "
-    "one per entry of ``parallel.catalog.STRATEGY_CATALOG``.",
-    *STRATEGY_CATALOG,
-)
-Backend = _choice(
-    "Backend",
-    "``parallel.backend``: the process-group backend; auto is nccl on GPU, gloo on CPU.",
-    "auto",
-    "nccl",
-    "gloo",
-)
-Precision = _choice(
-    "Precision", "A concrete training precision (the planner's ``--precision``).", "bf16", "fp32"
-)
-MixedPrecision = _choice(
-    "MixedPrecision",
-    "``parallel.mixed_precision``: auto is bf16 on GPU, fp32 on CPU.",
-    "auto",
-    *Precision.values(),
-)
-PipelineSchedule = _choice(
-    "PipelineSchedule",
-    "``parallel.pp_schedule``: all forwards then all backwards (gpipe), or one forward "
-    "one backward once the pipeline is full (1f1b, less activation memory).",
-    "gpipe",
-    "1f1b",
-)
-Offload = _choice(
-    "Offload",
-    "``parallel.zero.offload_optimizer``/``offload_param``: where ZeRO offloads to "
-    "(nvme and any parameter offload need stage 3).",
-    "none",
-    "cpu",
-    "nvme",
-)
-OnBusy = _choice(
-    "OnBusy",
-    "``checkpoint.on_busy``: a save due while the previous one still persists is "
-    "skipped, or waits for it.",
-    "skip",
-    "wait",
-)
-NanPolicy = _choice(
-    "NanPolicy",
-    "``guards.nan_policy``: a non-finite step is skipped (no update, batch consumed), "
-    "rolled back to the last checkpoint (the batch skipped), or fails the run.",
-    "skip_step",
-    "rollback",
-    "fail",
-)
-DataFormat = _choice(
-    "DataFormat",
-    "``data.format``: pre-tokenized ids (a ``tokens`` column), plain text documents packed "
-    "into ``seq_len`` windows, chat or prompt/response examples (loss on responses only), "
-    "or (prompt, chosen, rejected) preference records.",
-    "tokens",
-    "text",
-    "chat",
-    "preference",
-)
-ObjectiveName = _choice(
-    "ObjectiveName",
-    "``objective.name``: next-token loss, supervised fine-tuning (response tokens only), "
-    "direct preference optimisation, or the user's loss (``objective.fn``).",
-    "causal_lm",
-    "sft",
-    "dpo",
-    "user",
-)
+class Device(Choice):
+    """``run.device``: auto is cuda when the worker has a GPU, else cpu."""
+
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class PlacementStrategy(Choice):
+    """``scaling.placement_strategy``: Ray placement-group strategies, spelled as Ray does."""
+
+    PACK = "PACK"
+    SPREAD = "SPREAD"
+    STRICT_PACK = "STRICT_PACK"
+    STRICT_SPREAD = "STRICT_SPREAD"
+
+
+class Backend(Choice):
+    """``parallel.backend``: the process-group backend; auto is nccl on GPU, gloo on CPU."""
+
+    auto = "auto"
+    nccl = "nccl"
+    gloo = "gloo"
+
+
+class Precision(Choice):
+    """A concrete training precision (the planner's ``--precision``)."""
+
+    bf16 = "bf16"
+    fp32 = "fp32"
+
+
+class MixedPrecision(Choice):
+    """``parallel.mixed_precision``: auto is bf16 on GPU, fp32 on CPU."""
+
+    auto = "auto"
+    bf16 = "bf16"
+    fp32 = "fp32"
+
+
+class Offload(Choice):
+    """``parallel.zero.offload_optimizer``/``offload_param``: where ZeRO offloads to (nvme and any
+    parameter offload need stage 3)."""
+
+    none = "none"
+    cpu = "cpu"
+    nvme = "nvme"
+
+
+class OnBusy(Choice):
+    """``checkpoint.on_busy``: a save due while the previous one still persists is skipped, or
+    waits for it."""
+
+    skip = "skip"
+    wait = "wait"
+
+
+class NanPolicy(Choice):
+    """``guards.nan_policy``: a non-finite step is skipped (no update, batch consumed), rolled back
+    to the last checkpoint (the batch skipped), or fails the run."""
+
+    skip_step = "skip_step"
+    rollback = "rollback"
+    fail = "fail"
+
+
+class DataFormat(Choice):
+    """``data.format``: pre-tokenized ids (a ``tokens`` column), plain text documents packed into
+    ``seq_len`` windows, chat or prompt/response examples (loss on responses only), or (prompt,
+    chosen, rejected) preference records."""
+
+    tokens = "tokens"
+    text = "text"
+    chat = "chat"
+    preference = "preference"
+
+
+class ObjectiveName(Choice):
+    """``objective.name``: next-token loss, supervised fine-tuning (response tokens only), direct
+    preference optimisation, or the user's loss (``objective.fn``)."""
+
+    causal_lm = "causal_lm"
+    sft = "sft"
+    dpo = "dpo"
+    user = "user"
+
+
+if TYPE_CHECKING:  # members known at run time only (see the module docstring)
+
+    class ModelSource(Choice): ...
+
+    class StrategyName(Choice): ...
+
+    class PipelineSchedule(Choice): ...
+
+else:
+    ModelSource = _choice(
+        "ModelSource",
+        "``model.source``: the built-in reference GPT, a Hugging Face causal LM "
+        "(``model.hf``), or the user's own ``nn.Module`` (``model.factory``); one per entry of "
+        "``models.sources.MODEL_SOURCES``.",
+        *MODEL_SOURCES,
+    )
+    StrategyName = _choice(
+        "StrategyName",
+        "``parallel.strategy``: DDP, FSDP2, or DeepSpeed ZeRO (configured by ``parallel.zero``); "
+        "one per entry of ``parallel.catalog.STRATEGY_CATALOG``.",
+        *STRATEGY_CATALOG,
+    )
+    PipelineSchedule = _choice(
+        "PipelineSchedule",
+        "``parallel.pp_schedule``: all forwards then all backwards (gpipe), or one forward "
+        "one backward once the pipeline is full (1f1b, less activation memory).",
+        "gpipe",
+        "1f1b",
+    )

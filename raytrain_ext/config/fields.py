@@ -12,7 +12,7 @@ import dataclasses
 import math
 import typing
 from functools import lru_cache
-from typing import Any, Iterator, Optional, Tuple, Type
+from typing import Any, Iterator, List, Optional, Tuple, Type
 
 from raytrain_ext.config.choices import Choice
 
@@ -87,10 +87,10 @@ def _bounded(default: Any, bounds: Range) -> Any:
 def leaf_fields(schema: type, prefix: str = "") -> Tuple[Tuple[str, Any, Any], ...]:
     """``(dotted key, dataclasses.Field, resolved type)`` of every non-section field."""
     hints = typing.get_type_hints(schema)
-    leaves = []
+    leaves: List[Tuple[str, Any, Any]] = []
     for f in dataclasses.fields(schema):
         key, kind = prefix + f.name, hints[f.name]
-        if dataclasses.is_dataclass(kind):
+        if isinstance(kind, type) and dataclasses.is_dataclass(kind):
             leaves.extend(leaf_fields(kind, key + "."))
         else:
             leaves.append((key, f, kind))

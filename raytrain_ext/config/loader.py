@@ -81,7 +81,7 @@ def config_from_dict(data: dict) -> DictConfig:
 def to_dict(cfg: DictConfig) -> dict:
     """Plain values only: a choice is written as its string (``"fsdp"``), not an enum member,
     so the dict serialises to JSON/YAML anywhere and rebuilds without this package's enums."""
-    return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)  # type: ignore[return-value]
+    return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
 
 
 def to_yaml(cfg: DictConfig) -> str:
@@ -127,7 +127,7 @@ def _parse_overrides(overrides: Iterable[str]) -> DictConfig:
 
 def _merge(base: DictConfig, update: DictConfig, source: str) -> DictConfig:
     try:
-        return OmegaConf.merge(base, update)  # type: ignore[return-value]
+        return OmegaConf.merge(base, update)
     except ConfigKeyError as e:
         raise ConfigError(_unknown_key_message(e, source)) from None
     except ValidationError as e:

@@ -80,7 +80,7 @@ class ModelConfig:
     DDP/FSDP), and FSDP wraps each module of class ``block_class``.
     """
 
-    source: ModelSource = ModelSource.gpt
+    source: ModelSource = ModelSource("gpt")
     hf: HFModelConfig = field(default_factory=HFModelConfig)
     factory: Optional[str] = None
     block_class: Optional[str] = None
@@ -198,7 +198,7 @@ class ParallelConfig:
     ddp`` or ``fsdp``, any ``tp`` and ``pp``; no ``dp_replicate``).
     """
 
-    strategy: StrategyName = StrategyName.ddp
+    strategy: StrategyName = StrategyName("ddp")
     backend: Backend = Backend.auto
     timeout_s: float = positive(120.0)
     mixed_precision: MixedPrecision = MixedPrecision.auto

@@ -17,7 +17,7 @@ dataset copies nothing but the offsets.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 import pyarrow as pa
@@ -34,7 +34,7 @@ class RaggedColumn:
         self._offsets = [int_values(c.offsets) for c in chunks]
         counts = [len(o) - 1 for o in self._offsets]
         self._first = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-        self._chunk_of = np.repeat(np.arange(len(counts)), counts)  # row -> its chunk
+        self._chunk_of: np.ndarray = np.repeat(np.arange(len(counts)), counts)  # row -> its chunk
         self.lengths = np.concatenate([np.diff(o) for o in self._offsets]).astype(np.int64)
 
     def __len__(self) -> int:
@@ -57,7 +57,7 @@ class RaggedColumn:
 
 def read_list_columns(files: Sequence[Path], names: Sequence[str]) -> List[RaggedColumn]:
     """The named list columns of every shard file, memory-mapped, in file order."""
-    chunks = {name: [] for name in names}
+    chunks: Dict[str, List[pa.Array]] = {name: [] for name in names}
     for path in files:
         table = pa.ipc.open_file(pa.memory_map(str(path), "r")).read_all()
         for name in names:
@@ -67,21 +67,25 @@ def read_list_columns(files: Sequence[Path], names: Sequence[str]) -> List[Ragge
     return [RaggedColumn(chunks[name]) for name in names]
 
 
-def window(tokens: np.ndarray, mask: np.ndarray, size: int, pad_id: int) -> Tuple[np.ndarray, ...]:
+def window(
+    tokens: np.ndarray, mask: np.ndarray, size: int, pad_id: int
+) -> Tuple[np.ndarray, np.ndarray]:
     """``tokens``/``mask`` cut or padded (pad id, weight 0) to exactly ``size``."""
-    out_tokens = np.full(size, pad_id, dtype=np.int64)
-    out_mask = np.zeros(size, dtype=np.float32)
+    out_tokens: np.ndarray = np.full(size, pad_id, dtype=np.int64)
+    out_mask: np.ndarray = np.zeros(size, dtype=np.float32)
     n = min(size, len(tokens))
     out_tokens[:n] = tokens[:n]
     out_mask[:n] = mask[:n]
     return out_tokens, out_mask
 
 
-def fill_rows(pieces: Sequence[Tuple[np.ndarray, np.ndarray]], size: int, pad_id: int):
+def fill_rows(
+    pieces: Sequence[Tuple[np.ndarray, np.ndarray]], size: int, pad_id: int
+) -> Tuple[np.ndarray, np.ndarray]:
     """``(tokens, mask)`` pieces written into one ``[rows, size]`` pair of arrays, each cut
     or padded (pad id, weight 0) to ``size``: one allocation per batch, not per row."""
-    tokens = np.full((len(pieces), size), pad_id, dtype=np.int64)
-    mask = np.zeros((len(pieces), size), dtype=np.float32)
+    tokens: np.ndarray = np.full((len(pieces), size), pad_id, dtype=np.int64)
+    mask: np.ndarray = np.zeros((len(pieces), size), dtype=np.float32)
     for r, (t, m) in enumerate(pieces):
         n = min(size, len(t))
         tokens[r, :n] = t[:n]
@@ -119,7 +123,8 @@ class PackedExamples:
 
     def batch(self, indices: np.ndarray) -> Batch:
         pieces = [self._pieces(int(i)) for i in indices]
-        return rows_to_batch(*fill_rows(pieces, self.seq_len + 1, self.pad_id), indices)
+        tokens, mask = fill_rows(pieces, self.seq_len + 1, self.pad_id)
+        return rows_to_batch(tokens, mask, indices)
 
     def target_weights(self, indices: np.ndarray) -> np.ndarray:
         """Each sample's summed target weight (its response tokens)."""

@@ -30,7 +30,7 @@ from raytrain_ext.config.choices import DataFormat
 from raytrain_ext.data.examples import PackedExamples, PreferencePairs
 from raytrain_ext.data.tokens import TokenDataset, open_token_dataset, read_token_file
 from raytrain_ext.models.sources import model_source
-from raytrain_ext.prepare.prepared_index import PreparedIndex, read_index
+from raytrain_ext.prepare.prepared_index import PreparedIndex, read_index, require_index
 
 CACHE_DIR = "data-cache"
 
@@ -52,7 +52,7 @@ def open_dataset(cfg, path: Optional[str] = None):
 def open_prepared(directory: Path, seq_len: int, document_mask: bool = False):
     """A prepared directory's samples, by the format its index records; ``document_mask``:
     text windows carry per-document positions (see :class:`Batch`)."""
-    index = read_index(directory)
+    index = require_index(directory)
     files = [directory / shard.file for shard in index.shards]
     source = str(directory)
     if index.format == DataFormat.text:

@@ -55,7 +55,7 @@ class TokenDataset:
         import torch  # here: the driver's data checks read token files without torch
 
         starts = np.asarray(indices, dtype=np.int64) * self.seq_len
-        offsets = np.arange(self.seq_len + 1, dtype=np.int64)
+        offsets: np.ndarray = np.arange(self.seq_len + 1, dtype=np.int64)
         rows = torch.from_numpy(self.tokens[starts[:, None] + offsets].astype(np.int64))
         batch = Batch(rows[:, :-1], rows[:, 1:], indices=np.asarray(indices))
         if self.document_eos is not None:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, List, Optional, Tuple, Union
 
 from raytrain_ext.config import to_dict
 from raytrain_ext.elastic.capacity import Capacity
@@ -46,11 +46,11 @@ from raytrain_ext.elastic.records import (
     RecoveryKind,
     Resize,
     RunState,
-    StepRecord,
     Transition,
 )
 from raytrain_ext.elastic.recovery import Recoveries
 from raytrain_ext.errors.text import one_line, root_cause
+from raytrain_ext.messages import StepReport
 from raytrain_ext.metrics import MetricsSink
 from raytrain_ext.parallel.dims import state_from_peers
 from raytrain_ext.worker.form_options import FormOptions
@@ -210,11 +210,11 @@ class Controller:
         self.result.workers = [
             {
                 "rank": r,
-                "node_id": i["node_id"],
-                "node_ip": i["node_ip"],
-                "pid": i["pid"],
-                "niceness": i["niceness"],
-                "gpu_ids": i["gpu_ids"],
+                "node_id": i.node_id,
+                "node_ip": i.node_ip,
+                "pid": i.pid,
+                "niceness": i.niceness,
+                "gpu_ids": i.gpu_ids,
             }
             for r, i in enumerate(self.group.infos)
         ]
@@ -242,12 +242,12 @@ class Controller:
         self.result.worker_results = self.group.fit_results()
         self._drain_events()
         first = self.result.worker_results[0]
-        if first.get("paused_at") is not None and first["steps"] < self.cfg.run.max_steps:
+        if first.paused_at is not None and first.steps < self.cfg.run.max_steps:
             return RunState.RESIZING, (
-                f"paused at step {first['paused_at']}; growing to {self._resize_target} "
+                f"paused at step {first.paused_at}; growing to {self._resize_target} "
                 "workers in place"
             )
-        preempted = first.get("preempted_at")
+        preempted = first.preempted_at
         if preempted is not None and self._interrupt_asked:
             return RunState.INTERRUPTED, (
                 f"interrupted ({self._interrupt_reason}): checkpoint at step {preempted} "
@@ -279,7 +279,7 @@ class Controller:
         info = self.group.infos[rank]
         self.result.error = error
         name = type(root_cause(error)).__name__  # the worker's own, not Ray's wrapper
-        reason = f"worker rank {rank} (node {info['node_ip']}, pid {info['pid']}) raised {name}"
+        reason = f"worker rank {rank} (node {info.node_ip}, pid {info.pid}) raised {name}"
         if name in NOT_RETRIED:
             return RunState.FAILED, reason
         return self._after_failure(reason)
@@ -294,9 +294,9 @@ class Controller:
         world, s = self.group.world_size, self.cfg.scaling
         if world < s.max_workers and (self.cfg.checkpoint.enabled or state_from_peers(self.cfg)):
             self.group.replenish(self.cfg.elastic.spare_workers + s.max_workers - world)
-            target = self.capacity.scaling.size_for(world + self.group.ready_spare_count())
-            if target > world:
-                self._resize_target, self._grow_in_place = target, True
+            with_spares = self.capacity.scaling.size_for(world + self.group.ready_spare_count())
+            if with_spares > world:
+                self._resize_target, self._grow_in_place = with_spares, True
                 self.group.pause()
                 return
         if not self.cfg.checkpoint.enabled:
@@ -314,9 +314,10 @@ class Controller:
         if self._grow_in_place:
             return self._grow_with_spares()
         before, target = self.group.world_size, self._resize_target
+        assert target is not None, "a resize without a target"  # RESIZING is entered with one
         started = self.clock()
         # every rank stopped at the boundary and answered: their nodes count without a ping
-        self.capacity.note_alive(info["node_id"] for info in self.group.infos)
+        self.capacity.note_alive(info.node_id for info in self.group.infos)
         self.group.shutdown()
         self._resize_target = None
         decision = self._decide(self.cfg.elastic.wait_for_capacity_s)
@@ -343,6 +344,7 @@ class Controller:
         them (the group's state comes from the ranks, or, sharded, from the checkpoint
         saved at the pause)."""
         before, wanted = self.group.world_size, self._resize_target
+        assert wanted is not None, "a resize without a target"  # RESIZING is entered with one
         self._resize_target, self._grow_in_place = None, False
         spares = self.group.ready_spare_count()
         size = max(before, self.capacity.scaling.size_for(before + spares))
@@ -351,12 +353,12 @@ class Controller:
         )
         self.world_size = size
         self.attempt += 1
-        last = self.result.records[-1] if self.result.records else {"step": 0, "time": None}
-        resize = Resize(last["step"], before, size, wanted, 0.0, True, last["time"])
+        last_at = self.result.records[-1]["time"] if self.result.records else None
+        resize = Resize(self._last_step(), before, size, wanted, 0.0, True, last_at)
         self.result.resize_log.append(resize)
         self._books = resize
         return RunState.SCHEDULING, (
-            f"growing {before} -> {size} in place at step {last['step']}: "
+            f"growing {before} -> {size} in place at step {resize.step}: "
             f"{size - before} warm spare(s) join"
         )
 
@@ -378,11 +380,9 @@ class Controller:
         """A preemption is not a failure: shrink away from the preempted node(s), or stop."""
         infos = self.group.infos
         nodes = self.notices.drained_nodes | {
-            infos[r]["node_id"]
-            for r, res in enumerate(self.result.worker_results)
-            if res.get("sigterm")
+            infos[r].node_id for r, res in enumerate(self.result.worker_results) if res.sigterm
         }
-        ips = sorted({i["node_ip"] for i in infos if i["node_id"] in nodes})
+        ips = sorted({i.node_ip for i in infos if i.node_id in nodes})
         reason = (
             f"preemption notice (SIGTERM or node drain) for node(s) {', '.join(ips) or '?'}; "
             f"emergency checkpoint at step {step}"
@@ -394,16 +394,16 @@ class Controller:
         self.group.avoid_nodes.update(nodes)
         # every rank returned its result, so every node is alive: the capacity check counts
         # them without a ping (on a loaded node a ping outlasted the check, and the run stopped)
-        self.capacity.note_alive(info["node_id"] for info in infos)
+        self.capacity.note_alive(info.node_id for info in infos)
         return RunState.RECOVERING, reason
 
     def _evict(self, rank: int) -> Next:
         """Re-form without a straggler's node; an eviction is not a failure."""
         info = self.group.infos[rank]
-        self.group.avoid_nodes.add(info["node_id"])
+        self.group.avoid_nodes.add(info.node_id)
         self.notices.eviction = None
         return self._after_failure(
-            f"evicting straggler rank {rank} (node {info['node_ip']}): guards.evict_stragglers",
+            f"evicting straggler rank {rank} (node {info.node_ip}): guards.evict_stragglers",
             counted=False,
         )
 
@@ -426,10 +426,10 @@ class Controller:
         """
         steps = [self._last_step()]
         polls = self.group.poll(range(self.group.world_size), timeout_s=5)
-        self.capacity.note_alive(self.group.infos[rank]["node_id"] for rank in polls)
+        self.capacity.note_alive(self.group.infos[rank].node_id for rank in polls)
         for rank in sorted(polls):
-            steps.append(polls[rank]["step"])
-            self._forward(polls[rank]["records"])  # rank 0's records not yet forwarded
+            steps.append(polls[rank].step)
+            self._forward(polls[rank].reports)  # rank 0's reports not yet forwarded
         return max(steps)
 
     def _recover(self) -> Next:
@@ -465,15 +465,15 @@ class Controller:
         self.attempt += 1
         return RunState.SCHEDULING, decision.reason
 
-    def _close_books(self, record: StepRecord) -> None:
+    def _close_books(self, report: StepReport) -> None:
         """The new group's first step ends the recovery or resize that formed it; what
         forming it used up (spares, the pool's idle processes) is refilled now, off its
         path: a starting process competes for CPU with the group's first step."""
         books, self._books = self._books, None
         if isinstance(books, Recovery):
-            self.recoveries.account(record)
+            self.recoveries.account(report)
         elif isinstance(books, Resize):
-            books.account(record.restored, record.time)
+            books.account(report.restored, report.time)
         self.group.replenish(self.cfg.elastic.spare_workers)
 
     def _decide(self, wait_s: float, situation: Optional[Situation] = None) -> Decision:
@@ -494,16 +494,15 @@ class Controller:
         """Forward rank 0's new per-step records to the sinks."""
         events = self.group.poll([0], timeout_s=30)
         if 0 in events:  # else rank 0 is gone; its fit() reports the error
-            self._forward(events[0]["records"])
+            self._forward(events[0].reports)
 
-    def _forward(self, records: List[Dict[str, Any]]) -> None:
-        for fields in records:
-            record = StepRecord.from_worker(fields)
+    def _forward(self, reports: List[StepReport]) -> None:
+        for report in reports:
             if not self.result.records:  # the first step: when rank 0's loop was built
-                self.result.start_marks.update(fields.get("start_marks", {}))
-            self.result.stragglers.extend(self.notices.observe_step(record))
-            if record.first_of_group:
-                self._close_books(record)
-            row = record.for_sinks(len(self.result.recovery_log))
+                self.result.start_marks.update(report.start_marks or {})
+            self.result.stragglers.extend(self.notices.observe_step(report))
+            if report.first_of_group:
+                self._close_books(report)
+            row = report.to_record(recoveries=len(self.result.recovery_log))
             self.result.records.append(row)
-            self.sink.write(record.step, row)
+            self.sink.write(report.step, row)

@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Optional, Protocol, Sequence, Set, Tuple
 
 from raytrain_ext.elastic.decision import Evidence
 from raytrain_ext.elastic.in_place import InPlacePlan
+from raytrain_ext.messages import FitResult, Heartbeat, PollReply, RankInfo
 from raytrain_ext.worker.form_options import FormOptions
 
 
@@ -40,8 +41,8 @@ class GroupPort(Protocol):
         ...
 
     @property
-    def infos(self) -> List[Dict[str, Any]]:
-        """Per rank: node_id, node_ip, pid, gpu_ids."""
+    def infos(self) -> List[RankInfo]:
+        """Per rank: where its process runs."""
         ...
 
     @property
@@ -72,16 +73,16 @@ class GroupPort(Protocol):
         """Wait up to ``timeout_s`` for the ``fit`` calls not finished yet."""
         ...
 
-    def fit_results(self) -> List[Dict[str, Any]]:
+    def fit_results(self) -> List[FitResult]:
         """Every rank's ``fit`` result, in rank order, once all have finished."""
         ...
 
-    def heartbeats(self, timeout_s: float) -> Dict[int, Dict[str, Any]]:
+    def heartbeats(self, timeout_s: float) -> Dict[int, Heartbeat]:
         """rank -> its last step and phase; a rank that does not answer is left out."""
         ...
 
-    def poll(self, ranks: Sequence[int], timeout_s: float) -> Dict[int, Dict[str, Any]]:
-        """rank -> its last step and the records not taken yet; one that does not answer
+    def poll(self, ranks: Sequence[int], timeout_s: float) -> Dict[int, PollReply]:
+        """rank -> its last step and the reports not taken yet; one that does not answer
         (or no longer exists) is left out."""
         ...
 

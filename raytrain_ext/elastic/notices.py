@@ -16,8 +16,8 @@ from typing import Any, Callable, Dict, List, Optional, Set
 
 from raytrain_ext.elastic.cluster_probe import Cluster
 from raytrain_ext.elastic.group_port import GroupPort
-from raytrain_ext.elastic.records import StepRecord
 from raytrain_ext.elastic.watchdog import HangWatchdog
+from raytrain_ext.messages import RankInfo, StepReport
 
 log = logging.getLogger(__name__)
 
@@ -52,12 +52,12 @@ class Notices:
         self._last_drain_check = now
         draining = self.cluster.draining_nodes()
         infos = self.group.infos
-        ranks = [r for r, info in enumerate(infos) if info["node_id"] in draining]
+        ranks = [r for r, info in enumerate(infos) if info.node_id in draining]
         if not ranks:
             return
-        left_s = min(draining[infos[r]["node_id"]] for r in ranks)
+        left_s = min(draining[infos[r].node_id] for r in ranks)
         grace = max(1.0, min(self.cfg.checkpoint.preemption_grace_s, left_s))
-        self.drained_nodes.update(infos[r]["node_id"] for r in ranks)
+        self.drained_nodes.update(infos[r].node_id for r in ranks)
         log.warning(
             "controller: node(s) of ranks %s are draining (deadline in %.0f s); "
             "emergency checkpoint within %.0f s",
@@ -75,14 +75,14 @@ class Notices:
             return None
         self._last_heartbeat_check = now
         for rank, beat in self.group.heartbeats(timeout_s=5).items():
-            self.watchdog.observe(rank, beat["step"], beat["phase"], now)
+            self.watchdog.observe(rank, beat.step, beat.phase, now)
         verdict = self.watchdog.check(now)
         if verdict is None:
             return None
         self.hung_ranks = list(verdict.ranks)
         infos = self.group.infos
         names = ", ".join(
-            f"rank {r} (node {infos[r]['node_ip']}, pid {infos[r]['pid']})" for r in verdict.ranks
+            f"rank {r} (node {infos[r].node_ip}, pid {infos[r].pid})" for r in verdict.ranks
         )
         reason = (
             f"hang: {names} made no progress for {verdict.stalled_s:.1f} s (deadline "
@@ -92,15 +92,15 @@ class Notices:
         log.error("controller: %s", reason)
         return reason
 
-    def observe_step(self, record: StepRecord) -> List[Dict[str, Any]]:
+    def observe_step(self, report: StepReport) -> List[Dict[str, Any]]:
         """Time the step for the watchdog; name newly flagged stragglers once (returned) and
         mark the first for eviction when ``guards.evict_stragglers``."""
-        self.watchdog.record_step_time(record.step_time_s)
-        if not record.stragglers:
+        self.watchdog.record_step_time(report.step_time_s)
+        if not report.stragglers:
             return []
         g = self.cfg.guards
         entries = newly_flagged_stragglers(
-            record.fields, self.group.infos, self._stragglers_named, g.straggler_window
+            report, self.group.infos, self._stragglers_named, g.straggler_window
         )
         if entries and g.evict_stragglers and self.eviction is None:
             self.eviction = entries[0]["rank"]
@@ -114,23 +114,23 @@ class Notices:
 
 
 def newly_flagged_stragglers(
-    record: Dict[str, Any], infos: List[Dict[str, Any]], already_named: set, window: int
+    report: StepReport, infos: List[RankInfo], already_named: set, window: int
 ) -> List[Dict[str, Any]]:
-    """One entry per rank flagged in ``record`` for the first time, named with node and GPU."""
-    times = record.get("rank_compute_s", [])
+    """One entry per rank flagged in ``report`` for the first time, named with node and GPU."""
+    times = report.rank_compute_s or []
     entries = []
-    for rank in record.get("stragglers", []):
+    for rank in report.stragglers:
         if rank in already_named or rank >= len(infos) or rank >= len(times):
             continue
         already_named.add(rank)
         info = infos[rank]
         others = sorted(t for r, t in enumerate(times) if r != rank)
-        entry = {
-            "step": record["step"],
+        entry: Dict[str, Any] = {
+            "step": report.step,
             "rank": rank,
-            "node_ip": info["node_ip"],
-            "node_id": info["node_id"],
-            "gpu_ids": info["gpu_ids"],
+            "node_ip": info.node_ip,
+            "node_id": info.node_id,
+            "gpu_ids": info.gpu_ids,
             "compute_s": times[rank],
             "peers_median_s": others[len(others) // 2],
         }
@@ -138,8 +138,8 @@ def newly_flagged_stragglers(
             "controller: straggler rank %d (node %s, GPU %s): compute %.1f ms per step "
             "vs %.1f ms median of the other ranks for %d steps",
             rank,
-            info["node_ip"],
-            ",".join(info["gpu_ids"]) or "none",
+            info.node_ip,
+            ",".join(info.gpu_ids) or "none",
             entry["compute_s"] * 1e3,
             entry["peers_median_s"] * 1e3,
             window,

@@ -1,5 +1,5 @@
 """What the controller writes down: run states, transitions, recovery and resize records,
-and the typed view of rank 0's per-step records.
+and what a run did (``ControllerResult``); what the workers send is in ``messages``.
 
 Records are dataclasses, so each field is named and typed once; ``to_dict`` gives
 the plain form that summary.json, the report and the benchmarks read, with the
@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Mapping, Optional
 
 from raytrain_ext.elastic.policy import Action
+from raytrain_ext.messages import FitResult
 
 
 class RunState(enum.Enum):
@@ -154,7 +155,7 @@ class Resize:
             self.pause_s = step_end - self.last_step_at
 
     def to_dict(self) -> Dict[str, Any]:
-        out = {
+        out: Dict[str, Any] = {
             "step": self.step,
             "from": self.from_size,
             "to": self.to_size,
@@ -177,44 +178,14 @@ def restore_bytes(restored: Mapping[str, Any]) -> Optional[Dict[str, int]]:
     return {"read": restored["read_bytes"], "held": restored.get("held_bytes", 0)}
 
 
-@dataclass(frozen=True)
-class StepRecord:
-    """Rank 0's record of one step: the fields the controller acts on, typed, and the
-    whole record as the worker sent it (``fields``), which goes on to the sinks."""
-
-    step: int
-    time: float  # the step's end, on the worker's clock
-    step_time_s: float
-    stragglers: List[int]
-    first_of_group: bool  # the new group's first step: it says where the group resumed from
-    restored: Optional[Dict[str, Any]]  # that restore (None: started afresh)
-    fields: Dict[str, Any]
-
-    @classmethod
-    def from_worker(cls, record: Dict[str, Any]) -> StepRecord:
-        return cls(
-            step=record["step"],
-            time=record["time"],
-            step_time_s=record["step_time_s"],
-            stragglers=list(record.get("stragglers", [])),
-            first_of_group="restored" in record,
-            restored=record.get("restored"),
-            fields=record,
-        )
-
-    def for_sinks(self, recoveries: int) -> Dict[str, Any]:
-        """The worker's record plus the number of recoveries so far."""
-        return {**self.fields, "recoveries": recoveries}
-
-
 @dataclass
 class ControllerResult:
     """What a run did.  ``recoveries`` and ``resizes`` are the records in their plain
     form (summary.json); the typed records are in ``recovery_log`` and ``resize_log``."""
 
     state: RunState
-    records: List[Dict[str, Any]] = field(default_factory=list)
-    worker_results: List[Dict[str, Any]] = field(default_factory=list)
+    records: List[Dict[str, Any]] = field(default_factory=list)  # rank 0's, as the sinks got them
+    worker_results: List[FitResult] = field(default_factory=list)
     world_size_history: List[Dict[str, int]] = field(default_factory=list)
     transitions: List[Transition] = field(default_factory=list)
     workers: List[Dict[str, Any]] = field(default_factory=list)

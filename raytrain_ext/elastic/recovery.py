@@ -16,7 +16,8 @@ from typing import Callable, List, Optional
 from raytrain_ext.elastic.decision import Situation, in_place_considered
 from raytrain_ext.elastic.group_port import GroupPort
 from raytrain_ext.elastic.policy import Budget
-from raytrain_ext.elastic.records import Recovery, RecoveryKind, StepRecord
+from raytrain_ext.elastic.records import Recovery, RecoveryKind
+from raytrain_ext.messages import StepReport
 
 log = logging.getLogger(__name__)
 
@@ -72,10 +73,10 @@ class Recoveries:
             evidence = self.group.gather_evidence(hung_ranks, e.reuse_wait_s, e.fate_wait_s)
         return Situation(self.failures, evidence, background=e.replace_in_background)
 
-    def account(self, record: StepRecord) -> None:
+    def account(self, report: StepReport) -> None:
         """The first step after a re-form closes the books on the last recovery."""
         recovery = self.current
-        recovery.account(record.restored, record.time)
+        recovery.account(report.restored, report.time)
         log.info(
             "controller: recovered from failure %d in %.2f s (restored step %d from %s, "
             "%d steps redone)",

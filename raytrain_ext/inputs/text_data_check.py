@@ -18,7 +18,7 @@ from raytrain_ext.data.eval_split import held_out_samples
 from raytrain_ext.data.open import open_prepared, prepared_directory, tokenizer_spec
 from raytrain_ext.errors import InputError
 from raytrain_ext.models.sources import model_source
-from raytrain_ext.prepare.prepared_index import PreparedIndex, read_index
+from raytrain_ext.prepare.prepared_index import PreparedIndex, read_index, require_index
 
 
 def uses_records(cfg) -> bool:
@@ -37,7 +37,7 @@ def check_record_data(cfg) -> None:
         if path is None:
             continue
         directory = _prepared(cfg, key, path)
-        index = read_index(directory)
+        index = require_index(directory)
         _check_format(cfg, key, path, index)
         _check_tokenizer(cfg, key, path, index)
         if key == "data.path":

@@ -74,8 +74,8 @@ def batch_logits(spec: "ModelSpec", module: nn.Module, batch: Any) -> torch.Tens
     (``data.document_mask``; see :class:`raytrain_ext.data.batch.Batch`)."""
     if batch.positions is None:
         return spec.logits(module, batch.inputs)
-    spec.require("document_logits", "data.document_mask")
-    return spec.document_logits(module, batch.inputs, batch.positions)
+    document_logits = spec.require("document_logits", "data.document_mask")
+    return document_logits(module, batch.inputs, batch.positions)
 
 
 @dataclass(frozen=True)
@@ -99,13 +99,16 @@ class ModelSpec:
         None
     )
 
-    def require(self, member: str, layout: str) -> None:
-        """Refuse a layout whose spec member is missing, naming the member to add."""
-        if getattr(self, member) is None:
+    def require(self, member: str, layout: str) -> Callable[..., Any]:
+        """The optional member ``member`` that ``layout`` needs; refuses the layout, naming
+        the member to add, when this spec leaves it out."""
+        found = getattr(self, member)
+        if found is None:
             raise ValueError(
                 f"{layout} needs ModelSpec.{member}, which the {self.name!r} model spec "
                 f"does not define; add it to the spec, or run without {layout}"
             )
+        return found
 
 
 def stage_layers(n_layers: int, pp: int) -> List[range]:

@@ -10,19 +10,22 @@ as the README's table of formats says; an explicit ``objective.name`` always win
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Dict, Optional, Tuple
 
 from raytrain_ext.config.choices import DataFormat, ObjectiveName
 from raytrain_ext.errors import InputError
 
-# the data format each built-in objective trains on
-FORMATS = {
+# the data format each built-in objective trains on (keyed by value: a member is its str)
+FORMATS: Dict[str, Tuple[str, ...]] = {
     ObjectiveName.causal_lm: (DataFormat.tokens, DataFormat.text),
     ObjectiveName.sft: (DataFormat.chat,),
     ObjectiveName.dpo: (DataFormat.preference,),
 }
 # the objective each non-packed data format needs
-OBJECTIVE_OF_FORMAT = {DataFormat.chat: ObjectiveName.sft, DataFormat.preference: ObjectiveName.dpo}
+OBJECTIVE_OF_FORMAT: Dict[str, str] = {
+    DataFormat.chat: ObjectiveName.sft,
+    DataFormat.preference: ObjectiveName.dpo,
+}
 
 
 def objective_name(objective_cfg, data_format: str, loss_fn: Optional[Callable] = None) -> str:
@@ -103,13 +106,14 @@ def _format_mismatch(name: str, data_format: str) -> str:
             f"needs objective.name={wanted} ({what}). objective.name={name} trains on "
             f"data.format={' or '.join(FORMATS[name])}."
         )
-    wanted = FORMATS[name][0]
-    what = {
+    needed = FORMATS[name][0]
+    described: Dict[str, str] = {
         ObjectiveName.sft: "prompt/response examples whose prompt tokens are masked out of the loss",
         ObjectiveName.dpo: "(prompt, chosen, rejected) records",
-    }[name]
+    }
+    what = described[name]
     return (
-        f"objective.name={name} needs data.format={wanted} ({what}); got "
-        f"data.format={data_format}. Set data.format={wanted}, or train every token with "
+        f"objective.name={name} needs data.format={needed} ({what}); got "
+        f"data.format={data_format}. Set data.format={needed}, or train every token with "
         "objective.name=causal_lm."
     )

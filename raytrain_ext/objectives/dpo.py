@@ -44,7 +44,7 @@ class DPO(Objective):
         batch: Batch,
         reference_logps: Optional[torch.Tensor] = None,
     ) -> LossTerms:
-        _check_layout(logits, batch, reference_logps)
+        reference_logps = _check_layout(logits, batch, reference_logps)
         policy = sequence_logps(logits, batch)
         reference = reference_logps.to(device=policy.device, dtype=policy.dtype)
         ratios = policy - reference  # log pi/pi_ref per row: chosen rows, then rejected
@@ -65,9 +65,9 @@ class DPO(Objective):
 
 def _check_layout(
     logits: torch.Tensor, batch: Batch, reference_logps: Optional[torch.Tensor]
-) -> None:
-    """A caller's mistake, not the user's: the loop must pass a preference batch and the
-    reference log-probs of the same rows."""
+) -> torch.Tensor:
+    """The reference log-probs, checked.  A caller's mistake, not the user's: the loop must
+    pass a preference batch and the reference log-probs of the same rows."""
     rows = 2 * batch.pairs
     if batch.pairs <= 0 or logits.shape[0] != rows:
         raise ValueError(
@@ -77,3 +77,4 @@ def _check_layout(
     if reference_logps is None or tuple(reference_logps.shape) != (rows,):
         shape = None if reference_logps is None else tuple(reference_logps.shape)
         raise ValueError(f"DPO needs reference_logps of shape ({rows},); got {shape}")
+    return reference_logps

@@ -394,12 +394,12 @@ def newest_local_checkpoint(cfg) -> str:
 
 def _restore_section(summary: Dict[str, Any]) -> List[str]:
     """Where each restore spent its time (rank 0's ``checkpoint/phases.py`` record)."""
-    rows = [("start", (summary.get("restored") or {}).get("phases"))]
-    rows += [
+    named = [("start", (summary.get("restored") or {}).get("phases"))]
+    named += [
         (f"recovery {i}", r.get("restore_phases"))
         for i, r in enumerate(summary.get("recoveries", []), 1)
     ]
-    rows = [(name, phases) for name, phases in rows if phases]
+    rows = [(name, phases) for name, phases in named if isinstance(phases, dict) and phases]
     if not rows:
         return ["## Restores", "", "No checkpoint was restored."]
     names = list(rows[0][1])

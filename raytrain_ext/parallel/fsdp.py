@@ -45,9 +45,7 @@ class FSDPStrategy(Strategy):
     shards_parameters = True
 
     def __init__(self, parallel_cfg, spec: ModelSpec):
-        super().__init__(parallel_cfg, spec)
-        self.mesh = None  # the ("dp_replicate", "dp_shard", "tp") DeviceMesh, set by wrap
-        self.ignored: set = set()  # parameters FSDP must not shard or reduce (EP's experts)
+        super().__init__(parallel_cfg, spec)  # wrap builds the (dp_replicate, dp_shard, tp) mesh
 
     def build_model(self, model_cfg, seed: int) -> nn.Module:
         """The spec's module: on the meta device when the spec fills every value after

@@ -33,7 +33,7 @@ Invariants the loop relies on:
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
+from typing import AbstractSet, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -102,10 +102,10 @@ class PipelineStrategy(Strategy):
     def __init__(self, parallel_cfg, spec: ModelSpec, inner: Strategy):
         super().__init__(parallel_cfg, spec)
         self.inner = inner
-        self.ctx: Optional[DistContext] = None
-        self.mesh = None  # the ("pp", "dp_replicate", "dp_shard", "tp") DeviceMesh
+        self.ctx: DistContext  # set by wrap, as are the members below it
+        # self.mesh: the ("pp", "dp_replicate", "dp_shard", "tp") DeviceMesh
         self.stage: Optional[PipelineStage] = None
-        self.experts = None  # parallel.ep > 1: this stage's ExpertShards (parallel/ep.py)
+        self.experts: Optional[ExpertShards] = None  # parallel.ep > 1: this stage's (ep.py)
         self.loss_fn = TokenLossSum()
         self._schedules: Dict[int, object] = {}
 
@@ -115,8 +115,8 @@ class PipelineStrategy(Strategy):
 
     def wrap(self, model: nn.Module, ctx: DistContext) -> nn.Module:
         self.ctx, dims = ctx, ctx.dims
-        self.spec.require("pipeline_stage", "parallel.pp > 1")
-        stage = self.spec.pipeline_stage(model, dims.pp_rank(ctx.rank), dims.pp)
+        pipeline_stage = self.spec.require("pipeline_stage", "parallel.pp > 1")
+        stage = pipeline_stage(model, dims.pp_rank(ctx.rank), dims.pp)
         if dims.ep > 1:  # experts split over this stage's data-parallel ranks
             self.experts = ExpertShards(stage, ctx)
         stage = self.stage_module = stage.to(ctx.device)
@@ -258,7 +258,7 @@ class PipelineStrategy(Strategy):
         return stage_sd, optim_sd
 
 
-def average_gradients(stage: nn.Module, dp_group, skip: set = frozenset()) -> None:
+def average_gradients(stage: nn.Module, dp_group, skip: AbstractSet[int] = frozenset()) -> None:
     """DDP's gradient averaging over the stage's data-parallel group, in one flat all-reduce.
 
     ``DistributedDataParallel`` itself cannot wrap a stage here: the schedule's

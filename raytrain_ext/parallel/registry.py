@@ -23,5 +23,7 @@ def build_strategy(parallel_cfg: Any, spec: ModelSpec) -> Strategy:
     if parallel_cfg.pp > 1:  # pipeline stages, each data-parallel under the named strategy
         return PipelineStrategy(parallel_cfg, spec, strategy_class(parallel_cfg, spec))
     if parallel_cfg.ep > 1:  # the experts sharded over groups of ep ranks
+        if caps.expert_parallel is None:  # the driver's layout check refuses this first
+            raise ValueError(f"parallel.ep > 1: {parallel_cfg.strategy} has no expert parallelism")
         return load_class(caps.expert_parallel)(parallel_cfg, spec)
     return strategy_class(parallel_cfg, spec)

@@ -13,7 +13,7 @@ import abc
 import contextlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Dict, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.nn as nn
@@ -40,7 +40,8 @@ class DistContext:
     local_rank: int
     device: torch.device
     autocast_dtype: torch.dtype | None  # None: full fp32
-    dims: Optional[ParallelDims] = None
+    # None given: plain data parallelism, set by __post_init__ (never None once built)
+    dims: ParallelDims = None  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         if self.dims is None:
@@ -99,14 +100,23 @@ class Strategy(abc.ABC):
     # parameters become DTensors sharded over a mesh that ``wrap`` builds (``self.mesh``);
     # a pipeline stage then shards under it instead of building its own mesh (parallel/pp.py)
     shards_parameters: bool = False
-    optimizer_foreach: bool = True
     runs_microbatches: bool = False
     owns_optimizer_state: bool = False
-    native_checkpoint: bool = False
 
     def __init__(self, parallel_cfg: Any, spec: ModelSpec):
         self.cfg = parallel_cfg  # the ``parallel`` config section
         self.spec = spec  # what this strategy may know about the model
+        self.mesh: Any = None  # a sharding strategy's DeviceMesh, built by ``wrap``
+        # parameters a sharding strategy must not shard or reduce (EP's experts)
+        self.ignored: Set[nn.Parameter] = set()
+
+    @property
+    def optimizer_foreach(self) -> bool:
+        return True
+
+    @property
+    def native_checkpoint(self) -> bool:
+        return False
 
     def build_model(self, model_cfg: Any, seed: int) -> nn.Module:
         """The module ``wrap`` places: the spec's build, whole (FSDP builds on the meta device

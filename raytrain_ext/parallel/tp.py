@@ -19,9 +19,9 @@ def apply_tensor_parallel(
 ) -> None:
     """Shard every block of ``model`` (and, with sequence parallelism, its ends) over the
     1-D ``tp_mesh``, in place."""
-    spec.require("tp_block_plan", "parallel.tp > 1")
+    block_plan = spec.require("tp_block_plan", "parallel.tp > 1")
     if sequence_parallel:
-        spec.require("tp_model_plan", "parallel.sequence_parallel")
-        parallelize_module(model, tp_mesh, spec.tp_model_plan())
+        model_plan = spec.require("tp_model_plan", "parallel.sequence_parallel")
+        parallelize_module(model, tp_mesh, model_plan())
     for block in spec.blocks(model):
-        parallelize_module(block, tp_mesh, spec.tp_block_plan(block, sequence_parallel))
+        parallelize_module(block, tp_mesh, block_plan(block, sequence_parallel))

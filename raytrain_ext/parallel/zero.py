@@ -194,7 +194,7 @@ class ZeroStrategy(Strategy):
     def __init__(self, parallel_cfg, spec: ModelSpec):
         super().__init__(parallel_cfg, spec)
         self.zero_cfg = parallel_cfg.zero
-        self.ctx: Optional[DistContext] = None
+        self.ctx: DistContext  # set by wrap
         self._coalescing: Optional[contextlib.ExitStack] = None
         self._stepped = False  # whether this step's update was applied
         self.group_names: List[List[str]] = []  # FQNs per param group, before DS flattens

@@ -133,7 +133,10 @@ def run_job(
             report.update(info)
     finally:
         report.close()
-    index = job.index([shards[k] for k in range(job.num_shards)])
+    written = [shard_info for k in range(job.num_shards) if (shard_info := shards[k]) is not None]
+    if len(written) != job.num_shards:  # every shard was reused or written above
+        raise RuntimeError(f"data prepare: {job.num_shards - len(written)} shard(s) missing")
+    index = job.index(written)
     write_index(Path(job.out_dir), index)
     return Preparation(index, pending, reused, time.monotonic() - started)
 

@@ -98,6 +98,17 @@ def write_index(directory: Path, index: PreparedIndex) -> None:
     os.replace(tmp, directory / INDEX_NAME)
 
 
+def require_index(directory: Path) -> PreparedIndex:
+    """The index of a directory a check has found prepared; a clear error when it is not."""
+    index = read_index(directory)
+    if index is None:
+        raise ValueError(
+            f"{directory} is not a prepared directory (no {INDEX_NAME} of raytrain-ext's); "
+            "prepare the data with `raytrain-ext data prepare`"
+        )
+    return index
+
+
 def read_index(directory: Path) -> Optional[PreparedIndex]:
     """The index of a prepared directory; None when ``directory`` is not one."""
     path = Path(directory) / INDEX_NAME

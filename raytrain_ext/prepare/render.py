@@ -197,7 +197,7 @@ def _messages(value: Any, record: int, where: Where) -> List[Dict[str, str]]:
 def _lists(examples: List[Example], part: int, dtype: pa.DataType) -> pa.Array:
     """A list<dtype> column built from flat values and offsets (one copy)."""
     lengths = np.fromiter((len(e[part]) for e in examples), dtype=np.int64, count=len(examples))
-    offsets = np.zeros(len(examples) + 1, dtype=np.int32)
+    offsets: np.ndarray = np.zeros(len(examples) + 1, dtype=np.int32)
     np.cumsum(lengths, out=offsets[1:])
     values = np.fromiter(
         (v for e in examples for v in e[part]),

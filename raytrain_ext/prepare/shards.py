@@ -182,8 +182,8 @@ def claim_out_dir(job: PrepareJob) -> Optional[PreparedIndex]:
     existing = _existing_index(out)
     if existing is None:
         return None
-    shards = [finished_shard(job, k) for k in range(job.num_shards)]
-    if all(shards) and job.index(shards).to_json() == existing.to_json():
+    shards = [s for k in range(job.num_shards) if (s := finished_shard(job, k)) is not None]
+    if len(shards) == job.num_shards and job.index(shards).to_json() == existing.to_json():
         return existing
     return None
 

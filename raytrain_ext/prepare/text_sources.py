@@ -38,9 +38,9 @@ PATH_KEY = "data.path"
 COLUMN_KEY = "data.text_column (--text-column)"
 FORMAT_KEY = "data.format (--format)"
 FORMATS = ("text", "chat", "preference")
-JSON_SUFFIXES = (".jsonl", ".json")
-PARQUET_SUFFIXES = (".parquet",)
-ARROW_SUFFIXES = (".arrow", ".feather", ".ipc")
+JSON_SUFFIXES: Tuple[str, ...] = (".jsonl", ".json")
+PARQUET_SUFFIXES: Tuple[str, ...] = (".parquet",)
+ARROW_SUFFIXES: Tuple[str, ...] = (".arrow", ".feather", ".ipc")
 DATA_SUFFIXES = JSON_SUFFIXES + PARQUET_SUFFIXES + ARROW_SUFFIXES
 DATASETS_STATE = "state.json"
 DATASETS_DICT = "dataset_dict.json"
@@ -386,7 +386,9 @@ def _arrow_records(
     return table.slice(start - lo, count).to_pydict()
 
 
-def required_columns(fmt: str, text_column: str, available: Sequence[str]) -> Optional[Tuple]:
+def required_columns(
+    fmt: str, text_column: str, available: Sequence[str]
+) -> Optional[Tuple[str, ...]]:
     """The columns a format reads from records with ``available`` columns; None if absent."""
     if fmt == "text":
         wanted: Tuple[str, ...] = (text_column,)
@@ -417,12 +419,15 @@ def check_source(
         raise InputError(
             f"{PATH_KEY}: {source.name} holds no records (0 rows). Point it at the data."
         )
-    parts = [(f.shown, f.columns) for f in source.files if f.records] or [
-        (source.name, tuple(source.table.column_names))
-    ]
+    if source.table is not None:
+        parts = [(source.name, tuple(source.table.column_names))]
+    else:
+        parts = [(f.shown, f.columns) for f in source.files if f.records]
     wanted = required_columns(fmt, text_column, parts[0][1])
+    if wanted is None:
+        raise InputError(_missing_columns(fmt, text_column, *parts[0]))
     for shown, columns in parts:
-        if wanted is None or not all(c in columns for c in wanted):
+        if not all(c in columns for c in wanted):
             raise InputError(_missing_columns(fmt, text_column, shown, columns))
     return source, wanted
 

@@ -7,15 +7,17 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, List, Optional
 
 import ray
+
+from raytrain_ext.messages import RankInfo
 
 log = logging.getLogger(__name__)
 
 
 def dump_worker_stacks(
-    actors: List[Any], infos: List[Dict[str, Any]], out: Path, attempt: int, timeout_s: float = 10.0
+    actors: List[Any], infos: List[RankInfo], out: Path, attempt: int, timeout_s: float = 10.0
 ) -> Optional[Path]:
     """Every live worker's Python stacks into ``out/attempt<k>-rank<r>.txt``.
 
@@ -30,7 +32,7 @@ def dump_worker_stacks(
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as e:
             text = f"no stacks: {type(e).__name__}: {e}"
         info = infos[rank]
-        header = f"rank {rank} node {info['node_ip']} pid {info['pid']} attempt {attempt}\n"
+        header = f"rank {rank} node {info.node_ip} pid {info.pid} attempt {attempt}\n"
         (out / f"attempt{attempt}-rank{rank}.txt").write_text(header + text)
     log.error("controller: stacks of every worker written to %s", out)
     return out

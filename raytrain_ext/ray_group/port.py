@@ -17,6 +17,7 @@ import ray
 from raytrain_ext.elastic.decision import Evidence
 from raytrain_ext.elastic.group_port import FitStatus
 from raytrain_ext.elastic.in_place import InPlacePlan
+from raytrain_ext.messages import FitResult, Heartbeat, PollReply, RankInfo
 from raytrain_ext.ray_group.diagnostics import dump_worker_stacks
 from raytrain_ext.ray_group.survivors import first_error, gather_evidence
 from raytrain_ext.user_code import UserCode
@@ -59,7 +60,7 @@ class RayGroup:
         return self._group.backend
 
     @property
-    def infos(self) -> List[Dict[str, Any]]:
+    def infos(self) -> List[RankInfo]:
         return self._group.infos
 
     @property
@@ -100,13 +101,13 @@ class RayGroup:
         failed = first_error(self._fit_refs, done, self._clock)
         return FitStatus(finished=not self._pending, error=failed)
 
-    def fit_results(self) -> List[Dict[str, Any]]:
+    def fit_results(self) -> List[FitResult]:
         return ray.get(self._fit_refs)
 
-    def heartbeats(self, timeout_s: float) -> Dict[int, Dict[str, Any]]:
+    def heartbeats(self, timeout_s: float) -> Dict[int, Heartbeat]:
         return self._ask(range(self.world_size), lambda a: a.heartbeat.remote(), timeout_s)
 
-    def poll(self, ranks: Sequence[int], timeout_s: float) -> Dict[int, Dict[str, Any]]:
+    def poll(self, ranks: Sequence[int], timeout_s: float) -> Dict[int, PollReply]:
         return self._ask(ranks, lambda a: a.poll.remote(), timeout_s)
 
     def _ask(

@@ -98,5 +98,5 @@ def gather_evidence(
     if not healthy or not lost:
         return evidence
     actors = [group.actors[r] for r in lost]
-    fates = fates_of(actors, [group.infos[r]["node_id"] for r in lost], evidence_s)
+    fates = fates_of(actors, [group.infos[r].node_id for r in lost], evidence_s)
     return replace(evidence, fates=dict(zip(lost, fates, strict=True)))

@@ -39,11 +39,13 @@ class Evaluator:
         return step % self.every == 0 or step == self.max_steps
 
     def run(self, model: torch.nn.Module, autocast: Callable[[], ContextManager]) -> Dict:
-        ctx, names = self.ctx, self.objective.metric_names
+        ctx, names, dataset = self.ctx, self.objective.metric_names, self.split.dataset
+        if dataset is None:  # never due without one
+            raise RuntimeError("evaluation asked of a run without an evaluation split")
         sums = torch.zeros(2 + len(names), dtype=torch.float64)
         with inference(model):
             for chunk, real in lockstep_chunks(len(self.split.indices), ctx, self.micro):
-                batch = self.split.dataset.batch(self.split.indices[chunk]).to(ctx.device)
+                batch = dataset.batch(self.split.indices[chunk]).to(ctx.device)
                 with autocast():
                     out = batch_logits(self.spec, model, batch)
                 if not (real and ctx.counts_loss):

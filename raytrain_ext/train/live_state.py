@@ -139,7 +139,7 @@ def _broadcast_tensors(
         shaped = [torch.empty(p.shape, dtype=dtype, device="meta") for p in members]
         for p, t in zip(members, _unflatten_dense_tensors(flat, shaped), strict=True):
             out[p.index] = t
-    return out  # type: ignore[return-value]
+    return out
 
 
 Offer = Tuple[int, Tuple[int, int]]  # (live step or -1, shard) of one rank
@@ -148,9 +148,9 @@ Offer = Tuple[int, Tuple[int, int]]  # (live step or -1, shard) of one rank
 def _offers(live: Optional[LiveState], digest: str) -> List[Offer]:
     """Every rank's live step (-1: none, or one from another config) and shard, from one
     all-gather."""
-    held = live is not None and live.config_digest == digest
+    mine = (live.step, live.shard) if live is not None and live.config_digest == digest else None
     offers: List[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(offers, (live.step, live.shard) if held else (-1, (0, 0)))
+    dist.all_gather_object(offers, mine or (-1, (0, 0)))
     return [(int(step), (int(shard[0]), int(shard[1]))) for step, shard in offers]
 
 
@@ -160,7 +160,7 @@ def _sources(offers: List[Offer], degree: int) -> Optional[Tuple[int, List[int]]
     no step is complete.  Pure, and identical on every rank (it reads the all-gather)."""
     steps = sorted({step for step, shard in offers if step >= 0 and shard[0] == degree})
     for step in reversed(steps):
-        holders = {}
+        holders: Dict[int, int] = {}
         for rank, (held, shard) in enumerate(offers):
             if held == step and shard[0] == degree:
                 holders.setdefault(shard[1], rank)
@@ -196,6 +196,8 @@ def restore_from_peers(
         if index == shard[1]:
             mine = whole
     transferred = time.perf_counter()
+    if mine is None:  # sources has one entry per shard of the degree, this rank's among them
+        raise RuntimeError(f"no live shard {shard[1]} of {shard[0]} came to this rank")
     _install(state, mine)
     return {
         "step": step,

@@ -41,6 +41,7 @@ from raytrain_ext.data.open import open_dataset
 from raytrain_ext.data.prefetch import BatchPrefetcher
 from raytrain_ext.errors.text import is_peer_loss
 from raytrain_ext.faults import FaultInjector
+from raytrain_ext.messages import FitResult, StepReport
 from raytrain_ext.metrics.flops import mfu, model_flops_per_token, peak_flops_for
 from raytrain_ext.models import model_spec
 from raytrain_ext.models.moe import moe_layers
@@ -62,7 +63,7 @@ from raytrain_ext.train.reference import ReferenceLogps, compute_logps
 from raytrain_ext.train.step_clock import StepClock
 from raytrain_ext.user_code import UserCode
 
-Report = Callable[[Dict[str, Any]], None]
+Report = Callable[[StepReport], None]
 
 
 def seed_everything(seed: int, device: Optional[torch.device] = None) -> None:
@@ -188,7 +189,7 @@ class TrainLoop:
             self.restored = self.ckpt.restore(self.state, held=held)
         self.nonfinite = NonFiniteGuard(cfg.guards, self.state, self.ckpt)
         if self.reference is not None and not self.reference.ready:
-            self._compute_reference()
+            self._compute_reference(self.reference)
         self.evaluator = Evaluator(
             cfg, self.eval_split, self.objective, self.ctx, self.spec, self.reference
         )
@@ -218,12 +219,12 @@ class TrainLoop:
         )
         self.prefetch = BatchPrefetcher(self.dataset.batch, cfg.data.prefetch)
 
-    def _compute_reference(self) -> None:
+    def _compute_reference(self, reference: ReferenceLogps) -> None:
         """DPO: the starting weights' log-probs of every training and evaluation sample,
         before step 1 (:mod:`raytrain_ext.train.reference`)."""
         micro, split = self.cfg.data.micro_batch_size, self.eval_split
         args = (self.ctx, micro, self.compute.autocast)
-        self.reference.train = compute_logps(
+        reference.train = compute_logps(
             self.model,
             self.spec,
             self.dataset,
@@ -231,7 +232,7 @@ class TrainLoop:
             *args,
         )
         if split.dataset is not None:
-            self.reference.held_out = compute_logps(
+            reference.held_out = compute_logps(
                 self.model, self.spec, split.dataset, split.indices, *args
             )
 
@@ -267,7 +268,7 @@ class TrainLoop:
         for tier in self.ckpt.tiers:
             tier.probe()
 
-    def fit(self) -> Dict[str, Any]:
+    def fit(self) -> FitResult:
         """Train until ``run.max_steps``; return this rank's final digests."""
         last_loss = float("nan")
         try:
@@ -291,18 +292,18 @@ class TrainLoop:
         if self.ckpt is not None:
             self.ckpt.close()
         params = self.strategy.full_parameters(self.model)
-        return {
-            "rank": self.ctx.rank,
-            "steps": self.progress.step,
-            "final_loss": last_loss,
-            "params_sha256": params_sha256(params),
-            "samples_digest": self.ledger.digest,
-            "samples_consumed": self.ledger.samples,
-            "restored": self.restored,
-            "preempted_at": self.preempted_at,
-            "paused_at": self.paused_at,
-            "checkpoint": self.ckpt.stats if self.ckpt else None,
-        }
+        return FitResult(
+            rank=self.ctx.rank,
+            steps=self.progress.step,
+            final_loss=last_loss,
+            params_sha256=params_sha256(params),
+            samples_digest=self.ledger.digest,
+            samples_consumed=self.ledger.samples,
+            restored=self.restored,
+            preempted_at=self.preempted_at,
+            paused_at=self.paused_at,
+            checkpoint=self.ckpt.stats if self.ckpt else None,
+        )
 
     def train_step(self) -> float:
         clock = StepClock(self._reported_s)
@@ -381,29 +382,28 @@ class TrainLoop:
         if exchanged.request >= REQUEST_EMERGENCY:
             self.preempted_at = self.progress.step
         clock.stop()
-        record = self._step_record(clock, loss, lr, float(grad_norm), stall, exchanged, units)
-        if skip_batch or decision.action != StepAction.OK:
-            record["skipped"] = True
-        self._report_step(record, clock)
+        report = self._step_report(clock, loss, lr, float(grad_norm), stall, exchanged, units)
+        report.skipped = skip_batch or decision.action != StepAction.OK
+        self._report_step(report, clock)
         return loss
 
-    def _report_step(self, record: Dict[str, Any], clock: StepClock) -> None:
-        """Add the step's rollback note, evaluation and restore facts to its record and
-        report it; the time this takes, evaluation aside, is the next step's bookkeeping."""
-        if self.nonfinite.rollback_note is not None:
-            record["rolled_back"], self.nonfinite.rollback_note = self.nonfinite.rollback_note, None
+    def _report_step(self, report: StepReport, clock: StepClock) -> None:
+        """Add the step's rollback note, evaluation and restore facts to its report and
+        send it; the time this takes, evaluation aside, is the next step's bookkeeping."""
+        report.rolled_back, self.nonfinite.rollback_note = self.nonfinite.rollback_note, None
         evaluated_s = 0.0
         if self.evaluator.due(self.progress.step):
             evaluated_s = time.perf_counter()
-            record.update(self.evaluator.run(self.model, self.compute.autocast))
+            report.metrics.update(self.evaluator.run(self.model, self.compute.autocast))
             evaluated_s = time.perf_counter() - evaluated_s
         if self._first_report:  # tells the controller where this group resumed from
-            record["restored"], self._first_report = self.restored, False
-        self.report(record)
+            report.first_of_group, report.restored = True, self.restored
+            self._first_report = False
+        self.report(report)
         self.faults.after_step(self.progress.step, self.mark)
         self._reported_s = clock.since_stop() - evaluated_s
 
-    def _step_record(
+    def _step_report(
         self,
         clock: StepClock,
         loss: float,
@@ -412,35 +412,39 @@ class TrainLoop:
         stall: float,
         exchanged,
         units: float,
-    ) -> Dict[str, Any]:
-        """The step's record for rank 0's report (every rank builds it: the straggler
-        guard observes on each)."""
+    ) -> StepReport:
+        """The step's report (every rank builds it: the straggler guard observes on each;
+        rank 0's goes to the controller)."""
         step_time, ctx = clock.seconds, self.ctx
-        return {
-            "step": self.progress.step,
-            "loss": loss,
-            "lr": lr,
-            "grad_norm": grad_norm,
-            "step_time_s": step_time,
-            "tokens_per_s": self.global_tokens / step_time,
-            "compute_s": self.compute.compute_s,
-            "data_s": self.compute.data_s,
-            "ckpt_stall_s": stall,
-            "wait_s": max(0.0, step_time - self.compute.compute_s - stall),  # comm + peers
-            "phases_s": clock.phases(),
-            "world_size": ctx.world_size,
-            "time": time.time(),
-            "peak_memory_gb": peak_memory_bytes(ctx.device) / 2**30,
-            "mfu": mfu(
+        flagged = self.stragglers.observe(exchanged.compute_s)
+        return StepReport(
+            step=self.progress.step,
+            time=time.time(),
+            step_time_s=step_time,
+            loss=loss,
+            lr=lr,
+            grad_norm=grad_norm,
+            tokens_per_s=self.global_tokens / step_time,
+            compute_s=self.compute.compute_s,
+            data_s=self.compute.data_s,
+            ckpt_stall_s=stall,
+            wait_s=max(0.0, step_time - self.compute.compute_s - stall),  # comm + peers
+            phases_s=clock.phases(),
+            world_size=ctx.world_size,
+            peak_memory_gb=peak_memory_bytes(ctx.device) / 2**30,
+            mfu=mfu(
                 self.global_tokens / step_time,
                 self.flops_per_token,
                 self.peak_flops,
                 ctx.world_size,
             ),
-            **self._objective_fields(exchanged.metrics, units),
-            **self._straggler_fields(exchanged.compute_s),
-            **self.expert_load.field(exchanged.expert_tokens),
-        }
+            metrics={
+                **self._objective_fields(exchanged.metrics, units),
+                **self.expert_load.field(exchanged.expert_tokens),
+            },
+            rank_compute_s=[round(s, 6) for s in exchanged.compute_s] if ctx.rank == 0 else None,
+            stragglers=flagged if ctx.rank == 0 else [],
+        )
 
     @property
     def finished(self) -> bool:
@@ -464,10 +468,3 @@ class TrainLoop:
         """The objective's metrics for the step, per loss unit (DPO: accuracy, margins)."""
         names = self.objective.metric_names
         return {name: value / units for name, value in zip(names, metric_sums, strict=True)}
-
-    def _straggler_fields(self, compute_s: List[float]) -> Dict[str, Any]:
-        """Per-rank compute times on rank 0's record, and the ranks flagged as stragglers."""
-        flagged = self.stragglers.observe(compute_s)
-        if self.ctx.rank != 0:
-            return {}
-        return {"rank_compute_s": [round(s, 6) for s in compute_s], "stragglers": flagged}

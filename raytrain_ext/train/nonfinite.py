@@ -61,6 +61,8 @@ class NonFiniteGuard:
         Returns False (the step then stays a plain skipped update) when there is
         no committed checkpoint to go back to.
         """
+        if self.ckpt is None:  # checkpoints off: nothing to go back to
+            return False
         self.ckpt.wait()
         self.state.progress.skip_steps.add(step)
         restored = self.ckpt.restore(self.state, newest=True)

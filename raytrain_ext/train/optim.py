@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import List
 
 import torch
 import torch.nn as nn
@@ -14,7 +15,8 @@ def build_optimizer(model: nn.Module, optim_cfg, foreach: bool = True) -> torch.
     ``foreach=False`` for models that mix DTensor and plain parameters in a
     group (experts left out of FSDP), which the fused multi-tensor step refuses.
     """
-    decay, no_decay = [], []
+    decay: List[torch.nn.Parameter] = []
+    no_decay: List[torch.nn.Parameter] = []
     for p in model.parameters():
         if p.requires_grad:
             (decay if p.dim() >= 2 else no_decay).append(p)

@@ -54,7 +54,8 @@ class StepProfiler:
         steps = list(profile_cfg.steps)
         self.rank = rank
         self.enabled = bool(steps) and rank in list(profile_cfg.ranks)
-        self.first, self.last = (steps[0], steps[1]) if steps else (0, -1)
+        self.first: int = steps[0] if steps else 0
+        self.last: int = steps[1] if steps else -1
         self.dir = Path(profile_cfg.dir)
         self.record_shapes = bool(profile_cfg.record_shapes)
         self.with_stack = bool(profile_cfg.with_stack)
@@ -125,6 +126,7 @@ class StepProfiler:
             torch.cuda.profiler.stop()
             return
         profiler, self._profiler = self._profiler, None
+        assert profiler is not None, "recording without a profiler"
         profiler.stop()
         self.dir.mkdir(parents=True, exist_ok=True)
         first, last = self._first_recorded, self._last_recorded or self._first_recorded

@@ -38,9 +38,16 @@ class ReferenceLogps:
     def ready(self) -> bool:
         return self.train is not None
 
-    def for_batch(self, indices: np.ndarray, device: torch.device, held_out: bool = False):
-        """``[2 * pairs]`` reference log-probs in a preference batch's row order."""
+    def for_batch(
+        self, indices: Optional[np.ndarray], device: torch.device, held_out: bool = False
+    ) -> torch.Tensor:
+        """``[2 * pairs]`` reference log-probs in a preference batch's row order (the batch
+        names its samples: ``Batch.indices``)."""
         table = self.held_out if held_out else self.train
+        if table is None or indices is None:
+            raise RuntimeError(
+                "reference log-probs asked before they were computed, or for a batch without sample indices"
+            )
         rows = table[np.asarray(indices, dtype=np.int64)]
         return torch.from_numpy(np.concatenate([rows[:, 0], rows[:, 1]])).to(device)
 

@@ -22,16 +22,24 @@ import threading
 import time
 import traceback
 from collections import deque
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Dict, Optional
 
 import ray
 
+from raytrain_ext.messages import FitResult, Heartbeat, PollReply, RankInfo, StepReport
 from raytrain_ext.user_code import UserCode
 from raytrain_ext.worker.process_age import process_age_s
 from raytrain_ext.worker.process_pool import WARM_MODULES, adopt_thread_count, await_warm_imports
 from raytrain_ext.worker.thread_errors import report_thread_errors_in_one_line
 
 if TYPE_CHECKING:
+    from torch.distributed import TCPStore
+
+    from raytrain_ext.checkpoint.held_chunks import HeldChunks
+    from raytrain_ext.metrics.sinks import RayMetricsSink
+    from raytrain_ext.train.live_state import LiveState
+    from raytrain_ext.train.loop import TrainLoop
     from raytrain_ext.worker.dist_env import WorkerEnv
 
 # The driver imports this module to create the actors, and needs no torch: what a worker
@@ -50,23 +58,23 @@ class EventBuffer:
         self.last_beat = time.time()
         self.phase = "setup"  # what the loop is doing: setup | compute | exchange
 
-    def push(self, record: Dict[str, Any], keep: bool) -> None:
+    def push(self, report: StepReport, keep: bool) -> None:
         with self._lock:
-            self.last_step, self.last_beat = record["step"], time.time()
+            self.last_step, self.last_beat = report.step, time.time()
             if keep:
-                self._records.append(record)
+                self._records.append(report)
 
     def mark(self, phase: str) -> None:
         self.phase = phase
 
-    def heartbeat(self) -> Dict[str, Any]:
-        return {"step": self.last_step, "beat": self.last_beat, "phase": self.phase}
+    def heartbeat(self) -> Heartbeat:
+        return Heartbeat(step=self.last_step, phase=self.phase, beat=self.last_beat)
 
-    def drain(self) -> Dict[str, Any]:
+    def drain(self) -> PollReply:
         with self._lock:
-            records = list(self._records)
+            reports = list(self._records)
             self._records.clear()
-            return {"step": self.last_step, "beat": self.last_beat, "records": records}
+            return PollReply(step=self.last_step, beat=self.last_beat, reports=reports)
 
 
 def exit_when_orphaned(raylet_pid: int, period_s: float = 1.0) -> threading.Thread:
@@ -103,10 +111,11 @@ class TrainWorker:
         self._reset_run_state()
         self.env: WorkerEnv | None = None
         self.device = None
-        self.hosted_store = None  # rank 0's rendezvous store, between host_rendezvous and setup
-        self.live = None  # this process's state from its last group (a LiveState), if any
-        self.held = None  # its own shards from that group (a HeldChunks), if any
-        self._loop = None  # the running TrainLoop, while fit runs
+        # rank 0's rendezvous store, between host_rendezvous and setup
+        self.hosted_store: Optional[TCPStore] = None
+        self.live: Optional[LiveState] = None  # this process's state from its last group
+        self.held: Optional[HeldChunks] = None  # its own shards from that group
+        self._loop: Optional[TrainLoop] = None  # the running loop, while fit runs
         self.grace_s = 30.0
         adopt_thread_count()  # the same numbers in a stocked process as in a new one
         report_thread_errors_in_one_line()
@@ -122,7 +131,7 @@ class TrainWorker:
         self.events = EventBuffer()
         self.requests = SaveRequests()
         self.sigterm_received = False
-        self.metrics_sink = None
+        self.metrics_sink: Optional[RayMetricsSink] = None
 
     def _on_sigterm(self, signum, frame) -> None:
         """Preemption notice: checkpoint at the next step boundary, then stop."""
@@ -150,18 +159,18 @@ class TrainWorker:
         """A drain notice for this worker's node, forwarded by the controller."""
         self.requests.preempt(grace_s)
 
-    def node_info(self) -> Dict[str, Any]:
+    def node_info(self) -> RankInfo:
         ctx = ray.get_runtime_context()
-        return {
-            "node_id": ctx.get_node_id(),
-            "node_ip": ray.util.get_node_ip_address(),
-            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
-            "pid": os.getpid(),
-            "niceness": os.getpriority(os.PRIO_PROCESS, 0),  # scaling.worker_niceness
-            "hostname": os.uname().nodename,
-            "process_age_s": process_age_s(),
-            "marks": self.marks,
-        }
+        return RankInfo(
+            node_id=ctx.get_node_id(),
+            node_ip=ray.util.get_node_ip_address(),
+            pid=os.getpid(),
+            gpu_ids=[str(g) for g in ray.get_gpu_ids()],
+            niceness=os.getpriority(os.PRIO_PROCESS, 0),  # scaling.worker_niceness
+            hostname=os.uname().nodename,
+            process_age_s=process_age_s(),
+            marks=dict(self.marks),
+        )
 
     def serialized_runtime_env(self) -> str:
         """The runtime environment this process was started with, as its raylet matches
@@ -172,10 +181,10 @@ class TrainWorker:
         """Start the rendezvous store this worker will host as rank 0; returns its port."""
         from raytrain_ext.worker.dist_env import host_store
 
-        self.hosted_store = host_store(ray.util.get_node_ip_address(), timeout_s)
-        return self.hosted_store.port
+        store = self.hosted_store = host_store(ray.util.get_node_ip_address(), timeout_s)
+        return store.port
 
-    def warm(self) -> Dict[str, Any]:
+    def warm(self) -> RankInfo:
         """A spare's start: import what ``setup`` and ``fit`` need, so that taking a dead
         rank's place costs a rendezvous, not a Python start (about 2 s for torch alone)."""
         for module in WARM_MODULES:
@@ -207,7 +216,7 @@ class TrainWorker:
 
     def fit(
         self, cfg_dict: Dict[str, Any], attempt: int = 0, user: Optional[UserCode] = None
-    ) -> Dict[str, Any]:
+    ) -> FitResult:
         """Run this rank's loop; ``attempt`` counts re-forms (chaos fires on the first
         ``chaos.attempts`` of them); ``user``: what was given from Python."""
         try:
@@ -222,8 +231,7 @@ class TrainWorker:
         if self._loop is not None and self._loop.finished:
             self._loop = None  # the run is complete: no next group takes anything
         self._keep_live_state()
-        result["sigterm"] = self.sigterm_received  # the controller shrinks away from this node
-        return result
+        return replace(result, sigterm=self.sigterm_received)  # the controller avoids its node
 
     def _keep_live_state(self) -> None:
         """Keep the loop's state at its last step boundary (tensors, not the loop: the
@@ -245,7 +253,7 @@ class TrainWorker:
         if dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() == "gloo":
             destroy_distributed()
 
-    def _train(self, cfg_dict: Dict[str, Any], attempt: int, user: UserCode) -> Dict[str, Any]:
+    def _train(self, cfg_dict: Dict[str, Any], attempt: int, user: UserCode) -> FitResult:
         from raytrain_ext.config import config_from_dict
         from raytrain_ext.faults import FaultInjector
         from raytrain_ext.metrics.sinks import RayMetricsSink
@@ -260,13 +268,13 @@ class TrainWorker:
             self.metrics_sink = RayMetricsSink(cfg.run.name)
         built: Dict[str, float] = {}  # until this fit's first record carries it
 
-        def report(record: Dict[str, Any]) -> None:
+        def report(step: StepReport) -> None:
             if built:  # the group's first step: when this rank's loop was built
-                record = {**record, "start_marks": dict(built)}
+                step.start_marks = dict(built)
                 built.clear()
-            self.events.push(record, keep=is_rank0)
+            self.events.push(step, keep=is_rank0)
             if self.metrics_sink is not None:
-                self.metrics_sink.write(record["step"], record)
+                self.metrics_sink.write(step.step, step.to_record())
 
         loop = TrainLoop(
             cfg,
@@ -303,10 +311,10 @@ class TrainWorker:
             parts.append("".join(traceback.format_stack(frame)))
         return "\n".join(parts)
 
-    def poll(self) -> Dict[str, Any]:
+    def poll(self) -> PollReply:
         return self.events.drain()
 
-    def heartbeat(self) -> Dict[str, Any]:
+    def heartbeat(self) -> Heartbeat:
         return self.events.heartbeat()
 
     def shutdown(self) -> None:

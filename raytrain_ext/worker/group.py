@@ -32,6 +32,7 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from raytrain_ext.messages import RankInfo
 from raytrain_ext.worker.actor import remote_worker_class
 from raytrain_ext.worker.form_options import FormOptions
 from raytrain_ext.worker.process_pool import ProcessPool
@@ -68,11 +69,11 @@ class WorkerGroup:
         self.placement_strategy = placement_strategy
         self.worker_class = worker_class
         self.process_pool = process_pool
-        self.pg = None
+        self.pg: Any = None  # the gang's placement group, once placed
         self.actors: List[Any] = []  # in rank order once started
         self.bundles: List[int] = []  # each rank's bundle in ``pg``
         self.envs: List[WorkerEnv] = []
-        self.infos: List[Dict[str, Any]] = []
+        self.infos: List[RankInfo] = []
         self.spares: List[Spare] = []
         self.vacant: List[int] = []  # bundles freed by a re-form in place, not yet refilled
         self.unplaced: Dict[int, str] = {}  # bundle -> its lost node, until Ray re-places it
@@ -94,7 +95,7 @@ class WorkerGroup:
         """When the gang was placed and the group formed (this driver's clock), and rank 0's
         own moments (``TrainWorker.node_info``: its node's clock); None-valued ones left out."""
         own = {"placed_at": self._placed_at, "formed_at": self._formed_at}
-        rank0 = self.infos[0].get("marks", {}) if self.infos else {}
+        rank0 = self.infos[0].marks if self.infos else {}
         return {**{k: v for k, v in own.items() if v is not None}, **rank0}
 
     def start(
@@ -173,7 +174,7 @@ class WorkerGroup:
         fresh = [(self._create(b, self._rank_env), b) for b in slots[: need - len(ready)]]
         later = [self.bundles[r] for r in deferred_ranks]
         unplaced = [r for r in lost if r not in refill and r not in deferred_ranks]
-        self.unplaced.update({self.bundles[r]: self.infos[r]["node_id"] for r in unplaced})
+        self.unplaced.update({self.bundles[r]: self.infos[r].node_id for r in unplaced})
         infos = ray.get(
             [a.node_info.remote() for a, _ in fresh],  # a process start, in a
             timeout=min(form.placement_timeout_s, 30.0),
@@ -190,16 +191,16 @@ class WorkerGroup:
             "left_out": len(keep) + len(lost) - size,
         }
 
-    def _taken_from_pool(self, infos: List[Dict[str, Any]], asked_at: float) -> int:
+    def _taken_from_pool(self, infos: List[RankInfo], asked_at: float) -> int:
         """How many of these new actors' processes had started before they were asked
         for (stocked by the pool, whose nodes then need another).  Each process's age is
         read on its own node's clock, so no two machines' clocks are compared: a process
         started for the actor is at most as old as the time since it was asked for."""
         elapsed = time.time() - asked_at
-        taken = [i for i in infos if i["process_age_s"] > elapsed + 0.1]
+        taken = [i for i in infos if i.process_age_s > elapsed + 0.1]
         if self.process_pool is not None and self._runtime_env_string is not None:
             for info in taken:
-                self.process_pool.taken(info["node_id"], self._runtime_env_string)
+                self.process_pool.taken(info.node_id, self._runtime_env_string)
         return len(taken)
 
     def replenish(self, spares: int) -> None:
@@ -216,7 +217,7 @@ class WorkerGroup:
         """Ask the pool for an idle process on each node of the group without one."""
         if self.process_pool is None or self._runtime_env_string is None:
             return
-        self.process_pool.stock({i["node_id"] for i in self.infos}, self._runtime_env_string)
+        self.process_pool.stock({i.node_id for i in self.infos}, self._runtime_env_string)
 
     def _start_spares_where_replaced(self) -> None:
         """A spare for each bundle of ``unplaced`` that Ray has placed on another node.
@@ -253,7 +254,7 @@ class WorkerGroup:
             warm.append(spare)
         return warm
 
-    def _ready_spares(self, wanted: int) -> List[Tuple[Any, int, Dict[str, Any]]]:
+    def _ready_spares(self, wanted: int) -> List[Tuple[Any, int, RankInfo]]:
         """Up to ``wanted`` warm spares, taken out of the pool (a spare still starting stays)."""
         taken = self._warm_spares()[:wanted]
         for spare in taken:
@@ -283,12 +284,12 @@ class WorkerGroup:
         actor = self._create(bundle, self._runtime_env)
         return Spare(actor, bundle, actor.warm.remote())
 
-    def _form(self, members: List[Tuple[Any, int, Dict[str, Any]]], form: FormOptions) -> None:
+    def _form(self, members: List[Tuple[Any, int, RankInfo]], form: FormOptions) -> None:
         """Rank ``members`` (actor, bundle, node info) node by node and join them in one group."""
         envs = assign_ranks(
-            [i["node_id"] for _, _, i in members],
-            [i["gpu_ids"] for _, _, i in members],
-            [i["node_ip"] for _, _, i in members],
+            [i.node_id for _, _, i in members],
+            [i.gpu_ids for _, _, i in members],
+            [i.node_ip for _, _, i in members],
             port=0,
         )
         order = sorted(range(len(members)), key=lambda i: envs[i].rank)

@@ -93,7 +93,7 @@ def await_warm_imports() -> None:
     imported ``torch.distributed`` beside the hook's thread), so the actor's module
     imports no torch at its top (``worker.actor``)."""
     thread = _warming
-    if thread is None or not thread.is_alive():
+    if thread is None or not thread.is_alive() or thread.native_id is None:
         return
     try:
         os.sched_setscheduler(thread.native_id, os.SCHED_OTHER, os.sched_param(0))

@@ -26,10 +26,9 @@ def report_thread_errors_in_one_line() -> None:
 def _one_line(args: threading.ExceptHookArgs) -> None:
     name = args.thread.name if args.thread is not None else "?"
     error = args.exc_value
-    trace = (args.exc_type, error, args.exc_traceback)
     if any(part in name for part in REPORTED_BY_THEIR_CALLER):
-        log.debug("thread %s raised", name, exc_info=trace)
+        log.debug("thread %s raised", name, exc_info=error)
         return
     what = args.exc_type.__name__ if error is None else one_line(error)
     log.error("thread %s raised %s", name, what)
-    log.debug("thread %s raised", name, exc_info=trace)
+    log.debug("thread %s raised", name, exc_info=error)

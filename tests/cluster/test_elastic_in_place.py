@@ -66,8 +66,14 @@ def running_at(trainer, size: int) -> bool:
     return c.state.value == "RUNNING" and c.group.world_size == size
 
 
-def processes(summary_or_infos) -> set:
-    return {(w["node_id"], w["pid"]) for w in summary_or_infos}
+def processes(workers) -> set:
+    """(node, pid) of each of a summary's ``workers``."""
+    return {(w["node_id"], w["pid"]) for w in workers}
+
+
+def group_processes(infos) -> set:
+    """(node, pid) of each of the group's ranks (its ``RankInfo``s)."""
+    return {(i.node_id, i.pid) for i in infos}
 
 
 def test_node_loss_shrinks_in_place_from_peers_then_grows_back_in_place(ray_cluster, tmp_path):
@@ -91,11 +97,11 @@ def test_node_loss_shrinks_in_place_from_peers_then_grows_back_in_place(ray_clus
     with FitThread(trainer) as run:
         wait_until(lambda: last_step(trainer) >= 8, "step 8")
         infos = trainer.controller.group.infos
-        lost_node = infos[0]["node_id"]
-        survivors = processes(infos[1:])
+        lost_node = infos[0].node_id
+        survivors = group_processes(infos[1:])
         ray_cluster.remove_node(nodes[lost_node], allow_graceful=False)
         wait_until(lambda: running_at(trainer, 2), "the shrink")
-        shrunk = processes(trainer.controller.group.infos)
+        shrunk = group_processes(trainer.controller.group.infos)
         time.sleep(3.0)
         fresh = ray_cluster.add_node(num_cpus=1, object_store_memory=80 * 2**20)
         summary = run.summary(timeout_s=240)
@@ -147,9 +153,9 @@ def test_lone_worker_killed_on_a_live_node_is_replaced_in_place_bit_identical(
         # the pool's process on each node has started (its start, not the kill, is timed)
         wait_until(lambda: len(idle_processes_with_torch() - idle_before) >= 2, "stocked pool")
         assert last_step(trainer) < steps - 4, "the run ended before its pool was stocked"
-        before = processes(trainer.controller.group.infos)
+        before = group_processes(trainer.controller.group.infos)
         victim = trainer.controller.group.infos[1]
-        os.kill(victim["pid"], signal.SIGKILL)
+        os.kill(victim.pid, signal.SIGKILL)
         summary = run.summary(timeout_s=180)
     assert summary["status"] == "finished" and summary["steps_completed"] == steps
     (recovery,) = summary["recoveries"]
@@ -166,7 +172,7 @@ def test_lone_worker_killed_on_a_live_node_is_replaced_in_place_bit_identical(
     assert recovery["restored_from"] == "peers" and recovery["steps_redone"] == 0
     assert [h["world_size"] for h in summary["world_size_history"]] == [2, 2]
     (replacement,) = processes(summary["workers"]) - before
-    assert replacement[0] == victim["node_id"]  # a new process, on the same node
+    assert replacement[0] == victim.node_id  # a new process, on the same node
     assert summary["params_sha256"] == reference["params_sha256"]
     assert summary["samples_digest"] == reference["samples_digest"]
     assert_nothing_left()
@@ -194,7 +200,7 @@ def test_fsdp_node_loss_with_the_per_step_snapshot_redoes_at_most_one_step(ray_c
     trainer = Trainer(cfg)
     with FitThread(trainer) as run:
         wait_until(lambda: last_step(trainer) >= 6, "step 6")
-        lost = trainer.controller.group.infos[2]["node_id"]
+        lost = trainer.controller.group.infos[2].node_id
         ray_cluster.remove_node(nodes[lost], allow_graceful=False)
         wait_until(lambda: running_at(trainer, 2), "the shrink")
         # a node comes back (Ray's GCS spins while a slot waits for one: FIELD_NOTES)

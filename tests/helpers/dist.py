@@ -5,6 +5,7 @@ from __future__ import annotations
 import faulthandler
 import os
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
@@ -13,6 +14,7 @@ import torch.multiprocessing as mp
 
 from raytrain_ext.config import config_from_dict, load_config, to_dict
 from raytrain_ext.faults import FaultInjector
+from raytrain_ext.messages import StepReport
 from raytrain_ext.trainer import absolute_paths
 from raytrain_ext.worker.dist_env import WorkerEnv, destroy_distributed, init_distributed
 from raytrain_ext.worker.rendezvous import free_port
@@ -44,12 +46,13 @@ def _run_rank(rank: int, world: int, port: int, cfg_dict: dict, out_dir: str) ->
 def _fit_and_save(rank: int, world: int, cfg_dict: dict, out_dir: str, device) -> None:
     from raytrain_ext.train.loop import TrainLoop
 
-    records: List[Dict] = []
+    reports: List[StepReport] = []
     cfg = config_from_dict(cfg_dict)
     faults = FaultInjector(cfg.chaos, rank)  # armed: the first attempt
-    loop = TrainLoop(cfg, rank, world, rank, device, records.append, faults=faults)
-    result = loop.fit()
+    loop = TrainLoop(cfg, rank, world, rank, device, reports.append, faults=faults)
+    result = asdict(loop.fit())
     params = {k: v.clone() for k, v in loop.strategy.full_parameters(loop.model).items()}
+    records = [r.to_record() for r in reports]  # as the sinks get them
     torch.save(
         {"result": result, "params": params, "records": records}, Path(out_dir) / f"rank{rank}.pt"
     )

@@ -14,6 +14,7 @@ with the 2-rank run within ``ATOL_UNEVEN`` (the 12-sample batch splits 4/4/4 for
 steps: only float summation order differs; see test_training_math).
 """
 
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -60,7 +61,7 @@ def _two_groups(rank: int, sizes, replaced: int, ports, cfg_dict: dict, out_dir:
         del loop
     finally:
         destroy_distributed()
-    torch.save({"result": result, "params": params}, Path(out_dir) / f"rank{rank}.pt")
+    torch.save({"result": asdict(result), "params": params}, Path(out_dir) / f"rank{rank}.pt")
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +143,7 @@ def _hsdp_regroup(rank: int, ports, cfg_dict: dict, out_dir: str) -> None:
         del loop
     finally:
         destroy_distributed()
-    torch.save({"result": result}, Path(out_dir) / f"rank{new_rank}.pt")
+    torch.save({"result": asdict(result)}, Path(out_dir) / f"rank{new_rank}.pt")
 
 
 def test_hsdp_replacement_takes_each_shard_from_a_live_replica(tmp_path):

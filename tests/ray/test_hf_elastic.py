@@ -178,7 +178,7 @@ def test_node_loss_shrinks_an_hf_model_on_a_ray_dataset_2_to_1_resharding_its_ch
     trainer = Trainer(cfg, dataset=token_dataset())
     with FitThread(trainer) as run:
         wait_for_checkpoint(tmp_path / "hf-shrink" / "checkpoints", 4)
-        lost = trainer.controller.group.infos[1]["node_id"]
+        lost = trainer.controller.group.infos[1].node_id
         (node,) = [n for n in nodes if n.node_id == lost]
         ray_cluster.remove_node(node, allow_graceful=False)
         summary = run.summary(timeout_s=180)

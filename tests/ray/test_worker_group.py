@@ -78,11 +78,11 @@ def test_a_killed_rank_is_replaced_by_the_idle_warmed_process_the_pool_kept(ray_
         group.start(2, form)
         group.replenish(0)
         idle = wait_until(lambda: idle_processes_with_torch() - before, "stocked process", 90)
-        os.kill(group.infos[1]["pid"], signal.SIGKILL)
-        wait_until(lambda: not psutil.pid_exists(group.infos[1]["pid"]), "death of rank 1", 90)
+        os.kill(group.infos[1].pid, signal.SIGKILL)
+        wait_until(lambda: not psutil.pid_exists(group.infos[1].pid), "death of rank 1", 90)
         filled = group.reform([0], form, size=2, refill_ranks=[1], deferred_ranks=[])
         assert filled == {"kept": 1, "spares_used": 0, "started": 1, "prestarted": 1, "left_out": 0}
-        assert {i["pid"] for i in group.infos} - {group.infos[0]["pid"]} <= idle
+        assert {i.pid for i in group.infos} - {group.infos[0].pid} <= idle
 
         def all_reduce(self):
             import torch

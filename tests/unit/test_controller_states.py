@@ -20,6 +20,7 @@ from raytrain_ext.elastic.group_port import FitStatus
 from raytrain_ext.elastic.in_place import InPlacePlan, sized
 from raytrain_ext.elastic.policy import Action, ScalingPolicy
 from raytrain_ext.elastic.records import Recovery, RecoveryKind, RunState
+from raytrain_ext.messages import FitResult, Heartbeat, PollReply, RankInfo, StepReport
 
 START = 1000.0
 POLL_S = 0.25  # a binary fraction: the fake clock adds it up exactly
@@ -102,7 +103,7 @@ class FakeGroup:
         self.max_steps, self.ckpt_every = max_steps, ckpt_every
         cluster.group = self
         self.avoid_nodes: set = set()
-        self.infos: List[dict] = []
+        self.infos: List[RankInfo] = []
         self.backend: Optional[str] = None
         self.world = 0
         self.calls: List[tuple] = []
@@ -113,7 +114,7 @@ class FakeGroup:
         self.pausing = False
         self.paused_at: Optional[int] = None
         self.attempt, self.committed, self.step, self.first = 0, 0, 0, True
-        self.pending: List[dict] = []
+        self.pending: List[StepReport] = []
         self.stopping = False
         self.preempted_at: Optional[int] = None
         self.fault: Optional[Fault] = None
@@ -126,7 +127,7 @@ class FakeGroup:
     def used_slots(self) -> Dict[str, int]:
         used: Dict[str, int] = {}
         for info in self.infos[: self.world]:
-            used[info["node_id"]] = used.get(info["node_id"], 0) + 1
+            used[info.node_id] = used.get(info.node_id, 0) + 1
         return used
 
     def start(self, num_workers, form, *, spares):
@@ -164,7 +165,7 @@ class FakeGroup:
         fault = self.fault
         if fault is not None and self.step >= fault.after_step:
             if fault.lose_node:
-                self.cluster.slots.pop(self.infos[fault.rank]["node_id"], None)
+                self.cluster.slots.pop(self.infos[fault.rank].node_id, None)
             return FitStatus(False) if fault.hang else FitStatus(False, (fault.rank, fault.error))
         if self.stopping:
             self.preempted_at = self.committed = self.step
@@ -177,15 +178,15 @@ class FakeGroup:
 
     def _train_step(self, seconds: float) -> None:
         self.step += 1
-        record = {"step": self.step, "time": self.clock(), "step_time_s": seconds, "loss": 1.0}
+        report = StepReport(step=self.step, time=self.clock(), step_time_s=seconds, loss=1.0)
         if self.first:
             phases = {"fetch_s": 0.5}
             restored = {"step": self.committed, "total_s": 0.5, "tier": "memory", "phases": phases}
             restored.update(read_bytes=3000, held_bytes=1000)
-            record["restored"] = restored if self.committed else None
-            record["start_marks"] = {"built_at": self.clock() - seconds}
+            report.first_of_group, report.restored = True, restored if self.committed else None
+            report.start_marks = {"built_at": self.clock() - seconds}
             self.first = False
-        self.pending.append(record)
+        self.pending.append(report)
         if self.step % self.ckpt_every == 0:
             self.committed = self.step
         self.at_step.pop(self.step, lambda: None)()
@@ -198,19 +199,14 @@ class FakeGroup:
 
     def fit_results(self):
         return [
-            {
-                "steps": self.step,
-                "preempted_at": self.preempted_at,
-                "paused_at": self.paused_at,
-                "sigterm": False,
-            }
-            for _ in range(self.world)
+            FitResult(r, self.step, preempted_at=self.preempted_at, paused_at=self.paused_at)
+            for r in range(self.world)
         ]
 
     def heartbeats(self, timeout_s):
         hung = self.fault.rank if self.fault and self.fault.hang else None
         return {
-            r: {"step": self.step, "phase": "compute" if r == hung else "exchange"}
+            r: Heartbeat(self.step, "compute" if r == hung else "exchange")
             for r in range(self.world)
             if self._alive(r)
         }
@@ -220,7 +216,7 @@ class FakeGroup:
         for r in ranks:
             if self._alive(r):
                 records, self.pending = (self.pending, []) if r == 0 else ([], self.pending)
-                answers[r] = {"step": self.step, "records": records}
+                answers[r] = PollReply(self.step, reports=records)
         return answers
 
     def preempt(self, ranks, grace_s):
@@ -252,9 +248,8 @@ class FakeGroup:
         self.world = 0
 
 
-def _info(node: str, rank: int) -> dict:
-    ip = f"10.0.0.{node.removeprefix('n')}"
-    return {"node_id": node, "node_ip": ip, "pid": 1000 + rank, "niceness": 0, "gpu_ids": []}
+def _info(node: str, rank: int) -> RankInfo:
+    return RankInfo(node_id=node, node_ip=f"10.0.0.{node.removeprefix('n')}", pid=1000 + rank)
 
 
 class ListSink:
@@ -588,7 +583,7 @@ def test_an_interrupt_checkpoints_at_the_next_boundary_and_ends_interrupted():
     run.group.at_step[2] = lambda: run.controller.interrupt("Ctrl-C")
     result = run.controller.run()
     assert run.states() == ["SCHEDULING", "RUNNING", "INTERRUPTED"]
-    stopped = result.worker_results[0]["preempted_at"]
+    stopped = result.worker_results[0].preempted_at
     assert 2 <= stopped < 8 and ("preempt", [0], 30.0) in run.group.calls  # preemption_grace_s
     assert result.transitions[-1].reason == (
         f"interrupted (Ctrl-C): checkpoint at step {stopped} committed; rerun the same "

@@ -318,7 +318,7 @@ class MemoryTier(Tier):
             return self._read_at_once(step, holders)
         except Exception:  # a holder gone or a file missing: the careful way, with warnings
             self._handles.clear()  # a handle may name a holder that has died since
-            return {name: memoryview(self._fetch(step, name, holders[name])) for name in names}
+            return {name: self._fetch(step, name, holders[name]).data for name in names}
 
     def _read_at_once(self, step: int, holders: Dict[str, List[str]]) -> Dict[str, memoryview]:
         names = list(holders)

@@ -9,6 +9,7 @@ PUT, so an S3 commit is atomic.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import uuid
@@ -115,8 +116,12 @@ class S3Tier(Tier):
         for name in names:
             self._retry(
                 f"upload {name} of step {step}",
-                lambda name=name: self.client.upload_file(
-                    str(src_dir / name), self.bucket, self.key(step, name), Config=self.transfer
+                functools.partial(
+                    self.client.upload_file,
+                    str(src_dir / name),
+                    self.bucket,
+                    self.key(step, name),
+                    Config=self.transfer,
                 ),
             )
 
@@ -154,8 +159,12 @@ class S3Tier(Tier):
         for name in names:
             self._retry(
                 f"download {name} of step {step}",
-                lambda name=name: self.client.download_file(
-                    self.bucket, self.key(step, name), str(target / name), Config=self.transfer
+                functools.partial(
+                    self.client.download_file,
+                    self.bucket,
+                    self.key(step, name),
+                    str(target / name),
+                    Config=self.transfer,
                 ),
             )
         return target

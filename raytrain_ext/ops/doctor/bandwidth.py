@@ -43,6 +43,7 @@ class BenchWorker(TrainWorker):
         """Time every op at every size; this rank's rows and its own NCCL log."""
         from raytrain_ext.ops.doctor.collectives import run_sweep
 
+        assert self.env is not None, "setup() must run before sweep()"
         rows = run_sweep(ops, sizes, iters, warmup, self.device)
         return {"rank": self.env.rank, "rows": rows, "nccl_log": _own_nccl_log()}
 
@@ -112,9 +113,9 @@ def run_benchmark(
         return {
             "backend": group.backend,
             "world_size": num_workers,
-            "nodes": sorted({info["node_ip"] for info in group.infos}),
-            "node_count": len({info["node_id"] for info in group.infos}),
-            "rank_nodes": {rank: info["node_ip"] for rank, info in enumerate(group.infos)},
+            "nodes": sorted({info.node_ip for info in group.infos}),
+            "node_count": len({info.node_id for info in group.infos}),
+            "rank_nodes": {rank: info.node_ip for rank, info in enumerate(group.infos)},
             "rows": by_rank[0]["rows"],
             "nccl_logs": [r["nccl_log"] for r in by_rank],
         }

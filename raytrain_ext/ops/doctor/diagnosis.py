@@ -15,9 +15,10 @@ benchmark), 2 for bad arguments.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
-from typing import Dict, List
+from typing import Any, Callable, Dict, List, Tuple
 
 from raytrain_ext.ops.doctor import network
 from raytrain_ext.ops.doctor.collectives import OPS, parse_size, size_range
@@ -197,11 +198,17 @@ def judge_node(p: Dict, n_nodes: int) -> Dict:
     return {**p, "findings": found, "gpu_health": health}
 
 
+def _version(package: str, node: Dict) -> Any:
+    return node["versions"].get(package)
+
+
 def find_mismatches(nodes: List[Dict]) -> List[Dict]:
     """Versions, driver and GPU models that differ between nodes (a job mixes them at its peril)."""
     probed = [n for n in nodes if "versions" in n]
     out = []
-    keys = [(k, lambda n, k=k: n["versions"].get(k)) for k in COMPARED_VERSIONS]
+    keys: List[Tuple[str, Callable[[Dict], Any]]] = [
+        (k, functools.partial(_version, k)) for k in COMPARED_VERSIONS
+    ]
     keys += [
         ("driver", lambda n: n.get("driver")),
         ("gpu model", lambda n: ", ".join(sorted({g["name"] for g in n["gpus"]})) or None),

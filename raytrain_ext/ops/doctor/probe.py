@@ -15,7 +15,7 @@ import platform
 import re
 import socket
 from pathlib import Path
-from typing import Dict, List
+from typing import Any, Dict, List
 
 from raytrain_ext.ops.doctor import gpu_health, network
 from raytrain_ext.ops.doctor.nccl_env import nccl_settings
@@ -71,7 +71,7 @@ def probe_node() -> Dict:
 
     environ = dict(os.environ)
     gpus = gpu_health.read_gpus()
-    xids = (
+    xids: Dict[str, Any] = (
         gpu_health.read_xids()
         if gpus["gpus"]
         else {"readable": False, "xids": [], "error": "no GPU"}

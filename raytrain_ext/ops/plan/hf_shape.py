@@ -15,7 +15,7 @@ Family knowledge is the one table :data:`FAMILY_BIASES`, next to the families th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Tuple
+from typing import Any, Callable, Dict, Tuple
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ class LlamaLayout:
 
 
 # model_type -> config -> (qkv_bias, o_bias, mlp_bias, qk_norm), as each modeling file builds them
-FAMILY_BIASES: Dict[str, Callable[[object], Tuple[bool, bool, bool, bool]]] = {
+FAMILY_BIASES: Dict[str, Callable[[Any], Tuple[bool, bool, bool, bool]]] = {
     "llama": lambda c: (c.attention_bias, c.attention_bias, c.mlp_bias, False),
     "mistral": lambda c: (False, False, False, False),
     "qwen2": lambda c: (True, False, False, False),
