@@ -105,7 +105,7 @@ def _newest_error_log(run_dir: Path) -> Optional[Path]:
 
 def _ckpt_export(args: argparse.Namespace) -> int:
     from raytrain_ext.checkpoint.export import ExportError, export_safetensors
-    from raytrain_ext.checkpoint.export_hf import export_hf
+    from raytrain_ext.ops.export_hf import export_hf
 
     try:
         if args.to_hf:

@@ -15,11 +15,35 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
 
-import torch
+from raytrain_ext.typed_config.fields import at_least, minus_one_or_more, positive
+
+if TYPE_CHECKING:
+    import torch
+
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class ChaosConfig:
+    """Fault injection for rehearsals and tests; everything is off by default."""
+
+    stall_save_s: float = at_least(0, 0.0)  # hold each checkpoint between writing and committing it
+    kill_rank: int = minus_one_or_more(-1)  # this rank's process exits abruptly ...
+    kill_at_step: int = at_least(0, 0)  # ... right after this step (first attempt only)
+    hang_rank: int = minus_one_or_more(-1)  # this rank stops making progress ...
+    hang_at_step: int = at_least(0, 0)  # ... right after this step (first attempt only)
+    # faults fire on the first this-many attempts (2: back-to-back failures)
+    attempts: int = positive(1)
+    # chaos.kill_rank also dies right after the first re-form's restore
+    kill_during_recovery: bool = False
+    nan_rank: int = minus_one_or_more(-1)  # this rank's loss becomes NaN ...
+    nan_at_step: int = at_least(0, 0)  # ... at this step (first attempt only)
+    slow_rank: int = minus_one_or_more(-1)  # this rank sleeps ...
+    slow_s: float = at_least(0, 0.0)  # ... this long in every step (a straggler)
 
 
 class FaultInjector:

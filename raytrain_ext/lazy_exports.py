@@ -2,8 +2,8 @@
 
 Why: importing any module of a package runs the package's ``__init__`` first; eager
 re-exports there made every process that needed one small module (a ``data prepare``
-worker) import torch and the trainer, and tied ``config.choices`` to the loader that
-imports ``parallel.dims``, which imports ``config.choices``.
+worker) import torch and the trainer, and a section's module (``parallel.config``) to
+the loader that composes the sections.
 """
 
 from __future__ import annotations

@@ -8,8 +8,6 @@ interpolations left) and read-only, so it can be shipped to workers as is.
 from __future__ import annotations
 
 import difflib
-import hashlib
-import json
 from importlib import resources
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
@@ -22,10 +20,10 @@ from omegaconf.errors import (
     ValidationError,
 )
 
-from raytrain_ext.config.fields import choice_of
 from raytrain_ext.config.schema import TrainConfig
 from raytrain_ext.config.validate import validate
 from raytrain_ext.errors import ConfigError
+from raytrain_ext.typed_config.fields import choice_of
 
 
 def default_config_path() -> Path:
@@ -76,22 +74,6 @@ def config_from_dict(data: dict) -> DictConfig:
     cfg = _merge(OmegaConf.structured(TrainConfig), OmegaConf.create(data), source="dict")
     OmegaConf.set_readonly(cfg, True)
     return cfg
-
-
-def to_dict(cfg: DictConfig) -> dict:
-    """Plain values only: a choice is written as its string (``"fsdp"``), not an enum member,
-    so the dict serialises to JSON/YAML anywhere and rebuilds without this package's enums."""
-    return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-
-
-def to_yaml(cfg: DictConfig) -> str:
-    return OmegaConf.to_yaml(cfg, resolve=True)
-
-
-def config_digest(cfg: DictConfig) -> str:
-    """A stable digest of the resolved config (sorted JSON)."""
-    blob = json.dumps(to_dict(cfg), sort_keys=True).encode()
-    return hashlib.sha256(blob).hexdigest()[:16]
 
 
 def _read_yaml(path: Path) -> DictConfig:

@@ -16,9 +16,9 @@ from typing import Any, List, Sequence, Tuple
 
 from omegaconf import OmegaConf
 
-from raytrain_ext.config.fields import RANGE, choice_of, leaf_fields
 from raytrain_ext.config.schema import TrainConfig
 from raytrain_ext.errors import ConfigError
+from raytrain_ext.typed_config.fields import RANGE, choice_of, leaf_fields
 
 
 def plain(text: str) -> str:

@@ -1,21 +1,26 @@
 """Semantic checks on a resolved config, run on the driver before anything starts.
 
-Types, key names and choices (the enums of :mod:`raytrain_ext.config.choices`) are
-enforced by OmegaConf while merging; here we check the ranges declared beside the
-fields of :mod:`raytrain_ext.config.schema` and the arithmetic between keys.  Each
-message names the full key, shows the numbers involved and says how to fix it.
+Types, key names and choices (each section's enums) are enforced by OmegaConf while
+merging.  Here run the ranges declared beside every field, each section's own checks
+(declared beside the section by the package that reads it: ``check_*_section``) and the
+checks that span sections, which live here: the batch over the world size and the
+layout, the layout over the allowed world sizes, what the backend and device ask of the
+scaling, fault and profile ranks below ``scaling.max_workers``.  Each message names the
+full key, shows the numbers involved and says how to fix it.
 """
 
 from __future__ import annotations
 
-import re
 from typing import Callable, List
 
 from omegaconf import DictConfig
 
-from raytrain_ext.config.fields import declared_ranges
+from raytrain_ext.checkpoint.config import check_checkpoint_section
 from raytrain_ext.config.schema import TrainConfig
+from raytrain_ext.data.config import check_data_section
+from raytrain_ext.elastic.config import check_scaling_section, fill_scaling_defaults
 from raytrain_ext.errors import ConfigError
+from raytrain_ext.models.config import check_model_section
 from raytrain_ext.parallel.catalog import capabilities, load_class, offered
 from raytrain_ext.parallel.dims import (
     ParallelDims,
@@ -29,7 +34,8 @@ from raytrain_ext.parallel.dims import (
     check_strategy_support,
     resize_unit,
 )
-from raytrain_ext.storage.s3_errors import endpoint_problem
+from raytrain_ext.train.config import check_optim_section, check_profile_section
+from raytrain_ext.typed_config.fields import declared_ranges
 
 
 def validate(cfg: DictConfig) -> None:
@@ -39,7 +45,7 @@ def validate(cfg: DictConfig) -> None:
     rely on earlier ones (no division by a zero batch size); the first problem
     found is raised.
     """
-    _fill_scaling_defaults(cfg)
+    fill_scaling_defaults(cfg.scaling)
     for check in _CHECKS:
         check(cfg)
 
@@ -49,16 +55,6 @@ def _get(cfg: DictConfig, key: str):
     for part in key.split("."):
         node = node[part]
     return node
-
-
-def _fill_scaling_defaults(cfg: DictConfig) -> None:
-    s = cfg.scaling
-    if s.min_workers is None:
-        s.min_workers = s.num_workers
-    if s.max_workers is None:
-        s.max_workers = s.num_workers
-    if s.use_gpu and "GPU" not in s.resources_per_worker:
-        s.resources_per_worker["GPU"] = 1.0
 
 
 def _check_ranges(cfg: DictConfig) -> None:
@@ -74,27 +70,13 @@ def _check_ranges(cfg: DictConfig) -> None:
         )
 
 
-def _check_model(cfg: DictConfig) -> None:
+def _check_vocabulary(cfg: DictConfig) -> None:
     m = cfg.model
-    if m.d_model % m.n_heads:
-        raise ConfigError(
-            f"model.d_model: {m.d_model} is not divisible by model.n_heads={m.n_heads} "
-            f"({m.d_model} / {m.n_heads} = {m.d_model / m.n_heads:g}). "
-            "Choose d_model as a multiple of n_heads."
-        )
     if cfg.data.path == "builtin:corpus" and m.vocab_size < 256:
         raise ConfigError(
             f"model.vocab_size: {m.vocab_size} is too small for the byte-level "
             "builtin corpus (token ids 0..255). Set model.vocab_size >= 256."
         )
-    moe = m.moe
-    if moe.num_experts and not 1 <= moe.top_k <= moe.num_experts:
-        raise ConfigError(
-            f"model.moe.top_k: {moe.top_k} must be between 1 and "
-            f"model.moe.num_experts={moe.num_experts}."
-        )
-    if moe.num_experts and moe.capacity_factor <= 0:
-        raise ConfigError(f"model.moe.capacity_factor: must be > 0, got {moe.capacity_factor}.")
 
 
 def _check_batch(cfg: DictConfig) -> None:
@@ -197,18 +179,6 @@ def _check_zero(cfg: DictConfig) -> None:
         raise ConfigError(str(e)) from None
 
 
-def _check_optim(cfg: DictConfig) -> None:
-    o = cfg.optim
-    if o.min_lr > o.lr:
-        raise ConfigError(
-            f"optim.min_lr: {o.min_lr} is larger than optim.lr={o.lr}. Set min_lr <= lr."
-        )
-    if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
-        raise ConfigError(
-            f"optim.betas: {list(o.betas)} must be two numbers in [0, 1), for example [0.9, 0.95]."
-        )
-
-
 def schedule_warnings(cfg: DictConfig) -> List[str]:
     """A schedule that trains but is almost surely not what was meant: said out loud, not
     refused (a one-step smoke test with a long warmup is legitimate)."""
@@ -229,22 +199,9 @@ def schedule_warnings(cfg: DictConfig) -> List[str]:
     return []
 
 
-def _check_scaling(cfg: DictConfig) -> None:
+def _check_devices(cfg: DictConfig) -> None:
+    """What the backend and the device ask of ``scaling.use_gpu``."""
     s, p = cfg.scaling, cfg.parallel
-    if not 1 <= s.min_workers <= s.num_workers <= s.max_workers:
-        raise ConfigError(
-            f"scaling.num_workers: need 1 <= min_workers <= num_workers <= max_workers, got "
-            f"{s.min_workers} <= {s.num_workers} <= {s.max_workers}. Adjust scaling.min_workers, "
-            "scaling.num_workers or scaling.max_workers."
-        )
-    for name, amount in s.resources_per_worker.items():
-        if amount < 0:
-            raise ConfigError(f"scaling.resources_per_worker.{name}: must be >= 0, got {amount}.")
-    if s.resources_per_worker.get("GPU", 0) > 0 and not s.use_gpu:
-        raise ConfigError(
-            "scaling.resources_per_worker.GPU: GPUs are requested but "
-            "scaling.use_gpu is false. Set scaling.use_gpu=true or drop the GPU entry."
-        )
     if p.backend == "nccl" and not s.use_gpu:
         raise ConfigError(
             "parallel.backend: 'nccl' needs GPUs. Set scaling.use_gpu=true, "
@@ -266,46 +223,7 @@ def _check_chaos_ranks(cfg: DictConfig) -> None:
             )
 
 
-def _check_checkpoint(cfg: DictConfig) -> None:
-    c = cfg.checkpoint
-    if c.s3.uri is not None and not (c.s3.uri.startswith("s3://") and len(c.s3.uri) > 5):
-        raise ConfigError(
-            f"checkpoint.s3.uri: {c.s3.uri!r} is not an s3://bucket/prefix URI. "
-            "Set it like s3://my-bucket/checkpoints, or null to disable the S3 tier."
-        )
-    if c.resume not in ("auto", "never") and not re.search(r"step-\d+/?$", c.resume):
-        raise ConfigError(
-            f"checkpoint.resume: {c.resume!r} must be auto, never, or the path/URI "
-            "of one step-<N> checkpoint directory."
-        )
-    if c.enabled and not (c.local or c.s3.uri):
-        raise ConfigError(
-            "checkpoint.local: checkpoints are enabled but no persistent tier is; "
-            "set checkpoint.local=true or checkpoint.s3.uri, or "
-            "checkpoint.enabled=false."
-        )
-    if c.snapshot_every_step and (c.memory is False or not c.enabled):
-        raise ConfigError(
-            "checkpoint.snapshot_every_step: the per-step snapshot goes to the memory tier, "
-            "which is off (checkpoint.memory=false or checkpoint.enabled=false); set "
-            "checkpoint.memory=true (or null: on with more than one node)."
-        )
-
-
-def _check_s3_settings(cfg: DictConfig) -> None:
-    for key in ("checkpoint.s3.endpoint_url", "data.s3_endpoint_url"):
-        problem = endpoint_problem(_get(cfg, key), key)
-        if problem:
-            raise ConfigError(problem)
-
-
-def _check_profile(cfg: DictConfig) -> None:
-    steps = list(cfg.profile.steps)
-    if steps and not (len(steps) == 2 and 1 <= steps[0] <= steps[1]):
-        raise ConfigError(
-            f"profile.steps: {steps} must be [] (off) or [first, last] with "
-            "1 <= first <= last, for example profile.steps=[10,12]."
-        )
+def _check_profile_ranks(cfg: DictConfig) -> None:
     for rank in cfg.profile.ranks:
         if not 0 <= rank < cfg.scaling.max_workers:
             raise ConfigError(
@@ -314,16 +232,21 @@ def _check_profile(cfg: DictConfig) -> None:
             )
 
 
+# each section's own checks (declared beside it), then those across sections, in an order
+# where a later check may rely on an earlier one
 _CHECKS: List[Callable[[DictConfig], None]] = [
     _check_ranges,
-    _check_model,
+    lambda cfg: check_model_section(cfg.model),
+    _check_vocabulary,
     _check_zero,
     _check_parallel,
     _check_batch,
-    _check_optim,
-    _check_scaling,
-    _check_checkpoint,
-    _check_s3_settings,
+    lambda cfg: check_optim_section(cfg.optim),
+    lambda cfg: check_scaling_section(cfg.scaling),
+    _check_devices,
+    lambda cfg: check_checkpoint_section(cfg.checkpoint),
+    lambda cfg: check_data_section(cfg.data),
     _check_chaos_ranks,
-    _check_profile,
+    lambda cfg: check_profile_section(cfg.profile),
+    _check_profile_ranks,
 ]

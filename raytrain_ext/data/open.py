@@ -26,7 +26,7 @@ from typing import Iterator, List, Optional
 
 import numpy as np
 
-from raytrain_ext.config.choices import DataFormat
+from raytrain_ext.data.config import DataFormat
 from raytrain_ext.data.examples import PackedExamples, PreferencePairs
 from raytrain_ext.data.tokens import TokenDataset, open_token_dataset, read_token_file
 from raytrain_ext.models.sources import model_source

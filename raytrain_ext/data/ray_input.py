@@ -30,7 +30,7 @@ import numpy as np
 import pyarrow as pa
 from omegaconf import DictConfig, OmegaConf
 
-from raytrain_ext.config.choices import DataFormat
+from raytrain_ext.data.config import DataFormat
 from raytrain_ext.data.corpus import write_token_file
 from raytrain_ext.errors import InputError
 from raytrain_ext.prepare.prepared_index import read_index

@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from typing import Any, Callable, List, Optional, Tuple, Union
 
-from raytrain_ext.config import to_dict
 from raytrain_ext.elastic.capacity import Capacity
 from raytrain_ext.elastic.cluster_probe import Cluster
 from raytrain_ext.elastic.decision import Situation, decide_recovery
@@ -53,6 +53,7 @@ from raytrain_ext.errors.text import one_line, root_cause
 from raytrain_ext.messages import StepReport
 from raytrain_ext.metrics import MetricsSink
 from raytrain_ext.parallel.dims import state_from_peers
+from raytrain_ext.typed_config.serialize import to_dict
 from raytrain_ext.worker.form_options import FormOptions
 
 log = logging.getLogger(__name__)
@@ -91,8 +92,17 @@ class Controller:
         self.result = ControllerResult(state=self.state)
         self.group = group_factory(cfg)
         self.capacity = Capacity(cfg, cluster, clock, sleep)
-        self.notices = Notices(cfg, self.group, cluster, clock)
-        self.recoveries = Recoveries(cfg, self.group, clock, self.result.recovery_log)
+        run_dir = Path(cfg.run.output_dir) / cfg.run.name
+        self.notices = Notices(
+            cfg.elastic,
+            cfg.guards,
+            cfg.checkpoint.preemption_grace_s,
+            run_dir / "hang-stacks",
+            self.group,
+            cluster,
+            clock,
+        )
+        self.recoveries = Recoveries(cfg.elastic, self.group, clock, self.result.recovery_log)
         self.world_size = cfg.scaling.num_workers
         self.attempt = 0  # counts re-forms
         self._last_reform_at = clock()

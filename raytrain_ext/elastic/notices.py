@@ -15,17 +15,37 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Set
 
 from raytrain_ext.elastic.cluster_probe import Cluster
+from raytrain_ext.elastic.config import ElasticConfig
 from raytrain_ext.elastic.group_port import GroupPort
 from raytrain_ext.elastic.watchdog import HangWatchdog
 from raytrain_ext.messages import RankInfo, StepReport
+from raytrain_ext.train.config import GuardsConfig
 
 log = logging.getLogger(__name__)
 
 
 class Notices:
-    def __init__(self, cfg, group: GroupPort, cluster: Cluster, clock: Callable[[], float]):
-        self.cfg, self.group, self.cluster, self.clock = cfg, group, cluster, clock
-        self.watchdog = HangWatchdog(cfg.elastic.hang_factor, cfg.elastic.hang_floor_s)
+    """``stacks_dir``: where hang stacks go (``<run_dir>/hang-stacks``); ``grace_s``: the
+    checkpoint a drain notice asks for must be taken within this (and the drain's deadline)."""
+
+    def __init__(
+        self,
+        elastic: ElasticConfig,
+        guards: GuardsConfig,
+        grace_s: float,
+        stacks_dir: Path,
+        group: GroupPort,
+        cluster: Cluster,
+        clock: Callable[[], float],
+    ):
+        self.elastic, self.guards, self.grace_s, self.stacks_dir = (
+            elastic,
+            guards,
+            grace_s,
+            stacks_dir,
+        )
+        self.group, self.cluster, self.clock = group, cluster, clock
+        self.watchdog = HangWatchdog(elastic.hang_factor, elastic.hang_floor_s)
         self.hung_ranks: List[int] = []  # named by the watchdog's last verdict
         self.drained_nodes: Set[str] = set()
         self.eviction: Optional[int] = None  # a straggler's rank, for guards.evict_stragglers
@@ -41,7 +61,7 @@ class Notices:
     def watch(self) -> None:
         """Start watching a group that just began ``fit``."""
         self.hung_ranks = []
-        self.watchdog = HangWatchdog(self.cfg.elastic.hang_factor, self.cfg.elastic.hang_floor_s)
+        self.watchdog = HangWatchdog(self.elastic.hang_factor, self.elastic.hang_floor_s)
 
     def forward_drains(self, every_s: float = 1.0) -> None:
         """A node being drained (spot reclaim, autoscaler) preempts the run like SIGTERM:
@@ -56,7 +76,7 @@ class Notices:
         if not ranks:
             return
         left_s = min(draining[infos[r].node_id] for r in ranks)
-        grace = max(1.0, min(self.cfg.checkpoint.preemption_grace_s, left_s))
+        grace = max(1.0, min(self.grace_s, left_s))
         self.drained_nodes.update(infos[r].node_id for r in ranks)
         log.warning(
             "controller: node(s) of ranks %s are draining (deadline in %.0f s); "
@@ -98,7 +118,7 @@ class Notices:
         self.watchdog.record_step_time(report.step_time_s)
         if not report.stragglers:
             return []
-        g = self.cfg.guards
+        g = self.guards
         entries = newly_flagged_stragglers(
             report, self.group.infos, self._stragglers_named, g.straggler_window
         )
@@ -108,9 +128,8 @@ class Notices:
 
     def dump_stacks(self, attempt: int) -> None:
         """Python stacks of every worker into ``<run_dir>/hang-stacks/`` (guards.hang_stacks)."""
-        if self.cfg.guards.hang_stacks:
-            run = self.cfg.run
-            self.group.dump_stacks(Path(run.output_dir) / run.name / "hang-stacks", attempt)
+        if self.guards.hang_stacks:
+            self.group.dump_stacks(self.stacks_dir, attempt)
 
 
 def newly_flagged_stragglers(

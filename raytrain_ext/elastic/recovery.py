@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Callable, List, Optional
 
+from raytrain_ext.elastic.config import ElasticConfig
 from raytrain_ext.elastic.decision import Situation, in_place_considered
 from raytrain_ext.elastic.group_port import GroupPort
 from raytrain_ext.elastic.policy import Budget
@@ -23,9 +24,15 @@ log = logging.getLogger(__name__)
 
 
 class Recoveries:
-    def __init__(self, cfg, group: GroupPort, clock: Callable[[], float], records: List[Recovery]):
-        e = cfg.elastic
-        self.cfg, self.group, self.clock = cfg, group, clock
+    def __init__(
+        self,
+        elastic: ElasticConfig,
+        group: GroupPort,
+        clock: Callable[[], float],
+        records: List[Recovery],
+    ):
+        e = self.elastic = elastic
+        self.group, self.clock = group, clock
         self.records = records
         self.failures = 0
         self.preemptions = 0
@@ -67,7 +74,7 @@ class Recoveries:
         """What the recovery decision reads after this failure: the broken group's evidence
         when a re-form in place is considered (gathering it kills hung ranks and takes the
         others out of their collectives), the failures counted, and no capacity yet."""
-        e = self.cfg.elastic
+        e = self.elastic
         evidence = None
         if in_place_considered(self.current.kind is RecoveryKind.FAILURE, e.reuse_survivors):
             evidence = self.group.gather_evidence(hung_ranks, e.reuse_wait_s, e.fate_wait_s)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from raytrain_ext.config.choices import DataFormat
+from raytrain_ext.data.config import DataFormat
 from raytrain_ext.data.eval_split import held_out_samples
 from raytrain_ext.data.open import open_prepared, prepared_directory, tokenizer_spec
 from raytrain_ext.errors import InputError

@@ -6,7 +6,7 @@ tokenizer, the record checks and the Hugging Face export call these hooks instea
 comparing ``model.source`` (``tests/unit/test_seams.py`` forbids the comparison
 elsewhere).
 
-Invariant: every member of ``config.choices.ModelSource`` has an entry.  This module
+Invariant: every member of ``models.config.ModelSource`` has an entry.  This module
 imports neither torch nor transformers: each hook imports what it needs when called,
 so the driver checks a GPT config without torch.
 """

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from raytrain_ext.config.choices import ObjectiveName
 from raytrain_ext.objectives.base import Objective
 from raytrain_ext.objectives.causal_lm import CausalLM
 from raytrain_ext.objectives.choice import objective_name
+from raytrain_ext.objectives.config import ObjectiveName
 from raytrain_ext.objectives.dpo import DPO
 from raytrain_ext.objectives.sft import SFT
 from raytrain_ext.objectives.user import UserObjective, load_loss_fn

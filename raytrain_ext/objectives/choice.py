@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from typing import Callable, Dict, Optional, Tuple
 
-from raytrain_ext.config.choices import DataFormat, ObjectiveName
+from raytrain_ext.data.config import DataFormat
 from raytrain_ext.errors import InputError
+from raytrain_ext.objectives.config import ObjectiveName
 
 # the data format each built-in objective trains on (keyed by value: a member is its str)
 FORMATS: Dict[str, Tuple[str, ...]] = {

@@ -6,7 +6,7 @@ its class lives and what it supports.  The driver's layout checks (``parallel/di
 builder (``parallel/registry.py``) read these declarations; nothing else compares a
 strategy's name (``tests/unit/test_seams.py`` forbids it).
 
-Invariant: every member of ``config.choices.StrategyName`` has an entry, and every entry's
+Invariant: every member of ``parallel.config.StrategyName`` has an entry, and every entry's
 class paths import (``tests/unit/test_strategy_interface.py``).  This module imports no
 torch: the driver validates a config before any worker exists.
 """

@@ -203,7 +203,7 @@ def check_pipeline(parallel_cfg, model_cfg) -> None:
     Blocks split as evenly as layer counts allow (earlier stages take the
     remainder), so ``n_layers`` need not divide by ``pp``.  ZeRO owns the
     backward itself, which the pipeline schedule needs.  The schedule's name needs
-    no check here: its enum (``config.choices.PipelineSchedule``) refuses others.
+    no check here: its enum (``parallel.config.PipelineSchedule``) refuses others.
     """
     pp = parallel_cfg.pp
     if pp == 1:

@@ -49,7 +49,7 @@ from raytrain_ext.parallel.grads import global_grad_norm, group_by_mesh
 from raytrain_ext.parallel.stage_state import StageStateDict, whole_model_keys
 from raytrain_ext.parallel.strategy import DistContext, Strategy
 
-# keyed by ``parallel.pp_schedule``'s values (``config.choices.PipelineSchedule``, which
+# keyed by ``parallel.pp_schedule``'s values (``parallel.config.PipelineSchedule``, which
 # a unit test holds equal to these keys)
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 

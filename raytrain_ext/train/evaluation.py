@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from raytrain_ext.data.eval_split import EvalSplit
 from raytrain_ext.models.spec import batch_logits
+from raytrain_ext.train.config import EvalConfig
 from raytrain_ext.train.forward_only import inference, lockstep_chunks
 
 
@@ -26,10 +27,22 @@ class Evaluator:
     """The split's mean loss (per unit), perplexity for token objectives, and the
     objective's metrics, identical on every rank."""
 
-    def __init__(self, cfg, split: EvalSplit, objective, ctx, spec, reference):
-        self.every = cfg.eval.every_steps
-        self.max_steps = cfg.run.max_steps
-        self.micro = cfg.data.micro_batch_size
+    def __init__(
+        self,
+        eval_cfg: EvalConfig,
+        max_steps: int,
+        micro_batch_size: int,
+        split: EvalSplit,
+        objective,
+        ctx,
+        spec,
+        reference,
+    ):
+        """``eval_cfg``: the ``eval`` section; it also runs after the last step
+        (``max_steps``), ``micro_batch_size`` samples per forward."""
+        self.every = eval_cfg.every_steps
+        self.max_steps = max_steps
+        self.micro = micro_batch_size
         self.split, self.objective, self.ctx = split, objective, ctx
         self.spec, self.reference = spec, reference
 

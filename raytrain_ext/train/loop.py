@@ -34,7 +34,6 @@ import torch
 from raytrain_ext.checkpoint.held_chunks import HeldChunks
 from raytrain_ext.checkpoint.manager import REQUEST_EMERGENCY, CheckpointManager, SaveRequests
 from raytrain_ext.checkpoint.train_state import Progress, TrainState
-from raytrain_ext.config import config_digest
 from raytrain_ext.data import GlobalSampler, rank_slice
 from raytrain_ext.data.eval_split import split_eval
 from raytrain_ext.data.open import open_dataset
@@ -61,6 +60,7 @@ from raytrain_ext.train.optim import build_optimizer, build_scheduler
 from raytrain_ext.train.profiler import StepProfiler
 from raytrain_ext.train.reference import ReferenceLogps, compute_logps
 from raytrain_ext.train.step_clock import StepClock
+from raytrain_ext.typed_config.serialize import config_digest
 from raytrain_ext.user_code import UserCode
 
 Report = Callable[[StepReport], None]
@@ -191,7 +191,14 @@ class TrainLoop:
         if self.reference is not None and not self.reference.ready:
             self._compute_reference(self.reference)
         self.evaluator = Evaluator(
-            cfg, self.eval_split, self.objective, self.ctx, self.spec, self.reference
+            cfg.eval,
+            cfg.run.max_steps,
+            cfg.data.micro_batch_size,
+            self.eval_split,
+            self.objective,
+            self.ctx,
+            self.spec,
+            self.reference,
         )
         if self.progress.step < cfg.run.max_steps and not self.strategy.runs_microbatches:
             # the wrapper settles on the next step's first micro-batch (DDP: its buckets)

@@ -27,9 +27,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raytrain_ext.checkpoint.export_hf import export_hf
 from raytrain_ext.config import load_config, to_yaml
 from raytrain_ext.data import GlobalSampler, open_token_dataset
+from raytrain_ext.ops.export_hf import export_hf
 from tests.helpers.dist import train_processes
 from tests.helpers.hf_models import hf_overrides, place_from_files, probe_ids, save_tiny
 from tests.helpers.layouts import ATOL_UNEVEN, max_param_diff

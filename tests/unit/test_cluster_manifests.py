@@ -26,8 +26,8 @@ import jsonschema
 import pytest
 import yaml
 
+from raytrain_ext.checkpoint.config import CheckpointConfig
 from raytrain_ext.config import load_config
-from raytrain_ext.config.schema import CheckpointConfig
 
 REPO = Path(__file__).resolve().parents[2]
 CLUSTER = REPO / "cluster"

@@ -9,8 +9,9 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ReadonlyConfigError
 
 from raytrain_ext.config import ConfigError, TrainConfig, config_from_dict, load_config, to_dict
-from raytrain_ext.config.choices import Choice, PipelineSchedule, StrategyName
-from raytrain_ext.config.fields import choice_of, declared_ranges, leaf_fields
+from raytrain_ext.parallel.config import PipelineSchedule, StrategyName
+from raytrain_ext.typed_config.choice import Choice
+from raytrain_ext.typed_config.fields import choice_of, declared_ranges, leaf_fields
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -254,8 +254,8 @@ def test_pipeline_stages_of_an_hf_model_compute_what_the_whole_model_computes(tm
 
 def test_export_to_hf_refuses_a_run_without_an_hf_architecture(tmp_path):
     from raytrain_ext.checkpoint.export import ExportError
-    from raytrain_ext.checkpoint.export_hf import export_hf
     from raytrain_ext.config import to_yaml
+    from raytrain_ext.ops.export_hf import export_hf
 
     with pytest.raises(
         ExportError, match=r"--to-hf: no config.yaml of the run found .* --run-config"

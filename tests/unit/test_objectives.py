@@ -13,9 +13,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from raytrain_ext.config.schema import ModelConfig, ObjectiveConfig, TrainConfig
+from raytrain_ext.config.schema import TrainConfig
 from raytrain_ext.data.batch import Batch
 from raytrain_ext.errors import InputError
+from raytrain_ext.models.config import ModelConfig
 from raytrain_ext.models.gpt import build_model
 from raytrain_ext.objectives import (
     DPO,
@@ -26,6 +27,7 @@ from raytrain_ext.objectives import (
     check_objective,
     sequence_logps,
 )
+from raytrain_ext.objectives.config import ObjectiveConfig
 
 VOCAB = 64
 NOT_CALLABLE = 3  # objective.fn pointing here must be refused

@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from raytrain_ext.config.choices import PipelineSchedule, StrategyName
 from raytrain_ext.models import GPT_SPEC
 from raytrain_ext.parallel.catalog import STRATEGY_CATALOG, load_class
+from raytrain_ext.parallel.config import PipelineSchedule, StrategyName
 from raytrain_ext.parallel.ddp import DDPStrategy
 from raytrain_ext.parallel.pp import SCHEDULES, PipelineStrategy
 from raytrain_ext.parallel.strategy import DistContext, Strategy

@@ -9,10 +9,10 @@ import json
 import sys
 from typing import Optional, Tuple
 
-from raytrain_ext.config.choices import Precision
 from raytrain_ext.ops.plan.cluster import Cluster, Settings
 from raytrain_ext.ops.plan.layout import Plan, make_plan
 from raytrain_ext.ops.plan.shape import ModelShape, PlanError, infer_shape, shape_from_config
+from raytrain_ext.parallel.config import Precision
 
 DEFAULT_VOCAB = 50304
 DEFAULT_SEQ = 2048

@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from raytrain_ext.config.choices import Precision
 from raytrain_ext.ops.plan.shape import PlanError
+from raytrain_ext.parallel.config import Precision
 
 GIB = 2**30
 INTRA_NODE = ("nvlink", "pcie")

@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 
 from raytrain_ext.checkpoint.export import ExportError, export_info, read_newest_model
 from raytrain_ext.config import config_from_dict
-from raytrain_ext.config.choices import DataFormat
+from raytrain_ext.data.config import DataFormat
 from raytrain_ext.errors import ConfigError
 from raytrain_ext.models.sources import model_source
 from raytrain_ext.run_dir import CONFIG

@@ -14,7 +14,7 @@ import typing
 from functools import lru_cache
 from typing import Any, Iterator, List, Optional, Tuple, Type
 
-from raytrain_ext.config.choices import Choice
+from raytrain_ext.typed_config.choice import Choice
 
 RANGE = "range"
 
