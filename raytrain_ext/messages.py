@@ -2,9 +2,9 @@
 
 A rank sends these through Ray (pickled, so both sides import this one module) and the
 controller reads their fields by name: a field added to a message is added here, where
-the worker fills it and the controller and the fakes of its tests read it.  Plain dicts
-appear only where a record leaves the run: ``StepReport.to_record`` (the sinks,
-``metrics.jsonl``, the summary) and ``RankInfo.to_dict``/``FitResult`` in summary.json.
+the worker fills it and the controller and the fakes of its tests read it.  A plain dict
+appears only where a step's record leaves for the sinks (stdout, TensorBoard,
+``ray.util.metrics``) and the run's summary: ``StepReport.to_record``.
 
 Invariant: this module imports nothing of the package and neither torch nor Ray, so the
 driver, the worker and the controller's Ray-free unit tests all import it.
@@ -12,7 +12,7 @@ driver, the worker and the controller's Ray-free unit tests all import it.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 
@@ -28,9 +28,6 @@ class RankInfo:
     hostname: str = ""
     process_age_s: float = 0.0  # on its node's clock (a pool's stocked process is older)
     marks: Dict[str, float] = field(default_factory=dict)  # when it started and imported
-
-    def to_dict(self) -> Dict[str, Any]:
-        return asdict(self)
 
 
 @dataclass(frozen=True)

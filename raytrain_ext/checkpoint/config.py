@@ -80,9 +80,6 @@ def check_checkpoint_section(c: CheckpointConfig) -> None:
             f"checkpoint.s3.uri: {c.s3.uri!r} is not an s3://bucket/prefix URI. "
             "Set it like s3://my-bucket/checkpoints, or null to disable the S3 tier."
         )
-    problem = endpoint_problem(c.s3.endpoint_url, "checkpoint.s3.endpoint_url")
-    if problem:
-        raise ConfigError(problem)
     if c.resume not in ("auto", "never") and not re.search(r"step-\d+/?$", c.resume):
         raise ConfigError(
             f"checkpoint.resume: {c.resume!r} must be auto, never, or the path/URI "
@@ -100,3 +97,6 @@ def check_checkpoint_section(c: CheckpointConfig) -> None:
             "which is off (checkpoint.memory=false or checkpoint.enabled=false); set "
             "checkpoint.memory=true (or null: on with more than one node)."
         )
+    problem = endpoint_problem(c.s3.endpoint_url, "checkpoint.s3.endpoint_url")
+    if problem:
+        raise ConfigError(problem)

@@ -168,8 +168,8 @@ class Restorer:
             unusable = self._unusable(_of_step(tier, step, problem), problems_seen)
         if unusable:
             return None
-        # usable: the step had a manifest (else its problem made it unusable just above)
-        assert manifest is not None and targets is not None
+        if manifest is None or targets is None:  # a step without one is unusable just above
+            raise RuntimeError(f"checkpoint step {step}: usable without a manifest")
         fetched_s = time.perf_counter() - started
         start = time.perf_counter()
         if use_native:  # model and optimizer come from the strategy's own files

@@ -58,7 +58,7 @@ def _get(cfg: DictConfig, key: str):
 
 
 def _check_ranges(cfg: DictConfig) -> None:
-    """The ranges declared beside the fields of ``schema.py``, then the name of the run."""
+    """The ranges declared beside every section's fields, then the name of the run."""
     for key, bounds in declared_ranges(TrainConfig):
         problem = bounds.problem(key, _get(cfg, key))
         if problem:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 from typing import Any, Callable, List, Optional, Tuple, Union
 
 from raytrain_ext.elastic.capacity import Capacity
@@ -92,16 +91,7 @@ class Controller:
         self.result = ControllerResult(state=self.state)
         self.group = group_factory(cfg)
         self.capacity = Capacity(cfg, cluster, clock, sleep)
-        run_dir = Path(cfg.run.output_dir) / cfg.run.name
-        self.notices = Notices(
-            cfg.elastic,
-            cfg.guards,
-            cfg.checkpoint.preemption_grace_s,
-            run_dir / "hang-stacks",
-            self.group,
-            cluster,
-            clock,
-        )
+        self.notices = Notices.for_run(cfg, self.group, cluster, clock)
         self.recoveries = Recoveries(cfg.elastic, self.group, clock, self.result.recovery_log)
         self.world_size = cfg.scaling.num_workers
         self.attempt = 0  # counts re-forms
@@ -324,7 +314,8 @@ class Controller:
         if self._grow_in_place:
             return self._grow_with_spares()
         before, target = self.group.world_size, self._resize_target
-        assert target is not None, "a resize without a target"  # RESIZING is entered with one
+        if target is None:  # RESIZING is entered with one
+            raise RuntimeError("controller: a resize without a target size")
         started = self.clock()
         # every rank stopped at the boundary and answered: their nodes count without a ping
         self.capacity.note_alive(info.node_id for info in self.group.infos)
@@ -354,7 +345,8 @@ class Controller:
         them (the group's state comes from the ranks, or, sharded, from the checkpoint
         saved at the pause)."""
         before, wanted = self.group.world_size, self._resize_target
-        assert wanted is not None, "a resize without a target"  # RESIZING is entered with one
+        if wanted is None:  # RESIZING is entered with one
+            raise RuntimeError("controller: a resize without a target size")
         self._resize_target, self._grow_in_place = None, False
         spares = self.group.ready_spare_count()
         size = max(before, self.capacity.scaling.size_for(before + spares))

@@ -25,25 +25,22 @@ log = logging.getLogger(__name__)
 
 
 class Notices:
-    """``stacks_dir``: where hang stacks go (``<run_dir>/hang-stacks``); ``grace_s``: the
-    checkpoint a drain notice asks for must be taken within this (and the drain's deadline)."""
+    """``stacks_dir``: where hang stacks go (``<run_dir>/hang-stacks``);
+    ``preemption_grace_s``: the checkpoint a drain notice asks for must be taken within
+    this (and the drain's deadline)."""
 
     def __init__(
         self,
         elastic: ElasticConfig,
         guards: GuardsConfig,
-        grace_s: float,
+        preemption_grace_s: float,
         stacks_dir: Path,
         group: GroupPort,
         cluster: Cluster,
         clock: Callable[[], float],
     ):
-        self.elastic, self.guards, self.grace_s, self.stacks_dir = (
-            elastic,
-            guards,
-            grace_s,
-            stacks_dir,
-        )
+        self.elastic, self.guards, self.stacks_dir = elastic, guards, stacks_dir
+        self.preemption_grace_s = preemption_grace_s
         self.group, self.cluster, self.clock = group, cluster, clock
         self.watchdog = HangWatchdog(elastic.hang_factor, elastic.hang_floor_s)
         self.hung_ranks: List[int] = []  # named by the watchdog's last verdict
@@ -53,6 +50,23 @@ class Notices:
         self._last_heartbeat_check = 0.0
         self._last_drain_check = 0.0
         self._drain_forwarded = False
+
+    @classmethod
+    def for_run(
+        cls, cfg: Any, group: GroupPort, cluster: Cluster, clock: Callable[[], float]
+    ) -> Notices:
+        """The notices of a run: its ``elastic`` and ``guards`` sections, its preemption
+        grace, and its run directory's ``hang-stacks/``."""
+        run_dir = Path(cfg.run.output_dir) / cfg.run.name
+        return cls(
+            cfg.elastic,
+            cfg.guards,
+            cfg.checkpoint.preemption_grace_s,
+            run_dir / "hang-stacks",
+            group,
+            cluster,
+            clock,
+        )
 
     def new_group(self) -> None:
         """Ranks are renumbered by every re-form: stragglers are named afresh."""
@@ -76,7 +90,7 @@ class Notices:
         if not ranks:
             return
         left_s = min(draining[infos[r].node_id] for r in ranks)
-        grace = max(1.0, min(self.grace_s, left_s))
+        grace = max(1.0, min(self.preemption_grace_s, left_s))
         self.drained_nodes.update(infos[r].node_id for r in ranks)
         log.warning(
             "controller: node(s) of ranks %s are draining (deadline in %.0f s); "

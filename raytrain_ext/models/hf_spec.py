@@ -127,7 +127,10 @@ def hf_spec(model_cfg) -> ModelSpec:
 
 def hf_files(directory: Path) -> List[Path]:
     """The files of a model directory that an export carries along (config, tokenizer)."""
-    names = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json") + (
+    names = (
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
         "tokenizer.model",
         "vocab.json",
         "merges.txt",

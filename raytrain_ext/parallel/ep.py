@@ -78,7 +78,11 @@ class FSDPExpertParallelStrategy(FSDPStrategy):
     ranks and left out of FSDP, which would shard them a second time."""
 
     name = "fsdp"
-    optimizer_foreach = False  # plain expert tensors beside FSDP's DTensors (train/optim.py)
+
+    @property
+    def optimizer_foreach(self) -> bool:
+        """Plain expert tensors beside FSDP's DTensors need the per-tensor step (train/optim.py)."""
+        return False
 
     def wrap(self, model: nn.Module, ctx: DistContext) -> nn.Module:
         self.experts = ExpertShards(model, ctx)

@@ -34,7 +34,6 @@ from torch.distributed._composable import checkpoint as checkpoint_activations
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from raytrain_ext.models.spec import ModelSpec
 from raytrain_ext.parallel.grads import global_grad_norm, group_by_mesh
 from raytrain_ext.parallel.strategy import DistContext, Strategy
 from raytrain_ext.parallel.tp import apply_tensor_parallel
@@ -43,9 +42,6 @@ from raytrain_ext.parallel.tp import apply_tensor_parallel
 class FSDPStrategy(Strategy):
     name = "fsdp"
     shards_parameters = True
-
-    def __init__(self, parallel_cfg, spec: ModelSpec):
-        super().__init__(parallel_cfg, spec)  # wrap builds the (dp_replicate, dp_shard, tp) mesh
 
     def build_model(self, model_cfg, seed: int) -> nn.Module:
         """The spec's module: on the meta device when the spec fills every value after

@@ -102,8 +102,8 @@ class PipelineStrategy(Strategy):
     def __init__(self, parallel_cfg, spec: ModelSpec, inner: Strategy):
         super().__init__(parallel_cfg, spec)
         self.inner = inner
-        self.ctx: DistContext  # set by wrap, as are the members below it
-        # self.mesh: the ("pp", "dp_replicate", "dp_shard", "tp") DeviceMesh
+        # set by wrap, as are the members below and mesh (its (pp, dp_replicate, dp_shard, tp))
+        self.ctx: DistContext
         self.stage: Optional[PipelineStage] = None
         self.experts: Optional[ExpertShards] = None  # parallel.ep > 1: this stage's (ep.py)
         self.loss_fn = TokenLossSum()

@@ -106,7 +106,9 @@ class Strategy(abc.ABC):
     def __init__(self, parallel_cfg: Any, spec: ModelSpec):
         self.cfg = parallel_cfg  # the ``parallel`` config section
         self.spec = spec  # what this strategy may know about the model
-        self.mesh: Any = None  # a sharding strategy's DeviceMesh, built by ``wrap``
+        # a sharding strategy's DeviceMesh, built by ``wrap``: FSDP's (dp_replicate,
+        # dp_shard, tp), a pipeline's (pp, dp_replicate, dp_shard, tp)
+        self.mesh: Any = None
         # parameters a sharding strategy must not shard or reduce (EP's experts)
         self.ignored: Set[nn.Parameter] = set()
 

@@ -23,10 +23,8 @@ guards and the evaluator; it owns the order of a step and the step's record.
 from __future__ import annotations
 
 import math
-import random
-import resource
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -42,6 +40,7 @@ from raytrain_ext.errors.text import is_peer_loss
 from raytrain_ext.faults import FaultInjector
 from raytrain_ext.messages import FitResult, StepReport
 from raytrain_ext.metrics.flops import mfu, model_flops_per_token, peak_flops_for
+from raytrain_ext.metrics.memory import peak_memory_bytes
 from raytrain_ext.models import model_spec
 from raytrain_ext.models.moe import moe_layers
 from raytrain_ext.objectives import build_objective
@@ -59,37 +58,12 @@ from raytrain_ext.train.nonfinite import NonFiniteGuard
 from raytrain_ext.train.optim import build_optimizer, build_scheduler
 from raytrain_ext.train.profiler import StepProfiler
 from raytrain_ext.train.reference import ReferenceLogps, compute_logps
+from raytrain_ext.train.seeding import seed_everything, step_seed
 from raytrain_ext.train.step_clock import StepClock
 from raytrain_ext.typed_config.serialize import config_digest
 from raytrain_ext.user_code import UserCode
 
 Report = Callable[[StepReport], None]
-
-
-def seed_everything(seed: int, device: Optional[torch.device] = None) -> None:
-    """Seed Python's, numpy's and torch's generators: the CPU one, and CUDA's when the
-    rank computes there.  Not ``torch.manual_seed``: where CUDA is not initialised it
-    captures the caller's stack on every call to queue CUDA's seeding for later (0.08 ms
-    a step here, seen in the step's profile), which a CPU run never runs."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.random.default_generator.manual_seed(seed)
-    if device is not None and device.type == "cuda":
-        torch.cuda.manual_seed_all(seed)
-
-
-def step_seed(seed: int, step: int, rank: int) -> int:
-    """The RNG seed of ``rank`` for ``step``: a function of where training stands, so a
-    rank that takes over a step (a replacement process, state handed over by peers)
-    draws exactly what the lost rank would have drawn, with no RNG state carried."""
-    return (seed * 1_000_003 + step) * 10_007 + rank
-
-
-def peak_memory_bytes(device: torch.device) -> int:
-    """Peak CUDA memory allocated on a GPU; the process's peak resident set on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 def autocast_dtype(mixed_precision: str, device: torch.device) -> Optional[torch.dtype]:
@@ -136,6 +110,24 @@ class TrainLoop:
         self._open_data(cfg)
         self._build_model(cfg, user.model)
         self.reference = ReferenceLogps() if self.objective.uses_reference else None
+        self._build_state(cfg)
+        self.requests = requests or SaveRequests()
+        self.faults = faults or FaultInjector.disarmed(cfg.chaos, rank)
+        self._build_step_parts(cfg)
+        self.handover = Handover(cfg, self.ctx)
+        self.preempted_at: Optional[int] = None
+        self.paused_at: Optional[int] = None
+        self._resume(cfg, live, held)
+        if self.progress.step < cfg.run.max_steps and not self.strategy.runs_microbatches:
+            # the wrapper settles on the next step's first micro-batch (DDP: its buckets)
+            upcoming = self.sampler.peek_global_batch()
+            self.compute.settle(
+                self.model, rank_slice(upcoming, self.ctx.dp_rank, self.ctx.dp_size)
+            )
+
+    def _build_state(self, cfg) -> None:
+        """What a checkpoint and a live handover carry (``TrainState``), and what a step's
+        tokens are worth."""
         self.ledger = SampleLedger()
         self.progress = Progress()
         self.global_tokens = cfg.data.global_batch_size * cfg.model.seq_len
@@ -153,9 +145,9 @@ class TrainLoop:
             self.progress,
             self.reference,
         )
-        self.requests = requests or SaveRequests()
-        self.preempted_at: Optional[int] = None
-        self.faults = faults or FaultInjector.disarmed(cfg.chaos, rank)
+
+    def _build_step_parts(self, cfg) -> None:
+        """The step's compute, its straggler guard, profiler and FLOPs accounting."""
         self.compute = ForwardBackward(
             cfg,
             self.ctx,
@@ -166,7 +158,7 @@ class TrainLoop:
             self.expert_load,
             self.moe_layers,
             self.faults,
-            mark,
+            self.mark,
             self.reference,
         )
         self._first_report = True
@@ -174,13 +166,17 @@ class TrainLoop:
         self.stragglers = StragglerDetector(
             cfg.guards.straggler_factor, cfg.guards.straggler_window
         )
-        self.profiler = StepProfiler(cfg.profile, rank, device)
+        self.profiler = StepProfiler(cfg.profile, self.ctx.rank, self.ctx.device)
         self.flops_per_token = model_flops_per_token(cfg.model)
+        device = self.ctx.device
         self.peak_flops = (
             peak_flops_for(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
         )
-        self.handover = Handover(cfg, self.ctx)
-        self.paused_at: Optional[int] = None
+
+    def _resume(self, cfg, live: Optional[LiveState], held: Optional[HeldChunks]) -> None:
+        """Where the run stands: the live ranks' state, else the newest usable checkpoint,
+        else the start; then what depends on the restored weights (DPO's reference
+        log-probs, the evaluator)."""
         self.ckpt: Optional[CheckpointManager] = None
         if cfg.checkpoint.enabled:
             self._open_checkpoints(cfg)
@@ -200,12 +196,6 @@ class TrainLoop:
             self.spec,
             self.reference,
         )
-        if self.progress.step < cfg.run.max_steps and not self.strategy.runs_microbatches:
-            # the wrapper settles on the next step's first micro-batch (DDP: its buckets)
-            upcoming = self.sampler.peek_global_batch()
-            self.compute.settle(
-                self.model, rank_slice(upcoming, self.ctx.dp_rank, self.ctx.dp_size)
-            )
 
     def _open_data(self, cfg) -> None:
         """The dataset (its ids checked against the model's vocabulary), the evaluation
@@ -313,11 +303,40 @@ class TrainLoop:
         )
 
     def train_step(self) -> float:
+        """One step, in order: take the batch, forward/backward, exchange (loss, votes,
+        per-rank compute), the guarded update, the checkpoint, the report."""
         clock = StepClock(self._reported_s)
         self._reported_s = 0.0
-        start = clock.start
-        step, ctx = self.progress.step, self.ctx
+        step = self.progress.step
         self.mark("compute")
+        global_batch, local = self._take_batch(step)
+        units = max(float(self.dataset.target_weights(global_batch).sum()), 1e-12)
+        self.compute.begin()
+        lr = self.scheduler.get_last_lr()[0]
+        skip_batch = step in self.progress.skip_steps  # rolled back past it: consume, do not train
+        loss_sum, grad_norm = self._forward_backward(step, local, units, skip_batch, clock)
+        exchanged = self._exchange(local, loss_sum, clock)
+        loss = exchanged.loss_sum / units
+        decision = self.nonfinite.decide(step, loss, float(grad_norm), exchanged.consumed)
+        self.handover.updating()
+        clock.lap("bookkeeping")
+        skipped = skip_batch or decision.action != StepAction.OK
+        self._update(step, not skipped, exchanged.consumed, clock)
+        rolled_back = decision.action == StepAction.ROLLBACK and self.nonfinite.rollback(step)
+        self.handover.at_boundary()
+        if rolled_back:
+            return loss
+        stall = self._checkpoint(exchanged, clock)
+        clock.stop()
+        report = self._step_report(clock, loss, lr, float(grad_norm), stall, exchanged, units)
+        report.skipped = skipped
+        self._report_step(report, clock)
+        return loss
+
+    def _take_batch(self, step: int) -> Tuple[np.ndarray, np.ndarray]:
+        """The step's global batch and this rank's slice; the next step's slice is
+        prefetched meanwhile."""
+        ctx = self.ctx
         seed_everything(step_seed(self.cfg.run.seed, step, ctx.rank), ctx.device)
         self.handover.batch_taken(self.sampler)
         global_batch = self.sampler.next_global_batch()
@@ -325,22 +344,29 @@ class TrainLoop:
         upcoming = rank_slice(self.sampler.peek_global_batch(), ctx.dp_rank, ctx.dp_size)
         compute = self.compute
         self.prefetch.ahead(compute.micro_batches(local) + compute.micro_batches(upcoming))
-        units = max(float(self.dataset.target_weights(global_batch).sum()), 1e-12)
-        compute.begin()
-        lr = self.scheduler.get_last_lr()[0]
-        skip_batch = step in self.progress.skip_steps  # rolled back past it: consume, do not train
+        return global_batch, local
+
+    def _forward_backward(
+        self, step: int, local: np.ndarray, units: float, skip_batch: bool, clock: StepClock
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """This rank's loss sum and the clipped gradient norm (zeros for a skipped batch)."""
+        compute = self.compute
         if skip_batch:
-            loss_sum, grad_norm = torch.zeros((), dtype=torch.float64), torch.zeros(())
             compute.compute_s = 0.0
-        else:
-            self.faults.before_compute()
-            clock.lap("bookkeeping")
-            loss_sum = compute.run(self.model, local, units, start, step)
-            clock.lap("forward_backward")
-            clock.move(compute.data_s, "forward_backward", "data")
-            self.mark("compute")
-            grad_norm = self.strategy.clip_grad_norm(self.model, self.cfg.optim.grad_clip)
-            clock.lap("optimizer")
+            return torch.zeros((), dtype=torch.float64), torch.zeros(())
+        self.faults.before_compute()
+        clock.lap("bookkeeping")
+        loss_sum = compute.run(self.model, local, units, clock.start, step)
+        clock.lap("forward_backward")
+        clock.move(compute.data_s, "forward_backward", "data")
+        self.mark("compute")
+        grad_norm = self.strategy.clip_grad_norm(self.model, self.cfg.optim.grad_clip)
+        clock.lap("optimizer")
+        return loss_sum, grad_norm
+
+    def _exchange(self, local: np.ndarray, loss_sum: torch.Tensor, clock: StepClock):
+        """One collective: the loss sum, the save and pause votes, each rank's compute
+        time, the objective's metric sums and the experts' token counts."""
         vote = self.requests.vote()
         if self.ckpt is not None:
             vote = max(vote, self.ckpt.request_flag())
@@ -348,30 +374,31 @@ class TrainLoop:
         self.mark("exchange")
         clock.lap("bookkeeping")
         exchanged = exchange(
-            ctx,
+            self.ctx,
             local,
             self.max_local,
             loss_sum,
-            (vote, busy, compute.compute_s, self.requests.pause_vote()),
-            compute.metric_sums,
+            (vote, busy, self.compute.compute_s, self.requests.pause_vote()),
+            self.compute.metric_sums,
             self.expert_load.take(),
         )
         clock.lap("exchange")
-        loss = exchanged.loss_sum / units
-        decision = self.nonfinite.decide(step, loss, float(grad_norm), exchanged.consumed)
-        self.handover.updating()
-        clock.lap("bookkeeping")
-        if not skip_batch and decision.action == StepAction.OK:
+        return exchanged
+
+    def _update(self, step: int, apply: bool, consumed, clock: StepClock) -> None:
+        """The optimizer step (only when ``apply``: a skipped or non-finite step consumes
+        its batch without training on it), the schedule, the ledger; the step is done."""
+        if apply:
             self.strategy.step(self.model, self.optimizer)
         self.scheduler.step()
         self.strategy.zero_grad(self.model, self.optimizer)
         clock.lap("optimizer")
-        self.ledger.record(step, exchanged.consumed)
+        self.ledger.record(step, consumed)
         self.progress.step += 1
-        rolled_back = decision.action == StepAction.ROLLBACK and self.nonfinite.rollback(step)
-        self.handover.at_boundary()
-        if rolled_back:
-            return loss
+
+    def _checkpoint(self, exchanged, clock: StepClock) -> float:
+        """A pause or preemption the ranks voted for, and the save due after this step;
+        the save's stall."""
         if exchanged.pause > 0:
             self.paused_at = self.progress.step
         stall = 0.0
@@ -388,11 +415,7 @@ class TrainLoop:
             clock.lap("checkpoint")
         if exchanged.request >= REQUEST_EMERGENCY:
             self.preempted_at = self.progress.step
-        clock.stop()
-        report = self._step_report(clock, loss, lr, float(grad_norm), stall, exchanged, units)
-        report.skipped = skip_batch or decision.action != StepAction.OK
-        self._report_step(report, clock)
-        return loss
+        return stall
 
     def _report_step(self, report: StepReport, clock: StepClock) -> None:
         """Add the step's rollback note, evaluation and restore facts to its report and

@@ -126,7 +126,8 @@ class StepProfiler:
             torch.cuda.profiler.stop()
             return
         profiler, self._profiler = self._profiler, None
-        assert profiler is not None, "recording without a profiler"
+        if profiler is None:
+            raise RuntimeError("profiler: recording without a profiler")
         profiler.stop()
         self.dir.mkdir(parents=True, exist_ok=True)
         first, last = self._first_recorded, self._last_recorded or self._first_recorded

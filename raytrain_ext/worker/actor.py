@@ -49,10 +49,10 @@ if TYPE_CHECKING:
 
 
 class EventBuffer:
-    """Thread-safe buffer of metric records plus the latest heartbeat."""
+    """Thread-safe buffer of rank 0's step reports plus the latest heartbeat."""
 
     def __init__(self, maxlen: int = 100_000):
-        self._records: deque = deque(maxlen=maxlen)
+        self._reports: deque = deque(maxlen=maxlen)
         self._lock = threading.Lock()
         self.last_step = 0
         self.last_beat = time.time()
@@ -62,7 +62,7 @@ class EventBuffer:
         with self._lock:
             self.last_step, self.last_beat = report.step, time.time()
             if keep:
-                self._records.append(report)
+                self._reports.append(report)
 
     def mark(self, phase: str) -> None:
         self.phase = phase
@@ -72,8 +72,8 @@ class EventBuffer:
 
     def drain(self) -> PollReply:
         with self._lock:
-            reports = list(self._records)
-            self._records.clear()
+            reports = list(self._reports)
+            self._reports.clear()
             return PollReply(step=self.last_step, beat=self.last_beat, reports=reports)
 
 
@@ -268,13 +268,13 @@ class TrainWorker:
             self.metrics_sink = RayMetricsSink(cfg.run.name)
         built: Dict[str, float] = {}  # until this fit's first record carries it
 
-        def report(step: StepReport) -> None:
+        def report(step_report: StepReport) -> None:
             if built:  # the group's first step: when this rank's loop was built
-                step.start_marks = dict(built)
+                step_report.start_marks = dict(built)
                 built.clear()
-            self.events.push(step, keep=is_rank0)
+            self.events.push(step_report, keep=is_rank0)
             if self.metrics_sink is not None:
-                self.metrics_sink.write(step.step, step.to_record())
+                self.metrics_sink.write(step_report.step, step_report.to_record())
 
         loop = TrainLoop(
             cfg,

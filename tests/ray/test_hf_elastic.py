@@ -110,7 +110,7 @@ def test_killed_worker_of_an_hf_model_on_a_ray_dataset_ends_bit_identical(
     # whether the pool's idle process had started by step 7 depends on the machine's load
     # (CI once took a cold start): test_worker_group checks the taking of a stocked one
     reformed = dict(recovery["reformed"])
-    del reformed["prestarted"]
+    assert reformed.pop("prestarted") in (0, 1)
     assert reformed == {
         "kept": 1,
         "spares_used": 0,

@@ -93,7 +93,7 @@ def test_a_layout_the_spec_cannot_cut_is_refused_naming_the_member_to_add():
 
 
 def test_every_allowed_strategy_and_schedule_has_an_implementation():
-    """The enums of ``config/choices.py`` are the allowed values; the tables follow them."""
+    """The enums of ``parallel/config.py`` are the allowed values; the tables follow them."""
     assert set(STRATEGY_CATALOG) == set(StrategyName)
     for name, caps in STRATEGY_CATALOG.items():
         for path in filter(None, (caps.implementation, caps.expert_parallel, caps.config_check)):

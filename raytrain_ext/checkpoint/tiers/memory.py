@@ -327,7 +327,7 @@ class MemoryTier(Tier):
         if not all(wrapped):
             raise FileNotFoundError(f"not every file of step {step} is held where listed")
         data = ray.get([refs[0] for refs in wrapped], timeout=OBJECT_TIMEOUT_S)
-        return {name: memoryview(array) for name, array in zip(names, data, strict=True)}
+        return {name: array.data for name, array in zip(names, data, strict=True)}
 
     def _holder(self, name: str) -> ray.actor.ActorHandle:
         """A holder's handle, looked up once per process (a lookup is a call to the GCS)."""

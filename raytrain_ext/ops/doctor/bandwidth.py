@@ -43,7 +43,8 @@ class BenchWorker(TrainWorker):
         """Time every op at every size; this rank's rows and its own NCCL log."""
         from raytrain_ext.ops.doctor.collectives import run_sweep
 
-        assert self.env is not None, "setup() must run before sweep()"
+        if self.env is None:
+            raise RuntimeError("BenchWorker: setup() must run before sweep()")
         rows = run_sweep(ops, sizes, iters, warmup, self.device)
         return {"rank": self.env.rank, "rows": rows, "nccl_log": _own_nccl_log()}
 
