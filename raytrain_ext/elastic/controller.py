@@ -326,7 +326,6 @@ class Controller:
             return RunState.FAILED, decision.reason
         self.world_size = decision.world_size
         self.attempt += 1
-        last_at = self.result.records[-1]["time"] if self.result.records else None
         resize = Resize(
             self._last_step(),
             before,
@@ -334,7 +333,7 @@ class Controller:
             target,
             self.clock() - started,
             False,
-            last_at,
+            self._last_step_at(),
         )
         self.result.resize_log.append(resize)
         self._books = resize
@@ -355,8 +354,7 @@ class Controller:
         )
         self.world_size = size
         self.attempt += 1
-        last_at = self.result.records[-1]["time"] if self.result.records else None
-        resize = Resize(self._last_step(), before, size, wanted, 0.0, True, last_at)
+        resize = Resize(self._last_step(), before, size, wanted, 0.0, True, self._last_step_at())
         self.result.resize_log.append(resize)
         self._books = resize
         return RunState.SCHEDULING, (
@@ -491,6 +489,10 @@ class Controller:
 
     def _last_step(self) -> int:
         return self.result.records[-1]["step"] if self.result.records else 0
+
+    def _last_step_at(self) -> Optional[float]:
+        """When the newest step ended (rank 0's clock); None before the first."""
+        return self.result.records[-1]["time"] if self.result.records else None
 
     def _drain_events(self) -> None:
         """Forward rank 0's new per-step records to the sinks."""
