@@ -128,6 +128,7 @@ class FitResult:
     params_sha256: str = ""
     samples_digest: str = ""
     samples_consumed: int = 0
+    stream_fingerprint: Optional[str] = None  # a streamed dataset: its content consumed
     restored: Optional[Dict[str, Any]] = None  # where this group resumed from
     preempted_at: Optional[int] = None  # the step it stopped at, checkpointed, for a notice
     paused_at: Optional[int] = None  # the step it paused at, state kept in memory

@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from raytrain_ext.checkpoint.tiers.memory import start_memory_tier, stop_memory_tier
 from raytrain_ext.config import config_digest, load_config, to_yaml
 from raytrain_ext.data.ray_input import materialise_dataset
+from raytrain_ext.data.stream_input import is_stream, start_stream_reader, stream_config, streams
 from raytrain_ext.elastic.controller import Controller, ControllerResult, RunState
 from raytrain_ext.inputs.preflight import preflight
 from raytrain_ext.metrics import FanOut, MetricsSink, StdoutSink, TensorBoardSink, summarize_records
@@ -59,9 +60,11 @@ class Trainer:
 
         ``dataset``: a ``ray.data.Dataset`` instead of ``data.path``, in ``data.format``
         (a ``tokens`` column of id lists, or the text/chat/preference columns).  ``fit``
-        materialises it once, in order, into the run directory; it must be finite and
-        deterministic, and a resumed run whose dataset differs is refused
-        (:mod:`raytrain_ext.data.ray_input`).
+        streams it to the ranks through a reader actor (:mod:`raytrain_ext.data.stream_input`;
+        nothing written, no shared filesystem), or with ``data.ray_dataset=materialise`` (or
+        DPO, or ``eval.fraction``) materialises it once into the run directory
+        (:mod:`raytrain_ext.data.ray_input`).  It must be finite and deterministic: a resumed
+        run whose dataset differs is refused.
         """
         if isinstance(config, DictConfig):
             if overrides:
@@ -101,7 +104,9 @@ class Trainer:
         """
         start = time.time()
         refuse_finished_run(self.run_dir, self.cfg.run.max_steps, self.cfg.checkpoint.resume)
-        if self._dataset is not None:
+        if self._dataset is not None and streams(self.cfg):
+            self.cfg = stream_config(self.cfg)
+        elif self._dataset is not None:
             self.cfg = materialise_dataset(self.cfg, self._dataset, self.run_dir)
         preflight(self.cfg)
         records = RunDirectory(self.run_dir)
@@ -125,11 +130,13 @@ class Trainer:
         self._marks = {"ray_connecting_at": time.time()}
         started_ray = connect_ray(self.cfg.scaling.ray_address)
         self._marks["ray_connected_at"] = time.time()
-        memory_actors: list = []
+        run_actors: list = []  # the memory tier's and the stream reader: this fit's
         sink = FanOut([])
         try:
             self.cfg = resolve_cluster_defaults(self.cfg)
-            memory_actors = self._start_memory_tier()
+            run_actors = self._start_memory_tier()
+            if is_stream(self.cfg.data.path):
+                run_actors.append(start_stream_reader(self.cfg, self._dataset))
             sink = FanOut(self._sinks())
             self._controller = Controller(
                 self.cfg,
@@ -144,7 +151,7 @@ class Trainer:
             return self._controller.run()
         finally:
             sink.close()
-            stop_memory_tier(memory_actors)
+            stop_memory_tier(run_actors)
             if started_ray:
                 import ray
 
@@ -284,6 +291,7 @@ def build_summary(
         "params_sha256": hashes[0] if len(hashes) == 1 else hashes or None,
         "samples_digest": digests[0] if len(digests) == 1 else digests or None,
         "samples_consumed": ranks[0].samples_consumed if ranks else 0,
+        "stream_fingerprint": ranks[0].stream_fingerprint if ranks else None,
         "replicas_identical": len(hashes) == 1 if ranks else None,
         "restored": ranks[0].restored if ranks else None,
         "checkpoint": ranks[0].checkpoint if ranks else None,

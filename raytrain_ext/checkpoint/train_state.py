@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Optional, Set
 if TYPE_CHECKING:
     import torch
 
-    from raytrain_ext.data.sampler import GlobalSampler
+    from raytrain_ext.data.sampler import GlobalOrder
     from raytrain_ext.parallel.strategy import DistContext, Strategy
     from raytrain_ext.train.ledger import SampleLedger
     from raytrain_ext.train.reference import ReferenceLogps
@@ -42,7 +42,7 @@ class TrainState:
     model: "torch.nn.Module"
     optimizer: "torch.optim.Optimizer"
     scheduler: "torch.optim.lr_scheduler.LRScheduler"
-    sampler: "GlobalSampler"
+    sampler: "GlobalOrder"
     ledger: "SampleLedger"
     ctx: "DistContext"
     config_digest: str

@@ -23,6 +23,19 @@ class DataFormat(Choice):
     preference = "preference"
 
 
+class RayDatasetInput(Choice):
+    """``data.ray_dataset``: how ``Trainer(cfg, dataset=ray.data.Dataset)`` reads it.
+    ``stream``: a reader actor streams each step's global batch to the ranks (nothing written,
+    no shared filesystem, memory bounded; :mod:`raytrain_ext.data.stream_input`).
+    ``materialise``: the whole dataset written once into the run directory and read by
+    random access (every worker must see that directory).  ``auto``: stream, unless the run
+    needs every sample up front (DPO's reference log-probs, ``eval.fraction``'s split)."""
+
+    auto = "auto"
+    stream = "stream"
+    materialise = "materialise"
+
+
 @dataclass
 class DataConfig:
     """Token source and the global batch.
@@ -60,6 +73,18 @@ class DataConfig:
     # assemble the next micro-batches on a background thread while the current one runs
     # (the same batches either way: it only hides the reading time)
     prefetch: bool = True
+    # Trainer(dataset=ray.data.Dataset): stream it (auto: unless DPO or eval.fraction needs
+    # every sample up front) or materialise it into the run directory
+    ray_dataset: RayDatasetInput = RayDatasetInput.auto
+    # a streamed dataset, with data.shuffle: samples pass a seeded shuffle buffer this long
+    # (the order is still world-size independent; memory grows with it)
+    stream_shuffle_window: int = at_least(0, 1024)
+    # a streamed dataset: how long a rank waits for a step from the reader (a lost reader
+    # is restarted by Ray and reads the dataset again up to the position within it)
+    stream_timeout_s: float = positive(600.0)
+    # a streamed dataset: steps a rank fetches from the reader at once (one round trip),
+    # and so what the reader holds ahead of the ranks
+    stream_ahead_steps: int = positive(16)
 
 
 def check_data_section(d: DataConfig) -> None:

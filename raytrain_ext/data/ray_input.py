@@ -1,4 +1,8 @@
-"""``Trainer(cfg, dataset=ray.data.Dataset)``: a Ray Data pipeline as training input.
+"""``Trainer(cfg, dataset=ray.data.Dataset)`` materialised: the dataset written once into the
+run directory and read by random access.  Chosen by ``data.ray_dataset=materialise``, or by
+``auto`` when the run needs every sample before its first step (DPO's reference log-probs,
+``eval.fraction``'s split); otherwise the dataset is streamed
+(:mod:`raytrain_ext.data.stream_input`).
 
 Exactly-once under kills and resizes needs random access by sample index (the global
 sampler decides the order; any rank may need any sample after a resize), and a Ray

@@ -15,13 +15,33 @@ Invariants:
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Any, Dict
+from typing import Any, Dict, Optional, Protocol
 
 import numpy as np
 
 
+class GlobalOrder(Protocol):
+    """What the loop reads its steps' sample indices from: this module's
+    :class:`GlobalSampler` over a dataset on disk, or a stream's
+    (:class:`raytrain_ext.data.stream_client.StreamSampler`).  ``fingerprint``: a digest of
+    the content consumed so far, where the indices alone do not name it (a stream); None
+    for a dataset whose indices do."""
+
+    fingerprint: Optional[str]
+
+    def next_global_batch(self) -> np.ndarray: ...
+
+    def peek_global_batch(self) -> np.ndarray: ...
+
+    def state_dict(self) -> Dict[str, Any]: ...
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None: ...
+
+
 class GlobalSampler:
     """A ``Stateful`` cursor over per-epoch permutations of sample indices."""
+
+    fingerprint: Optional[str] = None  # the indices name the samples (``GlobalOrder``)
 
     def __init__(self, num_samples: int, global_batch_size: int, seed: int, shuffle: bool = True):
         if num_samples < 1:

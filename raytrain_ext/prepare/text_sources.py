@@ -425,14 +425,14 @@ def check_source(
         parts = [(f.shown, f.columns) for f in source.files if f.records]
     wanted = required_columns(fmt, text_column, parts[0][1])
     if wanted is None:
-        raise InputError(_missing_columns(fmt, text_column, *parts[0]))
+        raise InputError(missing_columns(fmt, text_column, *parts[0]))
     for shown, columns in parts:
         if not all(c in columns for c in wanted):
-            raise InputError(_missing_columns(fmt, text_column, shown, columns))
+            raise InputError(missing_columns(fmt, text_column, shown, columns))
     return source, wanted
 
 
-def _missing_columns(fmt: str, text_column: str, shown: str, columns: Sequence[str]) -> str:
+def missing_columns(fmt: str, text_column: str, shown: str, columns: Sequence[str]) -> str:
     listed = ", ".join(columns) or "none"
     if fmt == "text":
         return (

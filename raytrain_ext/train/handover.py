@@ -17,7 +17,7 @@ from typing import Any, Dict, Optional
 from raytrain_ext.checkpoint.held_chunks import HeldChunks, hold_chunks
 from raytrain_ext.checkpoint.manager import REQUEST_EMERGENCY
 from raytrain_ext.checkpoint.train_state import TrainState
-from raytrain_ext.data import GlobalSampler
+from raytrain_ext.data.sampler import GlobalOrder
 from raytrain_ext.parallel import DistContext
 from raytrain_ext.parallel.dims import restores_own_shards, shards_from_replicas, state_from_peers
 from raytrain_ext.train.live_state import LiveState, capture_live, restore_from_peers
@@ -45,7 +45,7 @@ class Handover:
         """The new group's state from its live ranks' offers; None to restore otherwise."""
         return restore_from_peers(state, live, self.keeps_live, self.shard)
 
-    def batch_taken(self, sampler: GlobalSampler) -> None:
+    def batch_taken(self, sampler: GlobalOrder) -> None:
         """The step is about to take its batch: remember the sampler's boundary first."""
         self._sampler_at_boundary = sampler.state_dict()
         self.position = BATCH_TAKEN

@@ -32,10 +32,9 @@ import torch
 from raytrain_ext.checkpoint.held_chunks import HeldChunks
 from raytrain_ext.checkpoint.manager import REQUEST_EMERGENCY, CheckpointManager, SaveRequests
 from raytrain_ext.checkpoint.train_state import Progress, TrainState
-from raytrain_ext.data import GlobalSampler, rank_slice
-from raytrain_ext.data.eval_split import split_eval
-from raytrain_ext.data.open import open_dataset
+from raytrain_ext.data import rank_slice
 from raytrain_ext.data.prefetch import BatchPrefetcher
+from raytrain_ext.data.training_input import open_training_input
 from raytrain_ext.errors.text import is_peer_loss
 from raytrain_ext.faults import FaultInjector
 from raytrain_ext.messages import FitResult, StepReport
@@ -198,22 +197,10 @@ class TrainLoop:
         )
 
     def _open_data(self, cfg) -> None:
-        """The dataset (its ids checked against the model's vocabulary), the evaluation
-        split, and the global sampler over the training samples."""
-        self.dataset = open_dataset(cfg)
-        max_token = self.dataset.max_token()
-        if max_token >= cfg.model.vocab_size:
-            raise ValueError(
-                f"data.path {cfg.data.path} holds token id {max_token}, but "
-                f"model.vocab_size is {cfg.model.vocab_size}; raise model.vocab_size"
-            )
-        self.eval_split = split_eval(cfg, self.dataset)
-        self.sampler = GlobalSampler(
-            self.eval_split.train_samples,
-            cfg.data.global_batch_size,
-            cfg.data.seed,
-            cfg.data.shuffle,
-        )
+        """The dataset, the evaluation split, and the global order over the training
+        samples (:mod:`raytrain_ext.data.training_input`); the batch prefetcher."""
+        data = open_training_input(cfg, (self.ctx.dp_rank, self.ctx.dp_size))
+        self.dataset, self.eval_split, self.sampler = data.dataset, data.eval_split, data.order
         self.prefetch = BatchPrefetcher(self.dataset.batch, cfg.data.prefetch)
 
     def _compute_reference(self, reference: ReferenceLogps) -> None:
@@ -296,6 +283,7 @@ class TrainLoop:
             params_sha256=params_sha256(params),
             samples_digest=self.ledger.digest,
             samples_consumed=self.ledger.samples,
+            stream_fingerprint=self.sampler.fingerprint,
             restored=self.restored,
             preempted_at=self.preempted_at,
             paused_at=self.paused_at,

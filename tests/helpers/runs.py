@@ -55,6 +55,8 @@ def wait_until(predicate, what: str, timeout_s: float = 120.0):
     ``what`` after ``timeout_s``."""
     deadline = time.time() + timeout_s
     while not (value := predicate()):
+        if time.time() >= deadline:
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         assert time.time() < deadline, f"{what} did not happen within {timeout_s:.0f} s"
         time.sleep(0.05)
     return value

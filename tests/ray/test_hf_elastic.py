@@ -1,13 +1,13 @@
 """The elastic guarantees hold for the user's world: a Hugging Face model (a tiny Llama saved
 with ``save_pretrained`` here, sharded by FSDP) fed by a Ray Data pipeline
-(``Trainer(cfg, dataset=...)``, materialised once into the run directory).
+(``Trainer(cfg, dataset=...)``, streamed to the ranks by the run's reader actor).
 
 - A killed worker mid-epoch is replaced in place (the survivor's process kept, the lost rank
   restored from peer memory) and the run ends bit-identical to an uninterrupted one
   (parameters, samples, loss); every state transition and the recovery record are checked;
   evaluation every 6 steps changes nothing and reaches
   ``summary.json`` and the report; a resumed run whose dataset yields other content is
-  refused before training.
+  refused at its first step (the stream's fingerprint of the checkpoint's position).
 - Losing a node mid-epoch shrinks the run 2 -> 1: the 2-rank FSDP checkpoint is resharded
   onto the survivor and every sample is still seen exactly once.
 
@@ -26,7 +26,7 @@ from raytrain_ext.checkpoint.resolve import check_step
 from raytrain_ext.checkpoint.tiers.disk import DiskTier
 from raytrain_ext.data import open_token_dataset
 from raytrain_ext.data.corpus import write_token_file
-from raytrain_ext.errors import InputError
+from raytrain_ext.elastic.controller import TrainingFailed
 from raytrain_ext.ops.report import write_report
 from tests.helpers.hf_models import hf_overrides, save_tiny
 from tests.helpers.layouts import ATOL_UNEVEN, max_param_diff
@@ -41,7 +41,13 @@ STEPS = 12
 RECORDS = 64
 # 24,000 tokens: 374 samples of 64, more than the 12 x 16 a run consumes (mid-epoch)
 TOKENS = open_token_dataset("builtin:corpus", 64).tokens[:24_000].astype(np.int64)
-FSDP_RUN = [f"optim.decay_steps={STEPS}", "optim.warmup_steps=2", "parallel.strategy=fsdp"]
+# in order: the stream's samples are then the file's samples 0, 1, 2, ... (same ledger)
+FSDP_RUN = [
+    f"optim.decay_steps={STEPS}",
+    "optim.warmup_steps=2",
+    "parallel.strategy=fsdp",
+    "data.shuffle=false",
+]
 
 
 def token_dataset(tokens: np.ndarray = TOKENS):
@@ -144,8 +150,9 @@ def test_killed_worker_of_an_hf_model_on_a_ray_dataset_ends_bit_identical(
     longer = run_overrides(
         tmp_path, llama_overrides, "run.name=hf-kill", f"run.max_steps={STEPS + 4}"
     )
-    with pytest.raises(InputError, match="differs from the one this run trained on"):
+    with pytest.raises(TrainingFailed, match="must be deterministic") as refused:
         Trainer(load_config(None, longer), dataset=other).fit()  # more steps: not finished
+    assert "InputError" in str(refused.value) and "before step 13" in str(refused.value)
     assert_nothing_left()
 
 

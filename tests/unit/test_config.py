@@ -163,6 +163,7 @@ def test_choice_keys_are_the_closed_sets_the_code_uses():
         "run.device": ("auto", "cpu", "cuda"),
         "model.source": ("gpt", "hf", "python"),
         "data.format": ("tokens", "text", "chat", "preference"),
+        "data.ray_dataset": ("auto", "stream", "materialise"),
         "objective.name": ("causal_lm", "sft", "dpo", "user"),
         "scaling.placement_strategy": ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
         "parallel.strategy": ("ddp", "fsdp", "zero"),
