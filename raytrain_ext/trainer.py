@@ -24,6 +24,7 @@ from raytrain_ext.config import config_digest, load_config, to_yaml
 from raytrain_ext.data.ray_input import materialise_dataset
 from raytrain_ext.data.stream_input import is_stream, start_stream_reader, stream_config, streams
 from raytrain_ext.elastic.controller import Controller, ControllerResult, RunState
+from raytrain_ext.errors import InputError
 from raytrain_ext.inputs.preflight import preflight
 from raytrain_ext.metrics import FanOut, MetricsSink, StdoutSink, TensorBoardSink, summarize_records
 from raytrain_ext.metrics.sinks import eval_fields
@@ -104,6 +105,11 @@ class Trainer:
         """
         start = time.time()
         refuse_finished_run(self.run_dir, self.cfg.run.max_steps, self.cfg.checkpoint.resume)
+        if self._dataset is None and is_stream(self.cfg.data.path):
+            raise InputError(
+                f"data.path: {self.cfg.data.path} names the reader of a Trainer(cfg, "
+                "dataset=...) run; pass that dataset again (Trainer(cfg, dataset=ds)) to resume it."
+            )
         if self._dataset is not None and streams(self.cfg):
             self.cfg = stream_config(self.cfg)
         elif self._dataset is not None:

@@ -92,6 +92,14 @@ class GlobalSampler:
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Resume the global order; the world size may differ from the saver's."""
+        if state.get("stream"):
+            from raytrain_ext.errors import InputError
+
+            raise InputError(
+                "data.ray_dataset: the checkpoint was trained on a streamed dataset; resume it "
+                "with Trainer(cfg, dataset=...) streamed (data.ray_dataset=stream or auto), or "
+                "start a new run.name"
+            )
         if state["num_samples"] != self.num_samples or state["seed"] != self.seed:
             raise ValueError(
                 f"sampler state is for {state['num_samples']} samples with seed {state['seed']}, "

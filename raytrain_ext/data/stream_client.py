@@ -28,6 +28,7 @@ import numpy as np
 from raytrain_ext.data.batch import Batch
 from raytrain_ext.data.stream_input import reader_name
 from raytrain_ext.data.stream_reader import GENESIS, StepBatch, check_position
+from raytrain_ext.errors import InputError
 
 
 class StreamClient:
@@ -123,12 +124,13 @@ class StreamSampler:
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         if not state.get("stream"):
-            raise ValueError(
-                "the checkpoint was trained on data.path, not on a streamed dataset; resume "
-                "it with the same data (or data.ray_dataset=materialise), or start a new run.name"
+            raise InputError(
+                "data.ray_dataset: the checkpoint was trained on data.path or a materialised "
+                "dataset, not on a stream; resume it with data.ray_dataset=materialise (or the "
+                "same data.path), or start a new run.name"
             )
         if state["global_batch_size"] != self.global_batch_size:
-            raise ValueError(
+            raise InputError(
                 f"the checkpoint streamed global batches of {state['global_batch_size']} "
                 f"samples, this run asks for data.global_batch_size={self.global_batch_size}; "
                 "a stream resumes only with the same global batch size"

@@ -4,8 +4,9 @@
 own, restarted by Ray wherever it can be when it or its node is lost) and points
 ``data.path`` at it (``ray-stream://<name>``); the ranks ask it for each step's global
 batch by number (:mod:`raytrain_ext.data.stream_client`).  Nothing of the dataset is
-written anywhere: no run directory, no shared filesystem is needed, and no process holds
-more than a few steps of it (:mod:`raytrain_ext.data.stream_reader`).
+written anywhere (no shared filesystem is needed for it; a ``data.eval_path`` of raw records
+is still prepared into each node's run directory), and no process holds more than a few
+steps of it (:mod:`raytrain_ext.data.stream_reader`).
 
 A restarted reader holds nothing: asked for step ``s``, it reads the dataset again from the
 start to ``s``, hashing what it passes, so the rank's fingerprint of the position still
@@ -49,14 +50,23 @@ def streams(cfg) -> bool:
     """Whether ``fit`` streams its Ray dataset (``data.ray_dataset``); ConfigError for a
     stream the run cannot read (it needs every sample up front)."""
     needs_all = _needs_every_sample(cfg)
-    if cfg.data.ray_dataset == RayDatasetInput.auto:
-        return needs_all is None
+    if cfg.data.ray_dataset == RayDatasetInput.auto:  # a run materialised before stays so
+        return needs_all is None and not _materialised_before(cfg)
     if cfg.data.ray_dataset == RayDatasetInput.stream and needs_all is not None:
         raise ConfigError(
             f"data.ray_dataset=stream: {needs_all} needs every sample before the first step, "
             "which a stream does not have. Set data.ray_dataset=materialise (or auto)."
         )
     return cfg.data.ray_dataset == RayDatasetInput.stream
+
+
+def _materialised_before(cfg) -> bool:
+    from pathlib import Path
+
+    from raytrain_ext.data.ray_input import CURRENT, VIEW_DIR
+
+    view = Path(cfg.run.output_dir) / cfg.run.name / VIEW_DIR / CURRENT
+    return cfg.checkpoint.resume != "never" and view.is_file()
 
 
 def _needs_every_sample(cfg) -> Optional[str]:
@@ -81,6 +91,7 @@ class StreamSpec:
     eos_token: Optional[str]
     text_column: str
     document_mask: bool
+    allow_repeat: bool
 
     @classmethod
     def of(cls, cfg) -> "StreamSpec":
@@ -99,6 +110,7 @@ class StreamSpec:
             eos_token=d.eos_token,
             text_column=d.text_column,
             document_mask=bool(d.document_mask) and fmt == DataFormat.text,
+            allow_repeat=bool(d.allow_repeat),
         )
 
 
@@ -106,7 +118,26 @@ class StreamReaderActor:
     """The run's reader, as a Ray actor (threaded: ranks ask concurrently)."""
 
     def __init__(self, dataset: Any, spec: StreamSpec):
+        """A constructor that raised would leave a dead actor (Ray restarts only a lost one)
+        and ranks waiting for it: its error is kept and raised to every ask instead."""
         logging.getLogger("ray.data").setLevel(logging.ERROR)
+        self.error: Optional[InputError] = None
+        try:
+            self.reader = self._reader(dataset, spec)
+        except Exception as e:
+            self.error = (
+                e
+                if isinstance(e, InputError)
+                else InputError(
+                    f"Trainer(dataset=...): the stream reader cannot start: {type(e).__name__}: {e}"
+                )
+            )
+            return
+        # read the first step while the ranks start (an error waits for their first ask)
+        threading.Thread(target=self._warm, daemon=True, name="stream-warm").start()
+
+    @staticmethod
+    def _reader(dataset: Any, spec: StreamSpec) -> StreamReader:
         tokenizing = _tokenizing(spec)
         eos = tokenizing.eos_id if tokenizing is not None and spec.document_mask else None
         fmt = DataFormat(spec.fmt)
@@ -114,7 +145,7 @@ class StreamReaderActor:
         def make_packer() -> SamplePacker:
             return SamplePacker(fmt, spec.seq_len, tokenizing, spec.text_column, eos)
 
-        self.reader = StreamReader(
+        return StreamReader(
             ray_epoch_batches(dataset),
             make_packer,
             spec.global_batch_size,
@@ -122,19 +153,20 @@ class StreamReaderActor:
             spec.seed,
             spec.shuffle_window,
             eos,
+            spec.allow_repeat,
         )
-        # read the first step while the ranks start (an error waits for their first ask)
-        threading.Thread(target=self._warm, daemon=True, name="stream-warm").start()
 
     def _warm(self) -> None:
         try:
-            self.reader.take(0)
+            self.reader.warm()
         except Exception:
-            pass
+            pass  # raised again to the ranks' first ask
 
     def take(
         self, first: int, count: int = 1, part: Optional[Tuple[int, int]] = None
     ) -> List[StepBatch]:
+        if self.error is not None:
+            raise self.error
         return self.reader.take(first, count, part)
 
     def stats(self) -> Dict[str, Any]:
@@ -143,6 +175,8 @@ class StreamReaderActor:
 
         import ray
 
+        if self.error is not None:
+            raise self.error
         return {
             **asdict(self.reader.stats),
             "held_steps": self.reader.held_steps(),

@@ -108,11 +108,12 @@ class StreamReader:
         seed: int = 0,
         shuffle_window: int = 0,
         document_eos: Optional[int] = None,
+        allow_repeat: bool = False,
     ):
         self._epoch_batches, self._make_packer = epoch_batches, make_packer
         self.global_batch_size, self.vocab_size = global_batch_size, vocab_size
         self.seed, self.shuffle_window = seed, shuffle_window
-        self.document_eos = document_eos
+        self.document_eos, self.allow_repeat = document_eos, allow_repeat
         self._lock = threading.Lock()
         self._failed: Optional[BaseException] = None
         self._held: Dict[int, StepBatch] = {}
@@ -129,6 +130,7 @@ class StreamReader:
             if self._failed is not None:  # the dataset raised: every ask gets that error
                 raise self._failed
             if first not in self._held and first < self._next_step:  # before the held ones
+                self._samples.close()  # ends the current pass's Ray Data execution
                 self._restart()
                 self.stats.rereads += 1
             self._produce_to(first + count - 1, keep_from=first - KEEP_BEHIND)
@@ -136,6 +138,12 @@ class StreamReader:
                 del self._held[old]
             batches = [self._held[s] for s in range(first, first + count)]
         return batches if part is None else [b.part(*part) for b in batches]
+
+    def warm(self) -> None:
+        """Read the first step ahead of any ask (nothing when asks came first)."""
+        with self._lock:
+            if self._next_step == 0 and self._failed is None:
+                self._produce_to(0, keep_from=0)
 
     def close(self) -> None:
         """Stop reading (Ray Data's iteration ends with the sample stream)."""
@@ -159,8 +167,11 @@ class StreamReader:
         while self._next_step <= last:
             try:
                 batch = self._next_batch(keep=self._next_step >= keep_from)
-            except Exception as e:  # the sample stream is over: keep its error
+            except InputError as e:  # the data itself is wrong: every later ask gets it
                 self._failed = e
+                raise
+            except Exception:  # a read failed (S3, a task): the next ask reads again
+                self._restart()
                 raise
             if batch is not None:
                 self._held[batch.step] = batch
@@ -207,6 +218,13 @@ class StreamReader:
                     "Trainer(dataset=...): the dataset yields no complete sample (no rows, or "
                     "fewer tokens than model.seq_len + 1); give it more rows or shorten "
                     "model.seq_len."
+                )
+            if count < self.global_batch_size and not self.allow_repeat:
+                raise InputError(
+                    f"Trainer(dataset=...): the dataset yields {count} samples, fewer than one "
+                    f"global batch (data.global_batch_size={self.global_batch_size}), so every "
+                    "step would repeat samples; give it more rows, lower "
+                    "data.global_batch_size, or set data.allow_repeat=true."
                 )
             epoch += 1
 

@@ -4,7 +4,9 @@ A group is hung when no rank has completed a step for longer than
 ``max(factor x median step time, floor)``.  The culprits are the ranks that
 are not waiting in the step's collective (their peers are, since a collective
 waits for everyone); when every rank waits in it, the network is to blame and
-all are named.  Pure logic: the controller feeds it observations.
+all are named.  A rank waiting on a stream's reader (phase ``data``: it may be reading the
+dataset again to the position) is not hung: that wait has its own limit,
+``data.stream_timeout_s``, on the rank.  Pure logic: the controller feeds it observations.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ class HangWatchdog:
         """A verdict once every rank has stepped and none has progressed within the deadline."""
         if not self.progress or any(step == 0 for step, _, _ in self.progress.values()):
             return None  # still starting up (setup and restore are not steps)
+        if any(phase == "data" for _, _, phase in self.progress.values()):
+            return None  # waiting on a stream's reader: bounded by data.stream_timeout_s
         stalled = now - max(since for _, since, _ in self.progress.values())
         deadline = self.deadline_s()
         if stalled <= deadline:

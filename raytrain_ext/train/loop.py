@@ -327,7 +327,9 @@ class TrainLoop:
         ctx = self.ctx
         seed_everything(step_seed(self.cfg.run.seed, step, ctx.rank), ctx.device)
         self.handover.batch_taken(self.sampler)
+        self.mark("data")  # a stream's reader may be reading again to the position
         global_batch = self.sampler.next_global_batch()
+        self.mark("compute")
         local = rank_slice(global_batch, ctx.dp_rank, ctx.dp_size)
         upcoming = rank_slice(self.sampler.peek_global_batch(), ctx.dp_rank, ctx.dp_size)
         compute = self.compute

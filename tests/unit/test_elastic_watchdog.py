@@ -31,3 +31,14 @@ def test_all_ranks_named_when_all_wait_in_the_collective():
     dog.observe(0, 4, "exchange", now=0.0)
     dog.observe(1, 4, "exchange", now=0.0)
     assert dog.check(now=3.5).ranks == [0, 1]
+
+
+def test_a_rank_waiting_on_the_stream_reader_is_not_hung():
+    dog = HangWatchdog(factor=5, floor_s=3)
+    for rank in range(2):
+        dog.observe(rank, 7, "exchange", now=10.0)
+    dog.record_step_time(1.0)
+    dog.observe(1, 7, "data", now=10.5)  # its reader reads the dataset again to the position
+    assert dog.check(now=100.0) is None
+    dog.observe(1, 7, "compute", now=101.0)  # back from the reader, stuck in its step
+    assert dog.check(now=101.0).ranks == [1]

@@ -209,3 +209,36 @@ def test_an_error_of_the_dataset_is_raised_again_to_every_later_ask():
     for _ in range(2):
         with pytest.raises(InputError, match="model.vocab_size is 100"):
             reader.take(0)
+
+
+def test_fewer_samples_than_a_global_batch_are_refused_unless_repeats_are_allowed():
+    few = TOKENS[: 3 * SEQ + 1]  # 3 samples, global batch 4
+    with pytest.raises(InputError, match="data.allow_repeat=true"):
+        token_reader(few)[0].take(0)
+    step = token_reader(few, allow_repeat=True)[0].take(0)[0]
+    assert len(step.rows) == 4 and np.array_equal(step.rows[3], step.rows[0])
+
+
+def test_a_reader_that_cannot_start_raises_its_input_error_to_every_ask(tmp_path):
+    from raytrain_ext.data.stream_input import StreamReaderActor, StreamSpec
+
+    spec = StreamSpec(
+        "text", SEQ, 4, 512, 0, 0, str(tmp_path / "no-tokenizer"), None, "text", False, False
+    )
+    reader = StreamReaderActor(None, spec)
+    for _ in range(2):
+        with pytest.raises(InputError, match="stream reader cannot start|data.tokenizer"):
+            reader.take(0)
+
+
+def test_auto_keeps_materialising_a_run_that_was_materialised_before(tmp_path):
+    from raytrain_ext import load_config
+    from raytrain_ext.data.ray_input import CURRENT, VIEW_DIR
+    from raytrain_ext.data.stream_input import streams
+
+    cfg = load_config(None, [f"run.output_dir={tmp_path}", "run.name=old"])
+    assert streams(cfg)
+    (tmp_path / "old" / VIEW_DIR).mkdir(parents=True)
+    (tmp_path / "old" / VIEW_DIR / CURRENT).write_text("0" * 64 + "\n")
+    assert not streams(cfg)  # its checkpoints index the materialised view
+    assert streams(load_config(None, [f"run.output_dir={tmp_path}", "run.name=new"]))
