@@ -36,6 +36,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from raytrain_ext.data.config import DataFormat
 from raytrain_ext.data.corpus import write_token_file
+from raytrain_ext.data.stream_samples import token_id_array
 from raytrain_ext.errors import InputError
 from raytrain_ext.prepare.prepared_index import read_index
 
@@ -114,19 +115,7 @@ def _check_same_content(root: Path, digest: str, cfg) -> None:
 
 def _write_tokens(table: pa.Table, view: Path) -> None:
     """A ``tokens`` column of id lists -> one flat token file (what ``data.path`` reads)."""
-    if "tokens" not in table.column_names:
-        raise InputError(
-            f"Trainer(dataset=...): data.format=tokens needs a 'tokens' column of token id "
-            f"lists; the dataset has {table.column_names}. Set data.format to text, chat or "
-            "preference for raw records."
-        )
-    column = table.column("tokens").combine_chunks()
-    if pa.types.is_list(column.type) or pa.types.is_large_list(column.type):
-        column = column.flatten()
-    if not pa.types.is_integer(column.type):
-        raise InputError(
-            f"Trainer(dataset=...): the 'tokens' column must hold integer ids, not {column.type}"
-        )
+    column = token_id_array(table)
     path = view / "tokens.arrow"
     if not path.is_file():  # written aside, then renamed: a crash leaves no partial view
         partial = view / ".tokens.arrow.tmp"

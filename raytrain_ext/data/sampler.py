@@ -113,9 +113,15 @@ class GlobalSampler:
 
 def rank_slice(global_batch: np.ndarray, rank: int, world_size: int) -> np.ndarray:
     """This rank's contiguous share; shares of ranks 0..world_size-1 partition the batch."""
-    base, extra = divmod(len(global_batch), world_size)
+    start, stop = rank_bounds(len(global_batch), rank, world_size)
+    return global_batch[start:stop]
+
+
+def rank_bounds(size: int, rank: int, world_size: int) -> tuple[int, int]:
+    """(start, stop) of this rank's share of ``size`` samples (sizes differ by at most one)."""
+    base, extra = divmod(size, world_size)
     start = rank * base + min(rank, extra)
-    return global_batch[start : start + base + (1 if rank < extra else 0)]
+    return start, start + base + (1 if rank < extra else 0)
 
 
 @lru_cache(maxsize=4)

@@ -155,10 +155,8 @@ class StreamedDataset:
         return batch, indices - step * self.global_batch_size - batch.first
 
     def batch(self, indices: np.ndarray) -> Batch:
-        import torch
-
         from raytrain_ext.data.examples import rows_to_batch
-        from raytrain_ext.data.tokens import document_positions
+        from raytrain_ext.data.tokens import windows_to_batch
 
         step, local = self._rows(indices)
         rows = step.rows[local]
@@ -167,14 +165,9 @@ class StreamedDataset:
             assert step.mask is not None
             mask = np.concatenate([step.mask[local, 0], step.mask[local, 1]])
             return rows_to_batch(tokens, mask, indices, pairs=len(indices))
-        tokens = rows[:, 0].astype(np.int64)
         if step.mask is not None:
-            return rows_to_batch(tokens, step.mask[local, 0], indices)
-        t = torch.from_numpy(tokens)
-        batch = Batch(t[:, :-1], t[:, 1:], indices=np.asarray(indices))
-        if step.document_eos is not None:
-            batch.positions, batch.weights = document_positions(batch.inputs, step.document_eos)
-        return batch
+            return rows_to_batch(rows[:, 0].astype(np.int64), step.mask[local, 0], indices)
+        return windows_to_batch(rows[:, 0], indices, step.document_eos)
 
     def target_weights(self, indices: np.ndarray) -> np.ndarray:
         """The weights of any samples of one step (the loop asks for the whole step's)."""

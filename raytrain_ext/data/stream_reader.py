@@ -33,6 +33,7 @@ from typing import Callable, Dict, Generator, Iterable, Iterator, List, Optional
 import numpy as np
 import pyarrow as pa
 
+from raytrain_ext.data.sampler import rank_bounds
 from raytrain_ext.data.stream_samples import Sample, SamplePacker
 from raytrain_ext.errors import InputError
 
@@ -62,9 +63,7 @@ class StepBatch:
 
     def part(self, rank: int, size: int) -> "StepBatch":
         """Rank ``rank``'s contiguous share of the step (``rank_slice``'s), of ``size``."""
-        base, extra = divmod(len(self.weights), size)
-        start = rank * base + min(rank, extra)
-        stop = start + base + (1 if rank < extra else 0)
+        start, stop = rank_bounds(len(self.weights), rank, size)
         mask = None if self.mask is None else self.mask[start:stop]
         return replace(self, rows=self.rows[start:stop], mask=mask, first=start)
 

@@ -79,10 +79,10 @@ class SamplePacker:
         """The samples ``table``'s records complete (in order)."""
         first, self.records = self.records, self.records + table.num_rows
         if self.fmt == DataFormat.tokens:
-            return self._token_windows(_token_column(table))
+            return self._token_windows(_int64(token_id_array(table)))
         rendered = self._render(table, first)
         if self.fmt == DataFormat.text:
-            return self._token_windows(_flat_ints(rendered.column("tokens")))
+            return self._token_windows(_int64(_flat_int_array(rendered.column("tokens"))))
         if self.fmt == DataFormat.chat:
             return self._pack_examples(rendered)
         return self._pairs(rendered)
@@ -154,17 +154,19 @@ class SamplePacker:
         return samples
 
 
-def _token_column(table: pa.Table) -> np.ndarray:
+def token_id_array(table: pa.Table) -> pa.Array:
+    """The ``tokens`` column's ids as one flat integer Arrow array (its own int type), or
+    InputError naming the column and the fix (the stream and the materialised view)."""
     if "tokens" not in table.column_names:
         raise InputError(
             f"Trainer(dataset=...): data.format=tokens needs a 'tokens' column of token id "
             f"lists; the dataset has {table.column_names}. Set data.format to text, chat or "
             "preference for raw records."
         )
-    return _flat_ints(table.column("tokens"))
+    return _flat_int_array(table.column("tokens"))
 
 
-def _flat_ints(column: pa.ChunkedArray) -> np.ndarray:
+def _flat_int_array(column: pa.ChunkedArray) -> pa.Array:
     array = column.combine_chunks()
     if pa.types.is_list(array.type) or pa.types.is_large_list(array.type):
         array = array.flatten()
@@ -172,6 +174,10 @@ def _flat_ints(column: pa.ChunkedArray) -> np.ndarray:
         raise InputError(
             f"Trainer(dataset=...): the 'tokens' column must hold integer ids, not {array.type}"
         )
+    return array
+
+
+def _int64(array: pa.Array) -> np.ndarray:
     return np.asarray(array.to_numpy(zero_copy_only=False), dtype=np.int64)
 
 

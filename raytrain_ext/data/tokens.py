@@ -52,15 +52,9 @@ class TokenDataset:
 
     def batch(self, indices: np.ndarray) -> Batch:
         """Inputs and targets (int64, shape [len(indices), seq_len]); every target counts."""
-        import torch  # here: the driver's data checks read token files without torch
-
         starts = np.asarray(indices, dtype=np.int64) * self.seq_len
         offsets: np.ndarray = np.arange(self.seq_len + 1, dtype=np.int64)
-        rows = torch.from_numpy(self.tokens[starts[:, None] + offsets].astype(np.int64))
-        batch = Batch(rows[:, :-1], rows[:, 1:], indices=np.asarray(indices))
-        if self.document_eos is not None:
-            batch.positions, batch.weights = document_positions(batch.inputs, self.document_eos)
-        return batch
+        return windows_to_batch(self.tokens[starts[:, None] + offsets], indices, self.document_eos)
 
     def target_weights(self, indices: np.ndarray) -> np.ndarray:
         """Each sample's summed target weight: ``seq_len`` (every target counts 1), less
@@ -74,6 +68,18 @@ class TokenDataset:
     def max_token(self, prefix: int = 1 << 26) -> int:
         """Largest token id in the first ``prefix`` tokens (a cheap sanity check on huge data)."""
         return int(self.tokens[:prefix].max())
+
+
+def windows_to_batch(windows: np.ndarray, indices, document_eos: Optional[int]) -> Batch:
+    """``[rows, seq_len + 1]`` token windows -> inputs and shifted targets (int64); under
+    document masking (``document_eos``) the positions and weights of :func:`document_positions`."""
+    import torch  # here: the driver's data checks read token files without torch
+
+    rows = torch.from_numpy(windows.astype(np.int64))
+    batch = Batch(rows[:, :-1], rows[:, 1:], indices=np.asarray(indices))
+    if document_eos is not None:
+        batch.positions, batch.weights = document_positions(batch.inputs, document_eos)
+    return batch
 
 
 def document_positions(inputs: torch.Tensor, eos: int) -> tuple[torch.Tensor, torch.Tensor]:

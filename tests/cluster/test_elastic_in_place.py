@@ -24,7 +24,7 @@ from raytrain_ext.checkpoint.tiers.disk import DiskTier
 from tests.helpers.layouts import ATOL_UNEVEN
 from tests.helpers.leaks import assert_nothing_left, idle_processes_with_torch
 from tests.helpers.reference import uninterrupted
-from tests.helpers.runs import FitThread, tiny_overrides, wait_until
+from tests.helpers.runs import FitThread, last_step, tiny_overrides, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 
@@ -53,12 +53,6 @@ def run_config(tmp_path, steps: int, *extra: str):
             *extra,
         ),
     )
-
-
-def last_step(trainer) -> int:
-    """The run's newest step (0 before the controller exists)."""
-    records = trainer.controller.result.records if trainer.controller else []
-    return records[-1]["step"] if records else 0
 
 
 def running_at(trainer, size: int) -> bool:

@@ -27,7 +27,7 @@ from raytrain_ext.data.stream_reader import StreamReader
 from raytrain_ext.data.stream_samples import SamplePacker
 from raytrain_ext.train.ledger import SampleLedger
 from tests.helpers.leaks import assert_nothing_left
-from tests.helpers.runs import FAST_MODEL, FitThread, tiny_overrides, wait_until
+from tests.helpers.runs import FAST_MODEL, FitThread, last_step, tiny_overrides, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 
@@ -112,11 +112,6 @@ def config(tmp_path, endpoint: str, steps: int, *extra: str):
             *extra,
         ),
     )
-
-
-def last_step(trainer) -> int:
-    records = trainer.controller.result.records if trainer.controller else []
-    return records[-1]["step"] if records else 0
 
 
 def running_at(trainer, size: int, after_step: int) -> bool:

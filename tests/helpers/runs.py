@@ -62,6 +62,12 @@ def wait_until(predicate, what: str, timeout_s: float = 120.0):
     return value
 
 
+def last_step(trainer) -> int:
+    """The run's newest step (0 before the controller exists)."""
+    records = trainer.controller.result.records if trainer.controller else []
+    return records[-1]["step"] if records else 0
+
+
 class FitThread:
     """``trainer.fit()`` in a thread, for tests that inject faults while it runs.
 
