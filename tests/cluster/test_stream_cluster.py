@@ -148,15 +148,15 @@ def test_a_parquet_stream_on_s3_is_consumed_once_through_kills_a_lost_node_and_a
         lost_reader = reader_stats("streamed")
         os.kill(lost_reader["pid"], signal.SIGKILL)  # the reader: Ray restarts it
         killed_at = last_step(trainer)
-        # the ranks hold AHEAD steps fetched before the loss: the restarted reader is asked
-        # for the ones after (it reads the dataset again up to them)
-        wait_until(lambda: last_step(trainer) >= killed_at + AHEAD + 2, "the reader's restart")
+        # the ranks hold up to AHEAD steps fetched before the loss (and the records lag the
+        # ranks): the restarted reader is asked for the ones after (it re-reads up to them)
+        wait_until(lambda: last_step(trainer) >= killed_at + 2 * AHEAD + 2, "the reader's restart")
         restarted = reader_stats("streamed")
         lost = trainer.controller.group.infos[2].node_id
         ray_cluster.remove_node(nodes.pop(lost), allow_graceful=False)
-        wait_until(lambda: running_at(trainer, 2, killed_at + AHEAD + 2), "the shrink")
+        wait_until(lambda: running_at(trainer, 2, killed_at + 2 * AHEAD + 2), "the shrink")
         ray_cluster.add_node(num_cpus=3, object_store_memory=100 * 2**20)
-        wait_until(lambda: running_at(trainer, 3, killed_at + AHEAD + 4), "the grow-back", 180)
+        wait_until(lambda: running_at(trainer, 3, killed_at + 2 * AHEAD + 4), "the grow-back", 180)
         trainer.interrupt("the test stops it")
         first = run.summary(timeout_s=120)
     stopped = first["steps_completed"]
