@@ -49,6 +49,7 @@ class Trainer:
         model: Any = None,
         loss_fn: Optional[Callable] = None,
         dataset: Any = None,
+        train_loop: Any = None,
     ):
         """``config`` is a loaded config, a YAML path, or None for the packaged default.
 
@@ -77,7 +78,7 @@ class Trainer:
         else:
             self.cfg = load_config(config, overrides)
         self.cfg = absolute_paths(self.cfg)
-        self._user = UserCode(model=model, loss_fn=loss_fn)
+        self._user = UserCode(model=model, loss_fn=loss_fn, train_loop=train_loop)
         self._dataset = dataset
         _check_model_argument(self.cfg, model)
         check_objective(self.cfg, loss_fn)

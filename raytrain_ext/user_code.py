@@ -18,10 +18,13 @@ from typing import Any, Callable, Optional
 class UserCode:
     """``model``: a factory ``(model_cfg, seed) -> nn.Module`` or a ``ModelSpec``
     (``model.source=python``); ``loss_fn``: ``(logits, batch) -> summed loss``
-    (the ``user`` objective)."""
+    (the ``user`` objective); ``train_loop``: the user's own loop
+    (``user_loop.loop_function.LoopFunction``, ``raytrain_ext.train.TorchTrainer``), run by
+    every rank instead of the built-in one."""
 
     model: Any = None
     loss_fn: Optional[Callable] = None
+    train_loop: Any = None
 
 
 def import_named(path: Optional[str], key: str, shape: str, error: type) -> Any:

@@ -39,8 +39,8 @@ if TYPE_CHECKING:
     from raytrain_ext.checkpoint.held_chunks import HeldChunks
     from raytrain_ext.metrics.sinks import RayMetricsSink
     from raytrain_ext.train.live_state import LiveState
-    from raytrain_ext.train.loop import TrainLoop
     from raytrain_ext.worker.dist_env import WorkerEnv
+    from raytrain_ext.worker.rank_loop import RankLoop
 
 # The driver imports this module to create the actors, and needs no torch: what a worker
 # runs with torch (``worker.dist_env``, the checkpoint manager's save requests, the fault
@@ -115,7 +115,7 @@ class TrainWorker:
         self.hosted_store: Optional[TCPStore] = None
         self.live: Optional[LiveState] = None  # this process's state from its last group
         self.held: Optional[HeldChunks] = None  # its own shards from that group
-        self._loop: Optional[TrainLoop] = None  # the running loop, while fit runs
+        self._loop: Optional[RankLoop] = None  # the running loop, while fit runs
         self.grace_s = 30.0
         adopt_thread_count()  # the same numbers in a stocked process as in a new one
         report_thread_errors_in_one_line()
@@ -276,20 +276,28 @@ class TrainWorker:
             if self.metrics_sink is not None:
                 self.metrics_sink.write(step_report.step, step_report.to_record())
 
-        loop = TrainLoop(
-            cfg,
-            self.env.rank,
-            self.env.world_size,
-            self.env.local_rank,
-            self.device,
-            report,
-            self.requests,
-            faults=faults,
-            mark=self.events.mark,
-            user=user,
-            live=self.live,
-            held=self.held,
-        )
+        loop: RankLoop
+        if user.train_loop is not None:
+            from raytrain_ext.user_loop.function_loop import FunctionLoop
+
+            loop = FunctionLoop(
+                cfg, self.env, report, self.requests, self.events.mark, user.train_loop
+            )
+        else:
+            loop = TrainLoop(
+                cfg,
+                self.env.rank,
+                self.env.world_size,
+                self.env.local_rank,
+                self.device,
+                report,
+                self.requests,
+                faults=faults,
+                mark=self.events.mark,
+                user=user,
+                live=self.live,
+                held=self.held,
+            )
         self._loop, self.live, self.held = loop, None, None  # the loop holds the state now
         built["built_at"] = time.time()
         faults.after_restore()

@@ -1,0 +1,40 @@
+"""The functions a ``train_loop_per_worker`` calls (Ray Train's names and semantics)."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+from raytrain_ext.user_loop.checkpoint import Checkpoint
+from raytrain_ext.user_loop.session import TrainContext, current_session
+
+
+def report(
+    metrics: Dict[str, Any],
+    checkpoint: Optional[Checkpoint] = None,
+    checkpoint_dir_name: Optional[str] = None,
+) -> None:
+    """Report ``metrics`` (every rank, the same number of times; rank 0's are recorded),
+    with this rank's ``checkpoint`` directory if it has one.  Returns once the directory
+    is copied; it is persisted to storage in the background.  ``checkpoint_dir_name`` is
+    refused: checkpoints are named ``checkpoint_<report index>``."""
+    if checkpoint_dir_name is not None:
+        raise ValueError(
+            "report(checkpoint_dir_name=...) is not supported by raytrain_ext.train: "
+            "checkpoints are named checkpoint_<report index>; put your own name in metrics"
+        )
+    current_session("report").report(metrics, checkpoint)
+
+
+def get_checkpoint() -> Optional[Checkpoint]:
+    """The checkpoint to resume from: the newest committed one when this group started
+    (after a failure, a resize or a rerun), else ``resume_from_checkpoint``, else None."""
+    return current_session("get_checkpoint").get_checkpoint()
+
+
+def get_context() -> TrainContext:
+    return current_session("get_context").context
+
+
+def get_dataset_shard(name: str) -> Any:
+    """This rank's share of ``TorchTrainer(datasets={name: ...})``."""
+    return current_session("get_dataset_shard").get_dataset_shard(name)

@@ -1,0 +1,194 @@
+"""``FunctionLoop``: one rank runs the user's function where the built-in loop would run.
+
+The worker actor builds one per group, exactly as it builds a ``TrainLoop``, so the
+controller drives both alike: a failed rank's peers raise out of the user's collective,
+their processes are kept, and the next group enters the function again in them (imports,
+CUDA context and caches kept), resuming from the newest committed checkpoint
+(``get_checkpoint``); a pause (growing) or a preemption stops every rank at the same
+``report``.  A user loop keeps no state between groups (``live_state`` is None).
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+import traceback
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Tuple
+
+import torch.distributed as dist
+
+from raytrain_ext.checkpoint.manager import REQUEST_EMERGENCY, SaveRequests
+from raytrain_ext.errors.text import is_peer_loss
+from raytrain_ext.messages import FitResult, StepReport
+from raytrain_ext.user_loop.checkpoint import Checkpoint
+from raytrain_ext.user_loop.loop_function import LoopFunction
+from raytrain_ext.user_loop.session import LoopSession, StopAtBoundary, TrainContext, set_session
+from raytrain_ext.user_loop.uploader import COMMIT_TIMEOUT_S, process_uploader
+
+if TYPE_CHECKING:
+    from raytrain_ext.worker.rendezvous import WorkerEnv
+
+
+class UserLoopError(RuntimeError):
+    """The user's function raised: its error and the line of the user's code it came from."""
+
+
+def where(error: BaseException) -> str:
+    """``Type: message, at file:line in function: source`` for the deepest frame of the
+    traceback outside this package and installed libraries (the user's own line)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    own = [f for f in frames if not _library(f.filename)] or frames
+    text = f"{type(error).__name__}: {error}"
+    if not own:
+        return text
+    frame = own[-1]
+    return f"{text}, at {frame.filename}:{frame.lineno} in {frame.name}: {frame.line}"
+
+
+def _library(filename: str) -> bool:
+    return any(part in filename for part in ("site-packages", "/raytrain_ext/", "/lib/python"))
+
+
+class FunctionLoop:
+    def __init__(
+        self,
+        cfg,
+        env: WorkerEnv,
+        report: Callable[[StepReport], None],
+        requests: SaveRequests,
+        mark: Callable[[str], None],
+        loop_function: LoopFunction,
+    ):
+        self.cfg, self.env, self.requests = cfg, env, requests
+        self._report, self._mark, self.spec = report, mark, loop_function
+        self.finished = False
+        self.restored: Optional[Dict[str, Any]] = None
+        self._first = True
+
+    def live_state(self) -> None:
+        return None
+
+    def held_chunks(self) -> None:
+        return None
+
+    def fit(self) -> FitResult:
+        timeout = datetime.timedelta(seconds=self.cfg.parallel.timeout_s)
+        group = dist.new_group(backend="gloo", timeout=timeout)
+        uploader = process_uploader()
+        uploader.drain(COMMIT_TIMEOUT_S)  # a survivor's uploads of the last group land first
+        index, checkpoint = self._starting_point(group)
+        session = LoopSession(
+            self._context(),
+            start_index=index,
+            start_checkpoint=checkpoint,
+            exchange=lambda payload: self._all_gather(payload, group),
+            push=self._push,
+            stop_asked=self._stop_asked,
+            uploader=uploader,
+            datasets=self.spec.datasets,
+        )
+        set_session(session)
+        self._mark("compute")
+        try:
+            self._call()
+            session.finish()
+        except StopAtBoundary as stop:
+            uploader.drain(self.cfg.checkpoint.preemption_grace_s)
+            if stop.kind == "pause":
+                return self._result(session, paused_at=stop.index)
+            return self._result(session, preempted_at=stop.index)
+        finally:
+            set_session(None)
+        uploader.drain(COMMIT_TIMEOUT_S)  # the result names persisted checkpoints only
+        dist.destroy_process_group(group)
+        self.finished = True
+        return self._result(session)
+
+    def _call(self) -> None:
+        """The user's function; its own error (not a peer's loss, which the controller
+        reads as an echo) comes back naming the line of the user's code that raised."""
+        try:
+            self.spec.call()
+        except StopAtBoundary:
+            raise
+        except Exception as e:
+            if is_peer_loss(e):
+                raise
+            raise UserLoopError(f"train_loop_per_worker raised {where(e)}") from e
+
+    def _starting_point(self, group) -> Tuple[int, Optional[Checkpoint]]:
+        """Rank 0's newest committed checkpoint, the same on every rank (index 0 and
+        ``resume_from_checkpoint`` when the run has none)."""
+        started = time.time()
+        found: list = [None]
+        if self.env.rank == 0:
+            latest = self.spec.storage.latest()
+            found = [
+                (0, self.spec.resume_from) if latest is None else (latest.index, latest.checkpoint)
+            ]
+        dist.broadcast_object_list(found, src=0, group=group)
+        index, checkpoint = found[0] or (0, None)
+        if index:
+            self.restored = {"step": index, "tier": "storage", "total_s": time.time() - started}
+        return index, checkpoint
+
+    def _context(self) -> TrainContext:
+        e = self.env
+        return TrainContext(
+            e.rank,
+            e.world_size,
+            e.local_rank,
+            e.local_world_size,
+            e.node_rank,
+            self.spec.experiment_name,
+            self.spec.storage,
+            self.spec.metadata,
+        )
+
+    @staticmethod
+    def _all_gather(payload: Tuple, group) -> list:
+        gathered: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, payload, group=group)
+        return gathered
+
+    def _stop_asked(self) -> Optional[str]:
+        if self.requests.paused:
+            return "pause"
+        if self.requests.flag == REQUEST_EMERGENCY:
+            return "preempt"
+        return None
+
+    def _push(self, index: int, metrics: Dict[str, Any], interval_s: float) -> None:
+        loss = metrics.get("loss")
+        report = StepReport(
+            step=index,
+            time=time.time(),
+            step_time_s=interval_s,
+            loss=float(loss) if isinstance(loss, (int, float)) else float("nan"),
+            world_size=self.env.world_size,
+            metrics={"reported": metrics},
+            first_of_group=self._first,
+            restored=self.restored if self._first else None,
+        )
+        self._first = False
+        self._report(report)
+
+    def _result(
+        self,
+        session: LoopSession,
+        paused_at: Optional[int] = None,
+        preempted_at: Optional[int] = None,
+    ) -> FitResult:
+        blocked = session.blocked_s
+        return FitResult(
+            rank=self.env.rank,
+            steps=session.index,
+            restored=self.restored,
+            checkpoint={
+                "reports_with_checkpoint": len(blocked),
+                "report_blocked_s": sorted(blocked),
+                "upload_failures": list(process_uploader().failures),
+            },
+            paused_at=paused_at,
+            preempted_at=preempted_at,
+        )

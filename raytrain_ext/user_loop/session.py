@@ -1,0 +1,230 @@
+"""What ``report``, ``get_checkpoint``, ``get_context`` and ``get_dataset_shard`` reach from
+inside the user's function: the rank's ``LoopSession``, set while the function runs.
+
+Invariant: every rank makes the same sequence of reports.  Each ``report`` is one
+all-gather on a gloo group of its own (index, checkpoint or not, a stop asked), so all
+ranks agree which ranks uploaded and whether to stop at this boundary; a rank whose
+report does not match (another index, or it returned from the function instead) makes
+every rank raise ``ReportMismatch`` naming the ranks, within ``parallel.timeout_s``.
+"""
+
+from __future__ import annotations
+
+import numbers
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from raytrain_ext.user_loop.checkpoint import Checkpoint
+from raytrain_ext.user_loop.storage import RunStorage
+from raytrain_ext.user_loop.uploader import Uploader, UploadJob, stage
+
+REPORT, RETURNED = "report", "returned"
+
+
+class ReportMismatch(RuntimeError):
+    """The ranks did not make the same report (a rank skipped ``report`` or returned)."""
+
+
+class StopAtBoundary(BaseException):
+    """Raised out of ``report`` to unwind the user's function when the group stops at this
+    report (a pause to grow, a preemption); a BaseException so ``except Exception`` in
+    the user's loop does not swallow it."""
+
+    def __init__(self, index: int, kind: str):
+        super().__init__(f"stopping at report {index} ({kind})")
+        self.index, self.kind = index, kind
+
+
+@dataclass(frozen=True)
+class TrainContext:
+    """Ray Train's ``TrainContext`` (the same getters)."""
+
+    world_rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    experiment_name: str
+    storage: RunStorage
+    metadata: Dict[str, Any]
+
+    def get_world_rank(self) -> int:
+        return self.world_rank
+
+    def get_world_size(self) -> int:
+        return self.world_size
+
+    def get_local_rank(self) -> int:
+        return self.local_rank
+
+    def get_local_world_size(self) -> int:
+        return self.local_world_size
+
+    def get_node_rank(self) -> int:
+        return self.node_rank
+
+    def get_experiment_name(self) -> str:
+        return self.experiment_name
+
+    def get_storage(self) -> RunStorage:
+        return self.storage
+
+    def get_metadata(self) -> Dict[str, Any]:
+        return dict(self.metadata)
+
+
+def checked_metrics(metrics: Any) -> Dict[str, Any]:
+    """``metrics`` as plain JSON values (numpy and torch scalars taken as numbers); a
+    value that is not one raises ``TypeError`` naming its key."""
+    if not isinstance(metrics, dict):
+        raise TypeError(f"report(metrics=...): a dict of str -> number, not {type(metrics)}")
+    out: Dict[str, Any] = {}
+    for key, value in metrics.items():
+        if not isinstance(key, str):
+            raise TypeError(f"report(metrics=...): key {key!r} is not a str")
+        out[key] = _plain(key, value)
+    return out
+
+
+def _plain(key: str, value: Any) -> Any:
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return _plain(key, value.item())
+    if isinstance(value, np.ndarray) and value.size == 1:
+        return _plain(key, value.item())
+    if isinstance(value, (list, tuple)):
+        return [_plain(key, v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(f"{key}.{k}", v) for k, v in value.items()}
+    raise TypeError(
+        f"report(metrics=...): {key!r} is a {type(value).__name__}, which cannot be "
+        "recorded; report a number, a string, or a list/dict of them (e.g. loss.item())"
+    )
+
+
+class LoopSession:
+    """One rank's side of the user's function for one group.
+
+    ``exchange(payload)``: the all-gather of every rank's report payload;
+    ``push(index, metrics, interval_s)``: hand a report to the controller's records;
+    ``stop_asked()``: a pause or preemption waits at the next report.
+    """
+
+    def __init__(
+        self,
+        context: TrainContext,
+        *,
+        start_index: int,
+        start_checkpoint: Optional[Checkpoint],
+        exchange: Callable[[Tuple], List[Tuple]],
+        push: Callable[[int, Dict[str, Any], float], None],
+        stop_asked: Callable[[], Optional[str]],
+        uploader: Uploader,
+        datasets: Dict[str, Any],
+    ):
+        self.context = context
+        self.index = start_index
+        self._checkpoint = start_checkpoint
+        self._exchange, self._push, self._stop_asked = exchange, push, stop_asked
+        self._uploader = uploader
+        self._datasets = datasets
+        self._last = time.time()
+        self.blocked_s: List[float] = []  # what each report with a checkpoint blocked for
+
+    def report(self, metrics: Dict[str, Any], checkpoint: Optional[Checkpoint] = None) -> None:
+        """Record ``metrics`` (rank 0's reach the run's records); a ``checkpoint``'s files
+        are copied now and persisted in the background."""
+        plain = checked_metrics(metrics)
+        index = self.index + 1
+        started = time.time()
+        staged = None if checkpoint is None else self._stage(checkpoint)
+        stop = self._stop_asked()
+        gathered = self._exchange((REPORT, index, staged is not None, stop))
+        self.check_agreement(gathered, REPORT, index)
+        self.index = index
+        uploading = [rank for rank, (_, _, has, _) in enumerate(gathered) if has]
+        if staged is not None or (uploading and self.context.world_rank == 0):
+            commit = uploading if self.context.world_rank == 0 else []
+            job = UploadJob(
+                self.context.storage, index, self.context.world_rank, staged, commit, plain
+            )
+            self._uploader.submit(job)
+        if staged is not None:
+            self.blocked_s.append(time.time() - started)
+        now = time.time()
+        self._push(index, plain, now - self._last)
+        self._last = now
+        stops = [s for (_, _, _, s) in gathered if s is not None]
+        if stops:
+            raise StopAtBoundary(index, stops[0])
+
+    def get_checkpoint(self) -> Optional[Checkpoint]:
+        """The newest committed checkpoint when this group started (or the trainer's
+        ``resume_from_checkpoint`` before any), the same on every rank; None for a fresh
+        run."""
+        return self._checkpoint
+
+    def get_dataset_shard(self, name: str) -> Any:
+        if name not in self._datasets:
+            known = ", ".join(sorted(self._datasets)) or "none"
+            raise KeyError(
+                f"get_dataset_shard({name!r}): no dataset of that name was passed to "
+                f"TorchTrainer(datasets=...) (given: {known})"
+            )
+        return self._datasets[name]
+
+    def finish(self) -> None:
+        """The function returned: agree that every rank did, at the same report."""
+        gathered = self._exchange((RETURNED, self.index, False, None))
+        self.check_agreement(gathered, RETURNED, self.index)
+
+    def check_agreement(self, gathered: List[Tuple], kind: str, index: int) -> None:
+        """Every rank made the same call at the same index, else ``ReportMismatch``."""
+        if all(g[0] == kind and g[1] == index for g in gathered):
+            return
+        calls: Dict[Tuple[str, int], List[int]] = {}
+        for rank, g in enumerate(gathered):
+            calls.setdefault((g[0], g[1]), []).append(rank)
+        said = "; ".join(
+            f"ranks {ranks} " + (f"called report #{i}" if k == REPORT else f"returned after {i}")
+            for (k, i), ranks in sorted(calls.items(), key=lambda kv: kv[1])
+        )
+        raise ReportMismatch(
+            f"the ranks did not make the same report: {said}. Every rank must call "
+            "raytrain_ext.train.report the same number of times (pass checkpoint=None on the "
+            "ranks that have nothing to save)."
+        )
+
+    def _stage(self, checkpoint: Checkpoint) -> str:
+        if not checkpoint.is_local:
+            raise ValueError(
+                f"report(checkpoint=...): {checkpoint} is not a local directory; pass "
+                "Checkpoint.from_directory(a local directory)"
+            )
+        return stage(checkpoint.path, self.context.experiment_name)
+
+
+_CURRENT: Optional[LoopSession] = None
+
+
+def set_session(session: Optional[LoopSession]) -> None:
+    global _CURRENT
+    _CURRENT = session
+
+
+def current_session(what: str) -> LoopSession:
+    if _CURRENT is None:
+        raise RuntimeError(
+            f"raytrain_ext.train.{what}() is called from inside train_loop_per_worker, "
+            "while TorchTrainer.fit() runs it"
+        )
+    return _CURRENT

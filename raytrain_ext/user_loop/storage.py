@@ -1,0 +1,165 @@
+"""Where reported checkpoints persist: ``<storage_path>/<name>/checkpoint_<NNNNNN>/``.
+
+Layout and commit rule (the invariant ``get_checkpoint`` and ``Result`` rely on):
+each rank that passed a directory to report ``N`` uploads its files into
+``checkpoint_N/`` (the user's files only) and then writes
+``.uploads/checkpoint_N.rank-<r>``; rank 0 writes ``.committed/checkpoint_N.json`` (the
+report's index, metrics and uploading ranks) only once every uploading rank's marker is
+there.  A checkpoint without its commit record is never returned: an upload that failed
+or a rank lost mid-upload leaves it uncommitted.
+Retention follows Ray Train's ``CheckpointConfig``: ``num_to_keep`` by
+``checkpoint_score_attribute`` (newest first when none), the newest committed one kept
+always (it is the one a restart resumes from).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence
+
+import pyarrow.fs as pafs
+
+from raytrain_ext.user_loop.checkpoint import Checkpoint
+
+COMMITS = ".committed"
+UPLOADS = ".uploads"
+PREFIX = "checkpoint_"
+
+
+@dataclass(frozen=True)
+class Retention:
+    """Ray Train's ``CheckpointConfig``, as plain values."""
+
+    num_to_keep: Optional[int] = None
+    score_attribute: Optional[str] = None
+    score_order: str = "max"
+
+
+@dataclass(frozen=True)
+class Committed:
+    """A persisted report: its index (the report's count, 1-based), metrics and files."""
+
+    index: int
+    metrics: Dict[str, Any]
+    checkpoint: Checkpoint
+    ranks: Sequence[int] = ()  # the ranks whose files it holds
+
+
+def storage_root(storage_path: str, name: str, filesystem: Optional[pafs.FileSystem]):
+    """(filesystem, the run's directory on it) for ``storage_path`` (a local path or a URI
+    such as ``s3://bucket/prefix``) and the run's ``name``."""
+    if filesystem is not None:
+        root = storage_path.split("://", 1)[-1]
+    elif "://" in storage_path:
+        filesystem, root = pafs.FileSystem.from_uri(storage_path)
+    else:
+        filesystem, root = pafs.LocalFileSystem(), os.path.abspath(storage_path)
+    return filesystem, f"{root.rstrip('/')}/{name}"
+
+
+class RunStorage:
+    """One run's checkpoints on a pyarrow filesystem (picklable: every rank gets one)."""
+
+    def __init__(self, filesystem: pafs.FileSystem, root: str, retention: Retention):
+        self.fs, self.root, self.retention = filesystem, root, retention
+
+    def directory(self, index: int) -> str:
+        return f"{self.root}/{PREFIX}{index:06d}"
+
+    def _uploaded(self, index: int, rank: int) -> str:
+        return f"{self.root}/{UPLOADS}/{PREFIX}{index:06d}.rank-{rank}"
+
+    def _commit_record(self, index: int) -> str:
+        return f"{self.root}/{COMMITS}/{PREFIX}{index:06d}.json"
+
+    def upload(self, local_dir: str, index: int, rank: int) -> None:
+        """This rank's files of report ``index``, then its marker (raises on failure)."""
+        target = self.directory(index)
+        self.fs.create_dir(target, recursive=True)
+        pafs.copy_files(
+            local_dir,
+            target,
+            source_filesystem=pafs.LocalFileSystem(),
+            destination_filesystem=self.fs,
+        )
+        self._write(self._uploaded(index, rank), b"")
+
+    def commit(
+        self, index: int, ranks: Sequence[int], metrics: Dict[str, Any], timeout_s: float
+    ) -> bool:
+        """Write ``index``'s commit marker once every rank in ``ranks`` uploaded (polled up
+        to ``timeout_s``); False, and nothing written, when one never did."""
+        wanted = [self._uploaded(index, rank) for rank in ranks]
+        deadline = time.monotonic() + timeout_s
+        while any(info.type == pafs.FileType.NotFound for info in self.fs.get_file_info(wanted)):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
+        record = {"index": index, "metrics": metrics, "ranks": list(ranks)}
+        self._write(self._commit_record(index), json.dumps(record).encode())
+        return True
+
+    def committed(self) -> List[Committed]:
+        """Every committed checkpoint, oldest first."""
+        selector = pafs.FileSelector(f"{self.root}/{COMMITS}", allow_not_found=True)
+        found = []
+        for info in self.fs.get_file_info(selector):
+            record = self._read_json(info.path) if info.path.endswith(".json") else None
+            if record is not None:
+                index = record["index"]
+                checkpoint = Checkpoint(self.directory(index), self.fs)
+                found.append(Committed(index, record["metrics"], checkpoint, record["ranks"]))
+        return sorted(found, key=lambda c: c.index)
+
+    def latest(self) -> Optional[Committed]:
+        found = self.committed()
+        return found[-1] if found else None
+
+    def ranked(self) -> List[Committed]:
+        """Committed checkpoints best first (by the score attribute; newest first without
+        one, or for those whose metrics lack it)."""
+        found = list(reversed(self.committed()))
+        key = self.retention.score_attribute
+        if key is None:
+            return found
+        scored = [c for c in found if isinstance(c.metrics.get(key), (int, float))]
+        unscored = [c for c in found if c not in scored]
+        scored.sort(key=lambda c: c.metrics[key], reverse=self.retention.score_order == "max")
+        return scored + unscored
+
+    def best(self) -> List[Committed]:
+        """The ``num_to_keep`` best, worst first, as Ray Train's ``Result.best_checkpoints``
+        lists them (the newest, kept to resume from, is not among them unless it scores)."""
+        keep = self.retention.num_to_keep
+        ranked = self.ranked()
+        return list(reversed(ranked if keep is None else ranked[:keep]))
+
+    def prune(self) -> List[int]:
+        """Delete what retention drops (the newest committed stays); the indices deleted."""
+        keep = self.retention.num_to_keep
+        if keep is None:
+            return []
+        ranked = self.ranked()
+        newest = max((c.index for c in ranked), default=None)
+        dropped = [c for c in ranked[keep:] if c.index != newest]
+        for c in dropped:
+            self.fs.delete_file(self._commit_record(c.index))  # uncommitted first
+            self.fs.delete_dir(c.checkpoint.path)
+            for rank in c.ranks:
+                self.fs.delete_file(self._uploaded(c.index, rank))
+        return [c.index for c in dropped]
+
+    def _write(self, path: str, data: bytes) -> None:
+        self.fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
+        with self.fs.open_output_stream(path) as out:
+            out.write(data)
+
+    def _read_json(self, path: str) -> Optional[Dict[str, Any]]:
+        try:
+            with self.fs.open_input_stream(path) as f:
+                return json.loads(f.read())
+        except FileNotFoundError:
+            return None

@@ -1,0 +1,105 @@
+"""Reported checkpoints persisted off the training thread: one uploader per process.
+
+``report`` only copies the user's directory into local staging (the directory may be
+deleted as soon as ``report`` returns) and queues it here; this thread uploads it,
+writes the rank's marker, and, on rank 0, commits the report once every uploading rank's
+marker landed (``storage.RunStorage.commit``), then applies retention.  Jobs run in
+order, so a commit never overtakes its own rank's upload.  The uploader outlives a
+group: a survivor of a failure finishes what it queued before the next group asks for
+the newest checkpoint (``drain``).  A failed upload is logged and listed in
+``failures``; its report is never committed.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import shutil
+import tempfile
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+from raytrain_ext.user_loop.storage import RunStorage
+
+log = logging.getLogger(__name__)
+
+COMMIT_TIMEOUT_S = 600.0  # how long rank 0 waits for the other ranks' uploads
+
+
+@dataclass(frozen=True)
+class UploadJob:
+    """Report ``index``: this rank's staged files (None: it passed no checkpoint) and, on
+    rank 0, the commit of the ranks in ``commit_ranks`` (empty: no commit to make)."""
+
+    storage: RunStorage
+    index: int
+    rank: int
+    staged: Optional[str]
+    commit_ranks: Sequence[int] = ()
+    metrics: Dict[str, Any] = field(default_factory=dict)
+
+
+class Uploader:
+    def __init__(self) -> None:
+        self._jobs: "queue.Queue[UploadJob]" = queue.Queue()
+        self.failures: List[str] = []
+        self.committed: List[int] = []
+        self._thread = threading.Thread(target=self._run, name="ckpt-upload", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: UploadJob) -> None:
+        self._jobs.put(job)
+
+    def drain(self, timeout_s: float) -> bool:
+        """Wait until every queued job is done; False when ``timeout_s`` passed first."""
+        done = threading.Event()
+
+        def wait() -> None:
+            self._jobs.join()
+            done.set()
+
+        threading.Thread(target=wait, daemon=True).start()
+        return done.wait(timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            try:
+                self._do(job)
+            except Exception as e:  # storage down, disk full: that report stays uncommitted
+                self.failures.append(f"report {job.index}: {type(e).__name__}: {e}")
+                log.error("checkpoint of report %d not persisted: %s", job.index, e)
+            finally:
+                if job.staged is not None:
+                    shutil.rmtree(job.staged, ignore_errors=True)
+                self._jobs.task_done()
+
+    def _do(self, job: UploadJob) -> None:
+        if job.staged is not None:
+            job.storage.upload(job.staged, job.index, job.rank)
+        if not job.commit_ranks:
+            return
+        if job.storage.commit(job.index, job.commit_ranks, job.metrics, COMMIT_TIMEOUT_S):
+            self.committed.append(job.index)
+            job.storage.prune()
+        else:
+            self.failures.append(f"report {job.index}: a rank's upload never landed")
+
+
+def stage(directory: str, run_name: str) -> str:
+    """A private copy of ``directory`` on local disk (what ``report`` blocks on)."""
+    root = tempfile.mkdtemp(prefix=f"raytrain-ext-{run_name}-report-")
+    shutil.copytree(directory, root, dirs_exist_ok=True)
+    return root
+
+
+_PROCESS_UPLOADER: Optional[Uploader] = None
+
+
+def process_uploader() -> Uploader:
+    """This process's uploader, started on first use and kept across groups."""
+    global _PROCESS_UPLOADER
+    if _PROCESS_UPLOADER is None:
+        _PROCESS_UPLOADER = Uploader()
+    return _PROCESS_UPLOADER

@@ -1,0 +1,154 @@
+"""raytrain_ext.train against Ray Train itself: the same loops (tests/helpers/ray_train_loops.py,
+which import the API named in their config) run under both, on a real single-node Ray."""
+
+import os
+import signal
+
+import pytest
+
+from raytrain_ext import TrainingFailed
+from tests.helpers.leaks import assert_nothing_left
+from tests.helpers.ray_train_loops import OURS, RAY_TRAIN, quickstart_loop
+from tests.helpers.runs import FitThread, wait_until
+
+
+def fit(api_name, tmp_path, name, loop=quickstart_loop, **kwargs):
+    """``TorchTrainer(loop).fit()`` through the API ``api_name``; its Result."""
+    return trainer(api_name, tmp_path, name, loop, **kwargs).fit()
+
+
+def trainer(api_name, tmp_path, name, loop=quickstart_loop, *, config, workers=2, **run):
+    import importlib
+
+    train = importlib.import_module(api_name)
+    torch_api = importlib.import_module(api_name + ".torch")
+    resume = run.pop("resume_from_checkpoint", None)
+    return torch_api.TorchTrainer(
+        loop,
+        train_loop_config={"api": api_name, **config},
+        scaling_config=train.ScalingConfig(num_workers=workers),
+        run_config=train.RunConfig(
+            name=name,
+            storage_path=str(tmp_path / api_name),
+            failure_config=train.FailureConfig(max_failures=run.pop("max_failures", 0)),
+            checkpoint_config=train.CheckpointConfig(**run),
+        ),
+        resume_from_checkpoint=resume,
+    )
+
+
+def epochs_of(result):
+    return [metrics["epoch"] for _, metrics in result.best_checkpoints]
+
+
+@pytest.mark.slow
+def test_quickstart_and_resume_give_ray_trains_results(ray_local, tmp_path):
+    """The quick start with checkpoints every epoch, kept 2 by lowest loss, then the same
+    run again for more epochs, which resumes from its newest checkpoint: the same metrics,
+    to the bit, and the same checkpoints kept, as under Ray Train.  Ours also takes
+    ``resume_from_checkpoint`` (Ray Train 2.60 refuses it as deprecated)."""
+    results = {}
+    for api_name in (RAY_TRAIN, OURS):
+        kept = dict(num_to_keep=2, checkpoint_score_attribute="loss", checkpoint_score_order="min")
+        first = fit(api_name, tmp_path, "run", config={"epochs": 3, "checkpoint_every": 1}, **kept)
+        again = fit(api_name, tmp_path, "run", config={"epochs": 5, "checkpoint_every": 1}, **kept)
+        results[api_name] = (first, again)
+    (ray_first, ray_again), (our_first, our_again) = results[RAY_TRAIN], results[OURS]
+    ours_by_epoch = {m["epoch"]: m["loss"] for m in our_first.metrics_history}
+    for ray_metrics in ray_first.metrics_dataframe.to_dict("records"):  # the kept ones
+        assert ours_by_epoch[ray_metrics["epoch"]] == ray_metrics["loss"]
+    assert our_first.metrics["loss"] == ray_first.metrics["loss"]
+    assert epochs_of(our_first) == epochs_of(ray_first) == [1, 2]  # worst first
+    with our_first.checkpoint.as_directory() as directory:
+        assert os.listdir(directory) == ["state.pt"]  # the user's files only
+    assert [m["epoch"] for m in our_again.metrics_history] == [3, 4]
+    assert our_again.metrics["loss"] == ray_again.metrics["loss"]
+    assert epochs_of(our_again) == epochs_of(ray_again)  # the best two of five
+    assert our_again.checkpoint.path.endswith("checkpoint_000005")  # the newest, kept
+    resumed = fit(
+        OURS,
+        tmp_path,
+        "from-first",
+        config={"epochs": 5, "checkpoint_every": 1},
+        resume_from_checkpoint=our_first.checkpoint,
+    )
+    assert [m["epoch"] for m in resumed.metrics_history] == [3, 4]
+    assert resumed.metrics["loss"] == our_again.metrics["loss"]
+    assert_nothing_left()
+
+
+def failing_loop(config):
+    """Rank 1 raises at its second report."""
+    import raytrain_ext.train as train
+
+    for epoch in range(3):
+        if epoch == 1 and train.get_context().get_world_rank() == 1:
+            raise ValueError("bad batch on rank 1")
+        train.report({"epoch": epoch})
+
+
+def uneven_loop(config):
+    """Rank 1 returns after one report; rank 0 reports twice."""
+    import raytrain_ext.train as train
+
+    reports = 2 if train.get_context().get_world_rank() == 0 else 1
+    for epoch in range(reports):
+        train.report({"epoch": epoch})
+
+
+def tensor_metric_loop(config):
+    import torch
+
+    import raytrain_ext.train as train
+
+    train.report({"loss": torch.tensor(0.5), "weights": torch.zeros(3)})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "loop, expected",
+    [
+        (
+            failing_loop,
+            r"worker rank 1 \(node 127\.0\.0\.1, pid \d+\) raised UserLoopError: "
+            r"train_loop_per_worker raised ValueError: bad batch on rank 1, at "
+            r".*test_ray_train_api\.py:\d+ in failing_loop: raise ValueError",
+        ),
+        (uneven_loop, r"ranks \[0\] called report #2; ranks \[1\] returned after 1"),
+        (tensor_metric_loop, r"'weights' is a Tensor, which cannot be recorded"),
+    ],
+    ids=["raises", "uneven-reports", "tensor-metric"],
+)
+def test_a_broken_loop_fails_naming_the_rank_and_the_cause(ray_local, tmp_path, loop, expected):
+    with pytest.raises(TrainingFailed, match=expected):
+        fit(OURS, tmp_path, loop.__name__, loop, config={})
+    assert_nothing_left()
+
+
+@pytest.mark.slow
+@pytest.mark.chaos
+def test_a_sigkilled_worker_is_replaced_in_place_and_the_run_ends_as_unharmed(ray_local, tmp_path):
+    """SIGKILL rank 1's process from outside mid-run: rank 0 keeps its process, the loop
+    resumes from the newest committed checkpoint, no epoch is reported twice beyond the
+    checkpoint cadence, and the final loss is the uninterrupted run's to the bit."""
+    config = {"epochs": 10, "checkpoint_every": 2, "step_sleep_s": 0.04}
+    reference = fit(OURS, tmp_path, "reference", config=config)
+    run = trainer(OURS, tmp_path, "killed", config=config, max_failures=1)
+    with FitThread(run) as thread:
+        wait_until(
+            lambda: run.controller is not None and len(run.controller.result.records) >= 3,
+            "three reports",
+        )
+        workers = {w["rank"]: w["pid"] for w in run.controller.result.workers}
+        os.kill(workers[1], signal.SIGKILL)
+        result = thread.join(timeout_s=180)
+    assert not isinstance(result, Exception), result
+    summary = result.summary
+    (recovery,) = summary["recoveries"]
+    assert recovery["decision"] == "replace" and recovery["restored_from"] == "storage"
+    assert {w["rank"]: w["pid"] for w in summary["workers"]}[0] == workers[0]
+    epochs = [m["epoch"] for m in result.metrics_history]
+    assert sorted(set(epochs)) == list(range(10))
+    assert len(epochs) - 10 == recovery["steps_redone"] <= config["checkpoint_every"] - 1
+    assert result.metrics["loss"] == reference.metrics["loss"]
+    assert_nothing_left()

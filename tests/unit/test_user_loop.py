@@ -1,0 +1,211 @@
+"""raytrain_ext.train's pieces without Ray: checkpoint storage and its commit rule,
+retention as Ray Train keeps checkpoints, metrics checks, report agreement, and Ray
+Train's config objects translated or refused by name."""
+
+import os
+
+import numpy as np
+import pyarrow.fs as pafs
+import pytest
+import torch
+
+from raytrain_ext.config import load_config
+from raytrain_ext.errors import ConfigError
+from raytrain_ext.user_loop.checkpoint import Checkpoint
+from raytrain_ext.user_loop.function_loop import where
+from raytrain_ext.user_loop.loop_function import takes_config
+from raytrain_ext.user_loop.ray_train_config import (
+    RunConfig,
+    ScalingConfig,
+    overrides_for,
+    refuse_unsupported,
+    worker_counts,
+)
+from raytrain_ext.user_loop.session import (
+    LoopSession,
+    ReportMismatch,
+    StopAtBoundary,
+    TrainContext,
+    checked_metrics,
+)
+from raytrain_ext.user_loop.storage import Retention, RunStorage
+from raytrain_ext.user_loop.uploader import Uploader
+
+
+def storage(tmp_path, **retention) -> RunStorage:
+    return RunStorage(
+        pafs.LocalFileSystem(), str(tmp_path / "store" / "run"), Retention(**retention)
+    )
+
+
+def user_dir(tmp_path, name: str, content: str) -> str:
+    d = tmp_path / name
+    d.mkdir()
+    (d / "state.txt").write_text(content)
+    return str(d)
+
+
+def test_a_checkpoint_is_committed_only_once_every_uploading_rank_landed(tmp_path):
+    s = storage(tmp_path)
+    s.upload(user_dir(tmp_path, "r0", "zero"), 1, rank=0)
+    assert not s.commit(1, [0, 1], {"loss": 1.0}, timeout_s=0.3)  # rank 1 never uploaded
+    assert s.latest() is None and s.committed() == []
+    s.upload(user_dir(tmp_path, "r1", "one"), 1, rank=1)
+    assert s.commit(1, [0, 1], {"loss": 1.0}, timeout_s=5)
+    latest = s.latest()
+    assert latest.index == 1 and latest.metrics == {"loss": 1.0}
+    with latest.checkpoint.as_directory() as d:  # the user's files, nothing of ours
+        assert sorted(os.listdir(d)) == ["state.txt"]
+    copy = latest.checkpoint.to_directory(str(tmp_path / "copy"))
+    assert open(os.path.join(copy, "state.txt")).read() == "one"  # ranks share one directory
+
+
+def commit_losses(s, tmp_path, losses):
+    for index, loss in enumerate(losses, start=1):
+        s.upload(user_dir(tmp_path, f"c{index}", str(index)), index, rank=0)
+        assert s.commit(index, [0], {"loss": loss, "epoch": index}, timeout_s=5)
+        s.prune()
+
+
+def test_retention_keeps_the_best_by_score_and_always_the_newest(tmp_path):
+    """Ray Train's CheckpointConfig: num_to_keep best by the score attribute; the newest
+    stays on storage (a restart resumes from it) but is listed only if it scores."""
+    s = storage(tmp_path, num_to_keep=2, score_attribute="loss", score_order="min")
+    commit_losses(s, tmp_path, [0.9, 0.2, 0.1, 0.5, 0.7])
+    assert [c.index for c in s.best()] == [2, 3]  # worst first, as Ray Train lists them
+    assert [c.index for c in s.committed()] == [2, 3, 5]
+    assert sorted(os.listdir(tmp_path / "store" / "run")) == [
+        ".committed",
+        ".uploads",
+        "checkpoint_000002",
+        "checkpoint_000003",
+        "checkpoint_000005",
+    ]
+    assert sorted(os.listdir(tmp_path / "store" / "run" / ".uploads")) == [
+        "checkpoint_000002.rank-0",
+        "checkpoint_000003.rank-0",
+        "checkpoint_000005.rank-0",
+    ]
+
+
+def test_retention_without_a_score_keeps_the_newest(tmp_path):
+    s = storage(tmp_path, num_to_keep=2)
+    commit_losses(s, tmp_path, [0.9, 0.2, 0.1])
+    assert [c.index for c in s.best()] == [2, 3] == [c.index for c in s.committed()]
+
+
+def test_metrics_are_taken_as_plain_values_or_refused_by_key():
+    plain = checked_metrics(
+        {"loss": torch.tensor(0.5), "n": np.int64(3), "acc": np.float32(0.25), "tag": "a"}
+    )
+    assert plain == {"loss": 0.5, "n": 3, "acc": 0.25, "tag": "a"}
+    assert type(plain["n"]) is int
+    with pytest.raises(TypeError, match=r"'weights' is a Tensor, which cannot be recorded"):
+        checked_metrics({"loss": 1.0, "weights": torch.zeros(3)})
+    with pytest.raises(TypeError, match=r"'eval.model' is a Linear"):
+        checked_metrics({"eval": {"model": torch.nn.Linear(1, 1)}})
+    with pytest.raises(TypeError, match="a dict of str -> number"):
+        checked_metrics([1.0])
+
+
+def session(tmp_path, exchange, stop=None, uploader=None):
+    s = storage(tmp_path)
+    context = TrainContext(0, 2, 0, 2, 0, "run", s, {})
+    pushed = []
+    loop_session = LoopSession(
+        context,
+        start_index=4,
+        start_checkpoint=None,
+        exchange=exchange,
+        push=lambda index, metrics, interval: pushed.append((index, metrics)),
+        stop_asked=lambda: stop,
+        uploader=uploader or Uploader(),
+        datasets={},
+    )
+    return loop_session, pushed, s
+
+
+def test_a_report_copies_the_directory_and_persists_it_in_the_background(tmp_path):
+    """Report 5 (the session resumed at 4): the user's directory may go at once; rank 0
+    commits once both ranks' files landed (rank 1's upload stands in for its process)."""
+    uploader = Uploader()
+    loop_session, pushed, s = session(
+        tmp_path,
+        lambda payload: [payload, ("report", 5, True, None)],
+        uploader=uploader,
+    )
+    directory = user_dir(tmp_path, "mine", "rank zero")
+    loop_session.report({"loss": 0.5}, Checkpoint.from_directory(directory))
+    os.remove(os.path.join(directory, "state.txt"))  # the user's tempdir goes away
+    s.upload(user_dir(tmp_path, "theirs", "rank one"), 5, rank=1)
+    assert uploader.drain(30)
+    assert pushed == [(5, {"loss": 0.5})] and loop_session.index == 5
+    assert s.latest().index == 5 and uploader.committed == [5]
+    assert len(loop_session.blocked_s) == 1
+
+
+def test_ranks_that_report_differently_are_named():
+    loop_session = LoopSession.__new__(LoopSession)
+    with pytest.raises(ReportMismatch, match=r"ranks \[0, 2\] called report #3; ranks \[1\] "):
+        loop_session.check_agreement(
+            [("report", 3, False, None), ("returned", 2, False, None), ("report", 3, False, None)],
+            "report",
+            3,
+        )
+
+
+def test_a_pause_asked_on_any_rank_stops_every_rank_at_the_same_report(tmp_path):
+    loop_session, pushed, _ = session(
+        tmp_path, lambda payload: [payload, ("report", 5, False, "pause")]
+    )
+    with pytest.raises(StopAtBoundary) as stop:
+        loop_session.report({"loss": 1.0})
+    assert (stop.value.index, stop.value.kind) == (5, "pause") and pushed == [(5, {"loss": 1.0})]
+
+
+def test_the_loop_takes_its_config_as_ray_train_decides():
+    assert takes_config(lambda config: None) and not takes_config(lambda: None)
+    with pytest.raises(ValueError, match="takes 2 required arguments"):
+        takes_config(lambda a, b: None)
+
+
+def test_a_user_error_names_the_users_own_line():
+    def user_loop():
+        torch.zeros(2) @ torch.zeros(3)
+
+    try:
+        user_loop()
+    except RuntimeError as e:
+        text = where(e)
+    assert "test_user_loop.py" in text and "in user_loop: torch.zeros(2) @ torch.zeros(3)" in text
+
+
+def test_ray_trains_own_config_objects_translate_to_this_projects_config():
+    import ray.train
+
+    overrides = overrides_for(
+        ray.train.ScalingConfig(num_workers=(2, 4), resources_per_worker={"CPU": 2}),
+        ray.train.RunConfig(failure_config=ray.train.FailureConfig(max_failures=3)),
+        "run",
+        "/tmp/records",
+        None,
+    )
+    cfg = load_config(None, overrides)
+    s = cfg.scaling
+    assert (s.num_workers, s.min_workers, s.max_workers) == (4, 2, 4)
+    assert dict(s.resources_per_worker) == {"CPU": 2.0} and cfg.elastic.max_failures == 3
+    assert cfg.run.name == "run" and cfg.run.output_dir == "/tmp/records"
+    assert worker_counts(3) == {"num_workers": 3}
+    with pytest.raises(ConfigError, match=r"num_workers=\(3, 2\): an int >= 1, or \(min, max\)"):
+        worker_counts((3, 2))
+
+
+def test_what_has_no_counterpart_is_refused_by_name():
+    import ray.train
+
+    with pytest.raises(ConfigError, match=r"ScalingConfig.accelerator_type='A100' is not"):
+        refuse_unsupported(ray.train.ScalingConfig(accelerator_type="A100"), "ScalingConfig")
+    with pytest.raises(ConfigError, match=r"RunConfig.callbacks=.* use read the run's records"):
+        refuse_unsupported(ray.train.RunConfig(callbacks=[ray.train.UserCallback()]), "RunConfig")
+    refuse_unsupported(ScalingConfig(num_workers=2), "ScalingConfig")  # ours: all supported
+    refuse_unsupported(RunConfig(name="x"), "RunConfig")
