@@ -5,7 +5,8 @@ controller drives both alike: a failed rank's peers raise out of the user's coll
 their processes are kept, and the next group enters the function again in them (imports,
 CUDA context and caches kept), resuming from the newest committed checkpoint
 (``get_checkpoint``); a pause (growing) or a preemption stops every rank at the same
-``report``.  A user loop keeps no state between groups (``live_state`` is None).
+``report``, the next one with a checkpoint (``session.stop_here``).  A user loop keeps no
+state between groups (``live_state`` is None).
 """
 
 from __future__ import annotations
@@ -22,7 +23,15 @@ from raytrain_ext.errors.text import is_peer_loss
 from raytrain_ext.messages import FitResult, StepReport
 from raytrain_ext.user_loop.checkpoint import Checkpoint
 from raytrain_ext.user_loop.loop_function import LoopFunction
-from raytrain_ext.user_loop.session import LoopSession, StopAtBoundary, TrainContext, set_session
+from raytrain_ext.user_loop.session import (
+    PAUSE,
+    PREEMPT,
+    PREEMPT_NOW,
+    LoopSession,
+    StopAtBoundary,
+    TrainContext,
+    set_session,
+)
 from raytrain_ext.user_loop.uploader import COMMIT_TIMEOUT_S, process_uploader
 
 if TYPE_CHECKING:
@@ -94,7 +103,7 @@ class FunctionLoop:
             session.finish()
         except StopAtBoundary as stop:
             uploader.drain(self.cfg.checkpoint.preemption_grace_s)
-            if stop.kind == "pause":
+            if stop.kind == PAUSE:
                 return self._result(session, paused_at=stop.index)
             return self._result(session, preempted_at=stop.index)
         finally:
@@ -153,10 +162,11 @@ class FunctionLoop:
 
     def _stop_asked(self) -> Optional[str]:
         if self.requests.paused:
-            return "pause"
-        if self.requests.flag == REQUEST_EMERGENCY:
-            return "preempt"
-        return None
+            return PAUSE
+        if self.requests.flag != REQUEST_EMERGENCY:
+            return None
+        deadline = self.requests.deadline
+        return PREEMPT_NOW if deadline is not None and time.time() >= deadline else PREEMPT
 
     def _push(self, index: int, metrics: Dict[str, Any], interval_s: float) -> None:
         loss = metrics.get("loss")

@@ -113,8 +113,12 @@ def overrides_for(
     if scaling.use_gpu:
         resources.setdefault("GPU", 1.0)
     resources.setdefault("CPU", 0.0 if scaling.use_gpu else 1.0)
+    counts = worker_counts(scaling.num_workers)
     settings: Dict[str, Any] = {
-        **{f"scaling.{k}": v for k, v in worker_counts(scaling.num_workers).items()},
+        **{f"scaling.{k}": v for k, v in counts.items()},
+        # the built-in loop's batch, unused by the user's loop, set to pass its checks
+        "data.micro_batch_size": 1,
+        "data.global_batch_size": counts["num_workers"],
         "scaling.use_gpu": bool(scaling.use_gpu),
         "scaling.resources_per_worker": resources,
         "scaling.placement_strategy": str(scaling.placement_strategy),

@@ -23,6 +23,21 @@ from raytrain_ext.user_loop.storage import RunStorage
 from raytrain_ext.user_loop.uploader import Uploader, UploadJob, stage
 
 REPORT, RETURNED = "report", "returned"
+PAUSE, PREEMPT, PREEMPT_NOW = "pause", "preempt", "preempt-now"
+
+
+def stop_here(gathered: List[Tuple]) -> Optional[str]:
+    """Whether the group stops at this report, and why: a pause or a preemption asked on
+    any rank stops every rank at the next report that carries a checkpoint (nothing is
+    then redone after the re-form), a preemption whose grace ran out at the next report.
+    A loop that never checkpoints is therefore never paused to grow."""
+    asked = [stop for (_, _, _, stop) in gathered if stop is not None]
+    checkpointed = any(has for (_, _, has, _) in gathered)
+    if PREEMPT_NOW in asked:
+        return PREEMPT
+    if asked and checkpointed:
+        return asked[0]
+    return None
 
 
 class ReportMismatch(RuntimeError):
@@ -116,7 +131,8 @@ class LoopSession:
 
     ``exchange(payload)``: the all-gather of every rank's report payload;
     ``push(index, metrics, interval_s)``: hand a report to the controller's records;
-    ``stop_asked()``: a pause or preemption waits at the next report.
+    ``stop_asked()``: a stop the controller asked for (``PAUSE``, ``PREEMPT``, or
+    ``PREEMPT_NOW`` once a preemption's grace ran out), taken at a report (``stop_here``).
     """
 
     def __init__(
@@ -163,9 +179,9 @@ class LoopSession:
         now = time.time()
         self._push(index, plain, now - self._last)
         self._last = now
-        stops = [s for (_, _, _, s) in gathered if s is not None]
-        if stops:
-            raise StopAtBoundary(index, stops[0])
+        stop_now = stop_here(gathered)
+        if stop_now is not None:
+            raise StopAtBoundary(index, stop_now)
 
     def get_checkpoint(self) -> Optional[Checkpoint]:
         """The newest committed checkpoint when this group started (or the trainer's

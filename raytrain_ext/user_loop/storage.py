@@ -85,7 +85,7 @@ class RunStorage:
             source_filesystem=pafs.LocalFileSystem(),
             destination_filesystem=self.fs,
         )
-        self._write(self._uploaded(index, rank), b"")
+        self._write(self._uploaded(index, rank), b"uploaded\n")
 
     def commit(
         self, index: int, ranks: Sequence[int], metrics: Dict[str, Any], timeout_s: float

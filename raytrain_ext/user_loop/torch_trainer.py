@@ -8,6 +8,7 @@ directory before the loop goes on (``user_loop.uploader``).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -25,6 +26,8 @@ from raytrain_ext.user_loop.ray_train_config import (
     storage_path_of,
 )
 from raytrain_ext.user_loop.storage import RunStorage, storage_root
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -112,6 +115,9 @@ class TorchTrainer:
         controller = self._trainer.controller
         records = [] if controller is None else controller.result.records
         history = [r["reported"] for r in records if "reported" in r]
+        failed = (summary.get("checkpoint") or {}).get("upload_failures")
+        if failed:
+            log.warning("checkpoints not persisted to %s: %s", self.storage.root, failed)
         latest = self.storage.latest()
         return Result(
             metrics=history[-1] if history else None,

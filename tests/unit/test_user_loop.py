@@ -27,6 +27,7 @@ from raytrain_ext.user_loop.session import (
     StopAtBoundary,
     TrainContext,
     checked_metrics,
+    stop_here,
 )
 from raytrain_ext.user_loop.storage import Retention, RunStorage
 from raytrain_ext.user_loop.uploader import Uploader
@@ -154,9 +155,15 @@ def test_ranks_that_report_differently_are_named():
         )
 
 
-def test_a_pause_asked_on_any_rank_stops_every_rank_at_the_same_report(tmp_path):
+def test_a_stop_asked_on_any_rank_stops_every_rank_at_the_next_checkpointed_report(tmp_path):
+    no_checkpoint = [("report", 5, False, None), ("report", 5, False, "pause")]
+    assert stop_here(no_checkpoint) is None  # a pause waits for a checkpoint: nothing redone
+    assert stop_here([("report", 5, True, None), ("report", 5, False, "pause")]) == "pause"
+    assert stop_here([("report", 5, False, "preempt-now"), ("report", 5, False, None)]) == (
+        "preempt"  # the grace ran out: stop at once
+    )
     loop_session, pushed, _ = session(
-        tmp_path, lambda payload: [payload, ("report", 5, False, "pause")]
+        tmp_path, lambda payload: [payload, ("report", 5, True, "pause")]
     )
     with pytest.raises(StopAtBoundary) as stop:
         loop_session.report({"loss": 1.0})
