@@ -27,7 +27,7 @@ from raytrain_ext.elastic.controller import Controller, ControllerResult, RunSta
 from raytrain_ext.errors import InputError
 from raytrain_ext.inputs.preflight import preflight
 from raytrain_ext.metrics import FanOut, MetricsSink, StdoutSink, TensorBoardSink, summarize_records
-from raytrain_ext.metrics.sinks import eval_fields
+from raytrain_ext.metrics.sinks import ReportSink, eval_fields
 from raytrain_ext.metrics.start_phases import start_phases
 from raytrain_ext.models.sources import model_source
 from raytrain_ext.objectives import check_objective, objective_name
@@ -165,7 +165,11 @@ class Trainer:
                 ray.shutdown()
 
     def _sinks(self) -> List[MetricsSink]:
-        sinks: List[MetricsSink] = [StdoutSink(self.cfg.run.log_every, self.cfg.run.max_steps)]
+        sinks: List[MetricsSink] = [
+            ReportSink(self.cfg.run.log_every)
+            if self._user.train_loop is not None
+            else StdoutSink(self.cfg.run.log_every, self.cfg.run.max_steps)
+        ]
         if self.cfg.run.tensorboard:
             sinks.append(TensorBoardSink(self.run_dir / "tensorboard"))
         return sinks

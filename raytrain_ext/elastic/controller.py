@@ -260,7 +260,7 @@ class Controller:
             )
         if preempted is not None:
             return self._after_preemption(preempted)
-        return RunState.FINISHED, f"{self.cfg.run.max_steps} steps completed"
+        return RunState.FINISHED, f"{first.steps} steps completed"
 
     def _between_polls(self) -> Optional[Next]:
         """Forward records and notices; the next state when one of them ends RUNNING."""

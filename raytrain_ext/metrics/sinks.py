@@ -79,6 +79,34 @@ class StdoutSink:
         self.stream.flush()
 
 
+class ReportSink:
+    """A user's loop (``raytrain_ext.train``): one line every ``every`` reports with what
+    it reported (numbers and short strings), the world size and the time since the last."""
+
+    def __init__(self, every: int, stream: TextIO | None = None):
+        self.every = every
+        self.stream = stream or sys.stdout
+
+    def write(self, step: int, record: Mapping[str, Any]) -> None:
+        if step % self.every:
+            return
+        reported = record.get("reported") or {}
+        shown = "  ".join(
+            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+            for k, v in reported.items()
+            if isinstance(v, (int, float, str)) and len(str(v)) <= 40
+        )
+        print(
+            f"report {step:>6}  {shown}  (world {record['world_size']}, "
+            f"{record['step_time_s']:.2f} s since the last)",
+            file=self.stream,
+            flush=True,
+        )
+
+    def close(self) -> None:
+        self.stream.flush()
+
+
 class TensorBoardSink:
     def __init__(self, log_dir: Path):
         from tensorboardX import SummaryWriter

@@ -36,5 +36,7 @@ def get_context() -> TrainContext:
 
 
 def get_dataset_shard(name: str) -> Any:
-    """This rank's share of ``TorchTrainer(datasets={name: ...})``."""
+    """This rank's ``DataIterator`` over ``TorchTrainer(datasets={name: ...})``: Ray Data's
+    ``streaming_split`` of the dataset, as under Ray Train (``iter_batches``,
+    ``iter_torch_batches``; a re-formed group starts the epoch over)."""
     return current_session("get_dataset_shard").get_dataset_shard(name)

@@ -94,7 +94,7 @@ class FunctionLoop:
             push=self._push,
             stop_asked=self._stop_asked,
             uploader=uploader,
-            datasets=self.spec.datasets,
+            datasets=self._dataset_shards(group),
         )
         set_session(session)
         self._mark("compute")
@@ -140,6 +140,25 @@ class FunctionLoop:
         if index:
             self.restored = {"step": index, "tier": "storage", "total_s": time.time() - started}
         return index, checkpoint
+
+    def _dataset_shards(self, group) -> Dict[str, Any]:
+        """This rank's split of each dataset, as Ray Train makes them: rank 0 calls
+        ``streaming_split(world_size, equal=True)`` once per group and hands each rank its
+        iterator (a handle to the split's coordinator actor).  A new group splits again,
+        so a re-formed group starts each dataset's epoch over, as a Ray Train restart does."""
+        if not self.spec.datasets:
+            return {}
+        splits: list = [None]
+        if self.env.rank == 0:
+            world = self.env.world_size
+            splits = [
+                {
+                    name: ds.streaming_split(world, equal=True)
+                    for name, ds in self.spec.datasets.items()
+                }
+            ]
+        dist.broadcast_object_list(splits, src=0, group=group)
+        return {name: shards[self.env.rank] for name, shards in splits[0].items()}
 
     def _context(self) -> TrainContext:
         e = self.env

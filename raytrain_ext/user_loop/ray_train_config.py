@@ -30,6 +30,7 @@ class ScalingConfig:
     use_gpu: bool = False
     resources_per_worker: Optional[Dict[str, float]] = None
     placement_strategy: str = "PACK"
+    elastic_resize_monitor_interval_s: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -123,6 +124,9 @@ def overrides_for(
         "scaling.resources_per_worker": resources,
         "scaling.placement_strategy": str(scaling.placement_strategy),
         "elastic.max_failures": int(failure.max_failures),
+        # Ray Train's pace for growing an elastic run: ours checks and cools down alike
+        "elastic.grow_check_s": min(2.0, float(scaling.elastic_resize_monitor_interval_s)),
+        "elastic.resize_cooldown_s": float(scaling.elastic_resize_monitor_interval_s),
         "run.name": name,
         "run.output_dir": output_dir,
         "run.max_steps": NO_STEP_LIMIT,

@@ -19,8 +19,9 @@ import numpy as np
 import torch
 
 from raytrain_ext.user_loop.checkpoint import Checkpoint
+from raytrain_ext.user_loop.staging import Staged, stage
 from raytrain_ext.user_loop.storage import RunStorage
-from raytrain_ext.user_loop.uploader import Uploader, UploadJob, stage
+from raytrain_ext.user_loop.uploader import Uploader, UploadJob
 
 REPORT, RETURNED = "report", "returned"
 PAUSE, PREEMPT, PREEMPT_NOW = "pause", "preempt", "preempt-now"
@@ -158,7 +159,7 @@ class LoopSession:
 
     def report(self, metrics: Dict[str, Any], checkpoint: Optional[Checkpoint] = None) -> None:
         """Record ``metrics`` (rank 0's reach the run's records); a ``checkpoint``'s files
-        are copied now and persisted in the background."""
+        are staged now (hard links, ``staging``) and persisted in the background."""
         plain = checked_metrics(metrics)
         index = self.index + 1
         started = time.time()
@@ -220,7 +221,7 @@ class LoopSession:
             "ranks that have nothing to save)."
         )
 
-    def _stage(self, checkpoint: Checkpoint) -> str:
+    def _stage(self, checkpoint: Checkpoint) -> Staged:
         if not checkpoint.is_local:
             raise ValueError(
                 f"report(checkpoint=...): {checkpoint} is not a local directory; pass "

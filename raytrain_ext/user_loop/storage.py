@@ -18,7 +18,7 @@ import json
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import pyarrow.fs as pafs
 
@@ -75,8 +75,11 @@ class RunStorage:
     def _commit_record(self, index: int) -> str:
         return f"{self.root}/{COMMITS}/{PREFIX}{index:06d}.json"
 
-    def upload(self, local_dir: str, index: int, rank: int) -> None:
-        """This rank's files of report ``index``, then its marker (raises on failure)."""
+    def upload(
+        self, local_dir: str, index: int, rank: int, verify: Callable[[], None] = lambda: None
+    ) -> None:
+        """This rank's files of report ``index``, then ``verify()`` (which raises when what
+        was uploaded is not what was reported), then its marker (raises on failure)."""
         target = self.directory(index)
         self.fs.create_dir(target, recursive=True)
         pafs.copy_files(
@@ -85,6 +88,7 @@ class RunStorage:
             source_filesystem=pafs.LocalFileSystem(),
             destination_filesystem=self.fs,
         )
+        verify()
         self._write(self._uploaded(index, rank), b"uploaded\n")
 
     def commit(

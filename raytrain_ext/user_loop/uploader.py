@@ -1,7 +1,7 @@
 """Reported checkpoints persisted off the training thread: one uploader per process.
 
-``report`` only copies the user's directory into local staging (the directory may be
-deleted as soon as ``report`` returns) and queues it here; this thread uploads it,
+``report`` only stages the user's directory (``staging``: hard links, as the directory may
+be deleted as soon as ``report`` returns) and queues it here; this thread uploads it,
 writes the rank's marker, and, on rank 0, commits the report once every uploading rank's
 marker landed (``storage.RunStorage.commit``), then applies retention.  Jobs run in
 order, so a commit never overtakes its own rank's upload.  The uploader outlives a
@@ -15,11 +15,11 @@ from __future__ import annotations
 import logging
 import queue
 import shutil
-import tempfile
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
+from raytrain_ext.user_loop.staging import Staged, check_unchanged
 from raytrain_ext.user_loop.storage import RunStorage
 
 log = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ class UploadJob:
     storage: RunStorage
     index: int
     rank: int
-    staged: Optional[str]
+    staged: Optional[Staged]
     commit_ranks: Sequence[int] = ()
     metrics: Dict[str, Any] = field(default_factory=dict)
 
@@ -72,12 +72,15 @@ class Uploader:
                 log.error("checkpoint of report %d not persisted: %s", job.index, e)
             finally:
                 if job.staged is not None:
-                    shutil.rmtree(job.staged, ignore_errors=True)
+                    shutil.rmtree(job.staged.directory, ignore_errors=True)
                 self._jobs.task_done()
 
     def _do(self, job: UploadJob) -> None:
-        if job.staged is not None:
-            job.storage.upload(job.staged, job.index, job.rank)
+        staged = job.staged
+        if staged is not None:
+            job.storage.upload(
+                staged.directory, job.index, job.rank, verify=lambda: check_unchanged(staged)
+            )
         if not job.commit_ranks:
             return
         if job.storage.commit(job.index, job.commit_ranks, job.metrics, COMMIT_TIMEOUT_S):
@@ -85,13 +88,6 @@ class Uploader:
             job.storage.prune()
         else:
             self.failures.append(f"report {job.index}: a rank's upload never landed")
-
-
-def stage(directory: str, run_name: str) -> str:
-    """A private copy of ``directory`` on local disk (what ``report`` blocks on)."""
-    root = tempfile.mkdtemp(prefix=f"raytrain-ext-{run_name}-report-")
-    shutil.copytree(directory, root, dirs_exist_ok=True)
-    return root
 
 
 _PROCESS_UPLOADER: Optional[Uploader] = None

@@ -8,7 +8,7 @@ import pytest
 
 from raytrain_ext import TrainingFailed
 from tests.helpers.leaks import assert_nothing_left
-from tests.helpers.ray_train_loops import OURS, RAY_TRAIN, quickstart_loop
+from tests.helpers.ray_train_loops import OURS, RAY_TRAIN, dataset_loop, quickstart_loop
 from tests.helpers.runs import FitThread, wait_until
 
 
@@ -23,6 +23,7 @@ def trainer(api_name, tmp_path, name, loop=quickstart_loop, *, config, workers=2
     train = importlib.import_module(api_name)
     torch_api = importlib.import_module(api_name + ".torch")
     resume = run.pop("resume_from_checkpoint", None)
+    datasets = run.pop("datasets", None)
     return torch_api.TorchTrainer(
         loop,
         train_loop_config={"api": api_name, **config},
@@ -34,6 +35,7 @@ def trainer(api_name, tmp_path, name, loop=quickstart_loop, *, config, workers=2
             checkpoint_config=train.CheckpointConfig(**run),
         ),
         resume_from_checkpoint=resume,
+        datasets=datasets,
     )
 
 
@@ -74,6 +76,27 @@ def test_quickstart_and_resume_give_ray_trains_results(ray_local, tmp_path):
     )
     assert [m["epoch"] for m in resumed.metrics_history] == [3, 4]
     assert resumed.metrics["loss"] == our_again.metrics["loss"]
+    assert_nothing_left()
+
+
+@pytest.mark.slow
+def test_a_loop_fed_by_get_dataset_shard_sees_what_ray_train_shows_it(ray_local, tmp_path):
+    """Ray Data through get_dataset_shard, under both: each epoch rank 0 sees the same
+    number of rows, half of the dataset (streaming_split(equal=True))."""
+    import ray
+
+    counts = {}
+    for api_name in (RAY_TRAIN, OURS):
+        result = fit(
+            api_name,
+            tmp_path,
+            "data",
+            dataset_loop,
+            config={"epochs": 2},
+            datasets={"train": ray.data.range(64)},
+        )
+        counts[api_name] = [m["count"] for m in result.metrics_dataframe.to_dict("records")]
+    assert counts[OURS] == counts[RAY_TRAIN] == [32, 32]
     assert_nothing_left()
 
 

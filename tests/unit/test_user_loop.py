@@ -3,6 +3,7 @@ retention as Ray Train keeps checkpoints, metrics checks, report agreement, and 
 Train's config objects translated or refused by name."""
 
 import os
+import shutil
 
 import numpy as np
 import pyarrow.fs as pafs
@@ -29,6 +30,7 @@ from raytrain_ext.user_loop.session import (
     checked_metrics,
     stop_here,
 )
+from raytrain_ext.user_loop.staging import RewrittenDuringUpload, check_unchanged, stage
 from raytrain_ext.user_loop.storage import Retention, RunStorage
 from raytrain_ext.user_loop.uploader import Uploader
 
@@ -216,3 +218,24 @@ def test_what_has_no_counterpart_is_refused_by_name():
         refuse_unsupported(ray.train.RunConfig(callbacks=[ray.train.UserCallback()]), "RunConfig")
     refuse_unsupported(ScalingConfig(num_workers=2), "ScalingConfig")  # ours: all supported
     refuse_unsupported(RunConfig(name="x"), "RunConfig")
+
+
+def test_a_staged_report_survives_its_directory_and_refuses_a_file_rewritten_in_place(tmp_path):
+    """Staging links the files (the user's tempdir may go at once); a file rewritten in
+    place before the upload ended fails that upload, which is then never committed."""
+    s = storage(tmp_path)
+    directory = user_dir(tmp_path, "kept", "first")
+    staged = stage(directory, "run")
+    assert staged.stamps  # linked, not copied: same filesystem
+    shutil.rmtree(directory)
+    s.upload(staged.directory, 1, 0, verify=lambda: check_unchanged(staged))
+    assert s.commit(1, [0], {}, timeout_s=5)
+    with s.latest().checkpoint.as_directory() as d:
+        assert open(os.path.join(d, "state.txt")).read() == "first"
+    directory = user_dir(tmp_path, "reused", "second")
+    staged = stage(directory, "run")
+    with open(os.path.join(directory, "state.txt"), "w") as f:  # torch.save to the same path
+        f.write("third, rewritten")
+    with pytest.raises(RewrittenDuringUpload, match=r"state.txt changed in place after report"):
+        s.upload(staged.directory, 2, 0, verify=lambda: check_unchanged(staged))
+    assert not s.commit(2, [0], {}, timeout_s=0.2) and s.latest().index == 1
