@@ -218,7 +218,10 @@ def node_loss(api: str, work: Path, state_mb: int) -> Dict[str, float]:
     grown = next((i for i, r in enumerate(rank0) if r["world"] == 3), None)
     if grown:
         figures["grow_pause_s"] = rank0[grown]["time"] - rank0[grown - 1]["time"]
-        figures["grow_redone"] = rank0[grown - 1]["epoch"] + 1 - rank0[grown]["resumed_from"]
+        # the report that stops a group to grow raises out of the loop before its note:
+        # the last noted epoch may be one before the checkpoint resumed from
+        last = rank0[grown - 1]["epoch"] + 1
+        figures["grow_redone"] = max(0, last - rank0[grown]["resumed_from"])
     return {**figures, **our_phases(result), "wall_s": fit.wall_s}
 
 
