@@ -15,7 +15,7 @@ def report(
 ) -> None:
     """Report ``metrics`` (every rank, the same number of times; rank 0's are recorded),
     with this rank's ``checkpoint`` directory if it has one.  Returns once the directory
-    is copied; it is persisted to storage in the background.  ``checkpoint_dir_name`` is
+    is staged (hard links); it is persisted to storage in the background.  ``checkpoint_dir_name`` is
     refused: checkpoints are named ``checkpoint_<report index>``."""
     if checkpoint_dir_name is not None:
         raise ValueError(

@@ -1,8 +1,9 @@
 """``Checkpoint``: a directory of the user's files, local or in storage (Ray Train's own
 semantics: ``from_directory``, ``to_directory``, ``as_directory``, ``path``, ``filesystem``).
 
-A checkpoint handed to ``report`` is copied before ``report`` returns (the user may
-delete or overwrite the directory next); one returned by ``get_checkpoint`` or in a
+A checkpoint handed to ``report`` is staged before ``report`` returns (its files
+hard-linked, ``staging``): the user may delete the directory next, but a file rewritten in
+place before its upload ends makes that checkpoint not kept; one returned by ``get_checkpoint`` or in a
 ``Result`` names persisted storage and is read through its ``filesystem``.
 """
 
@@ -26,7 +27,7 @@ class Checkpoint:
 
     @classmethod
     def from_directory(cls, path: str | os.PathLike) -> "Checkpoint":
-        """A local directory as a checkpoint (``report`` copies it at once)."""
+        """A local directory as a checkpoint (``report`` stages it at once)."""
         path = os.fspath(path)
         if not os.path.isdir(path):
             raise ValueError(f"Checkpoint.from_directory: {path!r} is not a directory")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import time
 import traceback
+import uuid
 from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Tuple
 
 import torch.distributed as dist
@@ -84,8 +85,12 @@ class FunctionLoop:
         timeout = datetime.timedelta(seconds=self.cfg.parallel.timeout_s)
         group = dist.new_group(backend="gloo", timeout=timeout)
         uploader = process_uploader()
-        uploader.drain(COMMIT_TIMEOUT_S)  # a survivor's uploads of the last group land first
-        index, checkpoint = self._starting_point(group)
+        # a survivor's uploads of the last group land first, every rank's before rank 0
+        # reads the newest (bounded: well within the group's collective timeout)
+        uploader.drain(self.cfg.parallel.timeout_s / 4)
+        self._all_gather(("drained",), group)
+        index, checkpoint, group_id = self._starting_point(group)
+        uploader.start_group(group_id)
         session = LoopSession(
             self._context(),
             start_index=index,
@@ -94,6 +99,7 @@ class FunctionLoop:
             push=self._push,
             stop_asked=self._stop_asked,
             uploader=uploader,
+            group_id=group_id,
             datasets=self._dataset_shards(group),
         )
         set_session(session)
@@ -102,9 +108,10 @@ class FunctionLoop:
             self._call()
             session.finish()
         except StopAtBoundary as stop:
-            uploader.drain(self.cfg.checkpoint.preemption_grace_s)
-            if stop.kind == PAUSE:
+            if stop.kind == PAUSE:  # the grown group resumes from this report's checkpoint
+                uploader.drain(COMMIT_TIMEOUT_S)
                 return self._result(session, paused_at=stop.index)
+            uploader.drain(self._grace_left())
             return self._result(session, preempted_at=stop.index)
         finally:
             set_session(None)
@@ -123,23 +130,34 @@ class FunctionLoop:
         except Exception as e:
             if is_peer_loss(e):
                 raise
-            raise UserLoopError(f"train_loop_per_worker raised {where(e)}") from e
+            message = f"train_loop_per_worker raised {where(e)}"
+            # the user's frames hold its model (a DDP Reducer, its process group): they must
+            # not outlive the group (``TrainWorker.fit`` clears only the raised error's)
+            traceback.clear_frames(e.__traceback__)
+            raise UserLoopError(message) from e
 
-    def _starting_point(self, group) -> Tuple[int, Optional[Checkpoint]]:
-        """Rank 0's newest committed checkpoint, the same on every rank (index 0 and
-        ``resume_from_checkpoint`` when the run has none)."""
+    def _grace_left(self) -> float:
+        deadline = self.requests.deadline
+        return 0.0 if deadline is None else max(0.0, deadline - time.time())
+
+    def _starting_point(self, group) -> Tuple[int, Optional[Checkpoint], str]:
+        """Rank 0's newest committed checkpoint (index 0 and ``resume_from_checkpoint``
+        when the run has none) and a new id for this group, the same on every rank; rank 0
+        first removes what earlier groups left beyond that checkpoint."""
         started = time.time()
         found: list = [None]
         if self.env.rank == 0:
-            latest = self.spec.storage.latest()
-            found = [
-                (0, self.spec.resume_from) if latest is None else (latest.index, latest.checkpoint)
-            ]
+            storage = self.spec.storage
+            latest = storage.latest()
+            index = 0 if latest is None else latest.index
+            storage.discard_after(index)
+            checkpoint = self.spec.resume_from if latest is None else latest.checkpoint
+            found = [(index, checkpoint, uuid.uuid4().hex[:12])]
         dist.broadcast_object_list(found, src=0, group=group)
-        index, checkpoint = found[0] or (0, None)
+        index, checkpoint, group_id = found[0]
         if index:
             self.restored = {"step": index, "tier": "storage", "total_s": time.time() - started}
-        return index, checkpoint
+        return index, checkpoint, group_id
 
     def _dataset_shards(self, group) -> Dict[str, Any]:
         """This rank's split of each dataset, as Ray Train makes them: rank 0 calls

@@ -3,14 +3,17 @@ inside the user's function: the rank's ``LoopSession``, set while the function r
 
 Invariant: every rank makes the same sequence of reports.  Each ``report`` is one
 all-gather on a gloo group of its own (index, checkpoint or not, a stop asked), so all
-ranks agree which ranks uploaded and whether to stop at this boundary; a rank whose
+ranks agree which ranks uploaded and whether to stop at this boundary.  A rank whose
 report does not match (another index, or it returned from the function instead) makes
-every rank raise ``ReportMismatch`` naming the ranks, within ``parallel.timeout_s``.
+every rank raise ``ReportMismatch`` naming the ranks; a rank that skips a report and
+enters another collective (a DDP all-reduce) instead meets it only at
+``parallel.timeout_s``, as any mismatched collective does.
 """
 
 from __future__ import annotations
 
 import numbers
+import shutil
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -146,13 +149,14 @@ class LoopSession:
         push: Callable[[int, Dict[str, Any], float], None],
         stop_asked: Callable[[], Optional[str]],
         uploader: Uploader,
+        group_id: str,
         datasets: Dict[str, Any],
     ):
         self.context = context
         self.index = start_index
         self._checkpoint = start_checkpoint
         self._exchange, self._push, self._stop_asked = exchange, push, stop_asked
-        self._uploader = uploader
+        self._uploader, self._group_id = uploader, group_id
         self._datasets = datasets
         self._last = time.time()
         self.blocked_s: List[float] = []  # what each report with a checkpoint blocked for
@@ -164,15 +168,20 @@ class LoopSession:
         index = self.index + 1
         started = time.time()
         staged = None if checkpoint is None else self._stage(checkpoint)
-        stop = self._stop_asked()
-        gathered = self._exchange((REPORT, index, staged is not None, stop))
-        self.check_agreement(gathered, REPORT, index)
+        try:
+            gathered = self._exchange((REPORT, index, staged is not None, self._stop_asked()))
+            self.check_agreement(gathered, REPORT, index)
+        except BaseException:
+            if staged is not None:  # never queued: nobody else removes it
+                shutil.rmtree(staged.directory, ignore_errors=True)
+            raise
         self.index = index
-        uploading = [rank for rank, (_, _, has, _) in enumerate(gathered) if has]
-        if staged is not None or (uploading and self.context.world_rank == 0):
-            commit = uploading if self.context.world_rank == 0 else []
+        rank = self.context.world_rank
+        uploading = [r for r, (_, _, has, _) in enumerate(gathered) if has]
+        commit = uploading if rank == 0 else []
+        if staged is not None or commit:
             job = UploadJob(
-                self.context.storage, index, self.context.world_rank, staged, commit, plain
+                self.context.storage, index, rank, self._group_id, staged, commit, plain
             )
             self._uploader.submit(job)
         if staged is not None:

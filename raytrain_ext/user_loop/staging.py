@@ -44,19 +44,30 @@ def stage(directory: str, run_name: str) -> Staged:
     """``directory``'s files in a new private directory, linked where possible."""
     root = tempfile.mkdtemp(prefix=f"raytrain-ext-{run_name}-report-")
     stamps: Dict[str, Stamp] = {}
-    for here, _, files in os.walk(directory):
-        relative = os.path.relpath(here, directory)
-        os.makedirs(os.path.join(root, relative), exist_ok=True)
-        for name in files:
-            source = os.path.join(here, name)
-            target = os.path.normpath(os.path.join(root, relative, name))
-            try:
-                os.link(source, target)
-            except OSError:  # another filesystem, or links not allowed: a copy
-                shutil.copy2(source, target)
-                continue
-            stamps[os.path.relpath(target, root)] = _stamp(target)
+    try:
+        for here, _, files in os.walk(directory):
+            relative = os.path.relpath(here, directory)
+            os.makedirs(os.path.join(root, relative), exist_ok=True)
+            for name in files:
+                source = os.path.join(here, name)
+                target = os.path.normpath(os.path.join(root, relative, name))
+                if _link_or_copy(source, target):
+                    stamps[os.path.relpath(target, root)] = _stamp(target)
+    except BaseException:
+        shutil.rmtree(root, ignore_errors=True)
+        raise
     return Staged(root, stamps)
+
+
+def _link_or_copy(source: str, target: str) -> bool:
+    """Hard-link ``source`` at ``target`` (True), else copy it (another filesystem, or
+    links not allowed: False)."""
+    try:
+        os.link(source, target)
+        return True
+    except OSError:
+        shutil.copy2(source, target)
+        return False
 
 
 def check_unchanged(staged: Staged) -> None:

@@ -3,10 +3,14 @@
 Layout and commit rule (the invariant ``get_checkpoint`` and ``Result`` rely on):
 each rank that passed a directory to report ``N`` uploads its files into
 ``checkpoint_N/`` (the user's files only) and then writes
-``.uploads/checkpoint_N.rank-<r>``; rank 0 writes ``.committed/checkpoint_N.json`` (the
-report's index, metrics and uploading ranks) only once every uploading rank's marker is
-there.  A checkpoint without its commit record is never returned: an upload that failed
-or a rank lost mid-upload leaves it uncommitted.
+``.uploads/checkpoint_N.rank-<r>`` holding its group's id (``.failed`` appended when the
+upload failed); rank 0 writes ``.committed/checkpoint_N.json`` (the report's index, metrics
+and uploading ranks) only once every uploading rank's marker holds *this* group's id.  A
+checkpoint without its commit record is never returned: an upload that failed or a rank
+lost mid-upload leaves it uncommitted, and a marker an earlier group left at the same
+index (a group that rewound past it, an earlier ``fit``) never counts.  A new group's rank
+0 first removes what earlier groups left beyond the checkpoint it resumes from
+(``discard_after``), so a larger earlier group's files do not join a later checkpoint.
 Retention follows Ray Train's ``CheckpointConfig``: ``num_to_keep`` by
 ``checkpoint_score_attribute`` (newest first when none), the newest committed one kept
 always (it is the one a restart resumes from).
@@ -24,6 +28,7 @@ import pyarrow.fs as pafs
 
 from raytrain_ext.user_loop.checkpoint import Checkpoint
 
+UPLOADED, FAILED = "uploaded", ".failed"
 COMMITS = ".committed"
 UPLOADS = ".uploads"
 PREFIX = "checkpoint_"
@@ -76,35 +81,74 @@ class RunStorage:
         return f"{self.root}/{COMMITS}/{PREFIX}{index:06d}.json"
 
     def upload(
-        self, local_dir: str, index: int, rank: int, verify: Callable[[], None] = lambda: None
+        self,
+        local_dir: str,
+        index: int,
+        rank: int,
+        group: str,
+        verify: Callable[[], None] = lambda: None,
     ) -> None:
         """This rank's files of report ``index``, then ``verify()`` (which raises when what
-        was uploaded is not what was reported), then its marker (raises on failure)."""
-        target = self.directory(index)
-        self.fs.create_dir(target, recursive=True)
-        pafs.copy_files(
-            local_dir,
-            target,
-            source_filesystem=pafs.LocalFileSystem(),
-            destination_filesystem=self.fs,
-        )
-        verify()
-        self._write(self._uploaded(index, rank), b"uploaded\n")
+        was uploaded is not what was reported), then its marker; on failure a failed
+        marker, so rank 0's commit gives up at once, and the error raised."""
+        marker = self._uploaded(index, rank)
+        try:
+            target = self.directory(index)
+            self.fs.create_dir(target, recursive=True)
+            pafs.copy_files(
+                local_dir,
+                target,
+                source_filesystem=pafs.LocalFileSystem(),
+                destination_filesystem=self.fs,
+            )
+            verify()
+        except BaseException:
+            self._write(marker + FAILED, group.encode())
+            raise
+        self._write(marker, group.encode())
 
     def commit(
-        self, index: int, ranks: Sequence[int], metrics: Dict[str, Any], timeout_s: float
+        self,
+        index: int,
+        ranks: Sequence[int],
+        metrics: Dict[str, Any],
+        group: str,
+        still_wanted: Callable[[], bool],
+        timeout_s: float,
     ) -> bool:
-        """Write ``index``'s commit marker once every rank in ``ranks`` uploaded (polled up
-        to ``timeout_s``); False, and nothing written, when one never did."""
-        wanted = [self._uploaded(index, rank) for rank in ranks]
+        """Write ``index``'s commit record once every rank in ``ranks`` uploaded in
+        ``group`` (polled); False, and nothing written, as soon as one's upload failed,
+        once ``still_wanted()`` is False (a new group started) or after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
-        while any(info.type == pafs.FileType.NotFound for info in self.fs.get_file_info(wanted)):
-            if time.monotonic() > deadline:
+        while True:
+            states = [self._upload_state(index, rank, group) for rank in ranks]
+            if all(state == UPLOADED for state in states):
+                break
+            if FAILED in states or not still_wanted() or time.monotonic() > deadline:
                 return False
             time.sleep(0.1)
         record = {"index": index, "metrics": metrics, "ranks": list(ranks)}
         self._write(self._commit_record(index), json.dumps(record).encode())
         return True
+
+    def discard_after(self, index: int) -> None:
+        """Remove the uncommitted checkpoints and markers of reports after ``index``."""
+        for base in (self.root, f"{self.root}/{UPLOADS}"):
+            selector = pafs.FileSelector(base, allow_not_found=True)
+            for info in self.fs.get_file_info(selector):
+                name = info.base_name
+                if not name.startswith(PREFIX) or _index_of(name) <= index:
+                    continue
+                if info.type == pafs.FileType.Directory:
+                    self.fs.delete_dir(info.path)
+                else:
+                    self.fs.delete_file(info.path)
+
+    def _upload_state(self, index: int, rank: int, group: str) -> Optional[str]:
+        marker = self._uploaded(index, rank)
+        if self._read(marker + FAILED) == group.encode():
+            return FAILED
+        return UPLOADED if self._read(marker) == group.encode() else None
 
     def committed(self) -> List[Committed]:
         """Every committed checkpoint, oldest first."""
@@ -161,9 +205,18 @@ class RunStorage:
         with self.fs.open_output_stream(path) as out:
             out.write(data)
 
-    def _read_json(self, path: str) -> Optional[Dict[str, Any]]:
+    def _read(self, path: str) -> Optional[bytes]:
         try:
             with self.fs.open_input_stream(path) as f:
-                return json.loads(f.read())
+                return f.read()
         except FileNotFoundError:
             return None
+
+    def _read_json(self, path: str) -> Optional[Dict[str, Any]]:
+        data = self._read(path)
+        return None if data is None else json.loads(data)
+
+
+def _index_of(name: str) -> int:
+    """The report index in ``checkpoint_000012`` or ``checkpoint_000012.rank-3[.failed]``."""
+    return int(name[len(PREFIX) :].split(".", 1)[0])

@@ -2,8 +2,8 @@
 
 The same constructor and ``fit() -> Result``; what changes is what a fault costs: a
 failed rank's peers keep their processes and enter ``train_loop_per_worker`` again (a
-lost rank gets a prestarted process), and ``report(checkpoint=...)`` only copies the
-directory before the loop goes on (``user_loop.uploader``).
+lost rank gets a prestarted process), and ``report(checkpoint=...)`` only stages the
+directory (hard links) before the loop goes on (``user_loop.staging``, ``uploader``).
 """
 
 from __future__ import annotations

@@ -73,7 +73,7 @@ def prepare_data_loader(
 
 class DeviceLoader:
     """A loader whose batches (tensors, or lists/tuples/dicts of them) are on ``device``;
-    ``sampler`` and ``set_epoch`` as the wrapped loader's."""
+    ``sampler`` (call its ``set_epoch``) and ``dataset`` are the wrapped loader's."""
 
     def __init__(self, loader: DataLoader, device: torch.device):
         self.loader, self.device = loader, device

@@ -3,10 +3,11 @@
 ``report`` only stages the user's directory (``staging``: hard links, as the directory may
 be deleted as soon as ``report`` returns) and queues it here; this thread uploads it,
 writes the rank's marker, and, on rank 0, commits the report once every uploading rank's
-marker landed (``storage.RunStorage.commit``), then applies retention.  Jobs run in
-order, so a commit never overtakes its own rank's upload.  The uploader outlives a
-group: a survivor of a failure finishes what it queued before the next group asks for
-the newest checkpoint (``drain``).  A failed upload is logged and listed in
+marker of this group landed (``storage.RunStorage.commit``: it gives up at once on a
+failed upload or when a new group starts), then applies retention.  Jobs run in order,
+so a commit never overtakes its own rank's upload.  The uploader outlives a group: at a
+new group's start every rank waits a bounded time for what it queued (``drain``) before
+rank 0 reads the newest committed checkpoint.  A failed upload is logged and listed in
 ``failures``; its report is never committed.
 """
 
@@ -35,6 +36,7 @@ class UploadJob:
     storage: RunStorage
     index: int
     rank: int
+    group: str  # the id of the group that reported it
     staged: Optional[Staged]
     commit_ranks: Sequence[int] = ()
     metrics: Dict[str, Any] = field(default_factory=dict)
@@ -44,9 +46,14 @@ class Uploader:
     def __init__(self) -> None:
         self._jobs: "queue.Queue[UploadJob]" = queue.Queue()
         self.failures: List[str] = []
-        self.committed: List[int] = []
+        self.group: Optional[str] = None  # the current group: older commits are abandoned
         self._thread = threading.Thread(target=self._run, name="ckpt-upload", daemon=True)
         self._thread.start()
+
+    def start_group(self, group: str) -> None:
+        """A new group formed: a commit of an earlier group still waiting gives up (its
+        ranks were re-formed; the new group resumes from what was committed)."""
+        self.group = group
 
     def submit(self, job: UploadJob) -> None:
         self._jobs.put(job)
@@ -79,15 +86,26 @@ class Uploader:
         staged = job.staged
         if staged is not None:
             job.storage.upload(
-                staged.directory, job.index, job.rank, verify=lambda: check_unchanged(staged)
+                staged.directory,
+                job.index,
+                job.rank,
+                job.group,
+                verify=lambda: check_unchanged(staged),
             )
         if not job.commit_ranks:
             return
-        if job.storage.commit(job.index, job.commit_ranks, job.metrics, COMMIT_TIMEOUT_S):
-            self.committed.append(job.index)
+        committed = job.storage.commit(
+            job.index,
+            job.commit_ranks,
+            job.metrics,
+            job.group,
+            still_wanted=lambda: self.group == job.group,
+            timeout_s=COMMIT_TIMEOUT_S,
+        )
+        if committed:
             job.storage.prune()
         else:
-            self.failures.append(f"report {job.index}: a rank's upload never landed")
+            self.failures.append(f"report {job.index}: not every rank's upload landed")
 
 
 _PROCESS_UPLOADER: Optional[Uploader] = None

@@ -21,7 +21,7 @@ from tests.helpers.runs import FitThread, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 
-BUCKET, EPOCHS, CADENCE = "loops", 90, 3
+BUCKET, EPOCHS, CADENCE = "loops", 60, 3
 
 
 def s3(endpoint: str) -> pafs.S3FileSystem:

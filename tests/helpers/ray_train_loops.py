@@ -34,7 +34,9 @@ def quickstart_loop(config):
     """The TorchTrainer quick start: a model, an optimizer, prepare_model,
     prepare_data_loader over a synthetic dataset, report with metrics every epoch; with
     ``checkpoint_every``, rank 0 saves a directory and the loop resumes from
-    get_checkpoint; ``step_sleep_s`` slows each batch (fault tests)."""
+    get_checkpoint; ``step_sleep_s`` slows each batch (fault tests); with ``rows``, each
+    epoch also iterates ``get_dataset_shard("train")`` (Ray Data) and reports the rows it
+    saw."""
     train, train_torch, Checkpoint = api(config)
     torch.manual_seed(0)
     model = train_torch.prepare_model(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)))
@@ -63,6 +65,9 @@ def quickstart_loop(config):
             total += loss.item()
             time.sleep(config.get("step_sleep_s", 0.0))
         metrics = {"epoch": epoch, "loss": total / len(loader), "pid": os.getpid()}
+        if config.get("rows"):
+            shard = train.get_dataset_shard("train")
+            metrics["rows"] = sum(len(b["id"]) for b in shard.iter_torch_batches(batch_size=8))
         every = config.get("checkpoint_every")
         if not every or (epoch + 1) % every:
             train.report(metrics)
@@ -82,21 +87,3 @@ def quickstart_loop(config):
 
 def _unwrapped(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
-
-
-def dataset_loop(config):
-    """Ray Train's Ray Data pattern: ``get_dataset_shard`` iterated with
-    ``iter_torch_batches`` every epoch; each rank reports how many rows it saw, rank 0 with
-    a small checkpoint (Ray Train 2.60 keeps only the metrics of reports with one)."""
-    train, _, Checkpoint = api(config)
-    shard = train.get_dataset_shard("train")
-    rank = train.get_context().get_world_rank()
-    for epoch in range(config["epochs"]):
-        seen = []
-        for batch in shard.iter_torch_batches(batch_size=8):
-            seen.extend(int(i) for i in batch["id"])
-        with tempfile.TemporaryDirectory() as directory:
-            with open(os.path.join(directory, "seen.txt"), "w") as f:
-                f.write(str(len(seen)))
-            saved = Checkpoint.from_directory(directory) if rank == 0 else None
-            train.report({"epoch": epoch, "count": len(seen)}, checkpoint=saved)

@@ -4,6 +4,7 @@ Train's config objects translated or refused by name."""
 
 import os
 import shutil
+import time
 
 import numpy as np
 import pyarrow.fs as pafs
@@ -48,13 +49,19 @@ def user_dir(tmp_path, name: str, content: str) -> str:
     return str(d)
 
 
+def commit(s, index, ranks, metrics, timeout_s, group="g2", still_wanted=lambda: True):
+    return s.commit(index, ranks, metrics, group, still_wanted, timeout_s)
+
+
 def test_a_checkpoint_is_committed_only_once_every_uploading_rank_landed(tmp_path):
     s = storage(tmp_path)
-    s.upload(user_dir(tmp_path, "r0", "zero"), 1, rank=0)
-    assert not s.commit(1, [0, 1], {"loss": 1.0}, timeout_s=0.3)  # rank 1 never uploaded
+    s.upload(user_dir(tmp_path, "stale", "an earlier group's"), 1, rank=1, group="g1")
+    s.upload(user_dir(tmp_path, "r0", "zero"), 1, rank=0, group="g2")
+    # rank 1's marker at this index is an earlier group's: it does not count
+    assert not commit(s, 1, [0, 1], {"loss": 1.0}, timeout_s=0.3)
     assert s.latest() is None and s.committed() == []
-    s.upload(user_dir(tmp_path, "r1", "one"), 1, rank=1)
-    assert s.commit(1, [0, 1], {"loss": 1.0}, timeout_s=5)
+    s.upload(user_dir(tmp_path, "r1", "one"), 1, rank=1, group="g2")
+    assert commit(s, 1, [0, 1], {"loss": 1.0}, timeout_s=5)
     latest = s.latest()
     assert latest.index == 1 and latest.metrics == {"loss": 1.0}
     with latest.checkpoint.as_directory() as d:  # the user's files, nothing of ours
@@ -63,10 +70,39 @@ def test_a_checkpoint_is_committed_only_once_every_uploading_rank_landed(tmp_pat
     assert open(os.path.join(copy, "state.txt")).read() == "one"  # ranks share one directory
 
 
+def test_a_commit_gives_up_at_once_on_a_failed_upload_or_a_new_group(tmp_path):
+    s = storage(tmp_path)
+    s.upload(user_dir(tmp_path, "r0", "zero"), 1, rank=0, group="g2")
+    begun = time.monotonic()
+    assert not commit(s, 1, [0, 1], {}, timeout_s=60, still_wanted=lambda: False)
+    with pytest.raises(RewrittenDuringUpload):
+        s.upload(user_dir(tmp_path, "r1", "one"), 1, rank=1, group="g2", verify=rewritten)
+    assert not commit(s, 1, [0, 1], {}, timeout_s=60)
+    assert time.monotonic() - begun < 5 and s.latest() is None
+
+
+def rewritten():
+    raise RewrittenDuringUpload("state.txt changed in place")
+
+
+def test_a_new_group_discards_what_earlier_groups_left_after_its_checkpoint(tmp_path):
+    s = storage(tmp_path)
+    commit_losses(s, tmp_path, [0.5, 0.4])
+    s.upload(user_dir(tmp_path, "left", "rank 2 of a larger group"), 3, rank=2, group="g1")
+    s.discard_after(2)
+    root = tmp_path / "store" / "run"
+    assert not (root / "checkpoint_000003").exists()
+    assert sorted(os.listdir(root / ".uploads")) == [
+        "checkpoint_000001.rank-0",
+        "checkpoint_000002.rank-0",
+    ]
+    assert [c.index for c in s.committed()] == [1, 2]
+
+
 def commit_losses(s, tmp_path, losses):
     for index, loss in enumerate(losses, start=1):
-        s.upload(user_dir(tmp_path, f"c{index}", str(index)), index, rank=0)
-        assert s.commit(index, [0], {"loss": loss, "epoch": index}, timeout_s=5)
+        s.upload(user_dir(tmp_path, f"c{index}", str(index)), index, rank=0, group="g2")
+        assert commit(s, index, [0], {"loss": loss, "epoch": index}, timeout_s=5)
         s.prune()
 
 
@@ -123,6 +159,7 @@ def session(tmp_path, exchange, stop=None, uploader=None):
         push=lambda index, metrics, interval: pushed.append((index, metrics)),
         stop_asked=lambda: stop,
         uploader=uploader or Uploader(),
+        group_id="g2",
         datasets={},
     )
     return loop_session, pushed, s
@@ -132,6 +169,7 @@ def test_a_report_copies_the_directory_and_persists_it_in_the_background(tmp_pat
     """Report 5 (the session resumed at 4): the user's directory may go at once; rank 0
     commits once both ranks' files landed (rank 1's upload stands in for its process)."""
     uploader = Uploader()
+    uploader.start_group("g2")
     loop_session, pushed, s = session(
         tmp_path,
         lambda payload: [payload, ("report", 5, True, None)],
@@ -140,10 +178,10 @@ def test_a_report_copies_the_directory_and_persists_it_in_the_background(tmp_pat
     directory = user_dir(tmp_path, "mine", "rank zero")
     loop_session.report({"loss": 0.5}, Checkpoint.from_directory(directory))
     os.remove(os.path.join(directory, "state.txt"))  # the user's tempdir goes away
-    s.upload(user_dir(tmp_path, "theirs", "rank one"), 5, rank=1)
+    s.upload(user_dir(tmp_path, "theirs", "rank one"), 5, rank=1, group="g2")
     assert uploader.drain(30)
     assert pushed == [(5, {"loss": 0.5})] and loop_session.index == 5
-    assert s.latest().index == 5 and uploader.committed == [5]
+    assert s.latest().index == 5 and uploader.failures == []
     assert len(loop_session.blocked_s) == 1
 
 
@@ -228,8 +266,8 @@ def test_a_staged_report_survives_its_directory_and_refuses_a_file_rewritten_in_
     staged = stage(directory, "run")
     assert staged.stamps  # linked, not copied: same filesystem
     shutil.rmtree(directory)
-    s.upload(staged.directory, 1, 0, verify=lambda: check_unchanged(staged))
-    assert s.commit(1, [0], {}, timeout_s=5)
+    s.upload(staged.directory, 1, 0, "g2", verify=lambda: check_unchanged(staged))
+    assert commit(s, 1, [0], {}, timeout_s=5)
     with s.latest().checkpoint.as_directory() as d:
         assert open(os.path.join(d, "state.txt")).read() == "first"
     directory = user_dir(tmp_path, "reused", "second")
@@ -237,5 +275,5 @@ def test_a_staged_report_survives_its_directory_and_refuses_a_file_rewritten_in_
     with open(os.path.join(directory, "state.txt"), "w") as f:  # torch.save to the same path
         f.write("third, rewritten")
     with pytest.raises(RewrittenDuringUpload, match=r"state.txt changed in place after report"):
-        s.upload(staged.directory, 2, 0, verify=lambda: check_unchanged(staged))
-    assert not s.commit(2, [0], {}, timeout_s=0.2) and s.latest().index == 1
+        s.upload(staged.directory, 2, 0, "g2", verify=lambda: check_unchanged(staged))
+    assert not commit(s, 2, [0], {}, timeout_s=30) and s.latest().index == 1  # at once
