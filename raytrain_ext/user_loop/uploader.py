@@ -59,15 +59,12 @@ class Uploader:
         self._jobs.put(job)
 
     def drain(self, timeout_s: float) -> bool:
-        """Wait until every queued job is done; False when ``timeout_s`` passed first."""
-        done = threading.Event()
-
-        def wait() -> None:
-            self._jobs.join()
-            done.set()
-
-        threading.Thread(target=wait, daemon=True).start()
-        return done.wait(timeout_s)
+        """Wait until every queued job is done; False when ``timeout_s`` passed first.
+        (``Queue.join`` with a timeout: the queue's own condition, no waiting thread left
+        behind when it times out.)"""
+        jobs = self._jobs
+        with jobs.all_tasks_done:
+            return jobs.all_tasks_done.wait_for(lambda: jobs.unfinished_tasks == 0, timeout_s)
 
     def _run(self) -> None:
         while True:
