@@ -5,7 +5,8 @@ its ``summary.json`` and, when it failed, ``error.log`` (the full remote traceba
 without colour codes).  The run's own ``config.yaml`` and ``summary.json`` describe the
 run's current state, so they are replaced only by an attempt that trained at least one
 step (or when the run has none yet): a resume that fails before its first step (a model
-that does not match the checkpoints) leaves them exactly as they were.  A start refused
+that does not match the checkpoints) leaves them exactly as they were.  ``metrics.jsonl``
+holds every step's record, each attempt's appended after the ones before.  A start refused
 by the preflight writes nothing at all, since it never gets here.
 
 One attempt writes at a time: :meth:`RunDirectory.begin` takes the run's lock
@@ -30,6 +31,7 @@ from raytrain_ext.run_lock import RunLock
 
 ATTEMPTS = "attempts"
 SUMMARY = "summary.json"
+METRICS = "metrics.jsonl"  # every step's record (metrics.sinks.JsonlSink), appended
 CONFIG = "config.yaml"
 ERROR_LOG = "error.log"
 

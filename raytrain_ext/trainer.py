@@ -27,14 +27,14 @@ from raytrain_ext.elastic.controller import Controller, ControllerResult, RunSta
 from raytrain_ext.errors import InputError
 from raytrain_ext.inputs.preflight import preflight
 from raytrain_ext.metrics import FanOut, MetricsSink, StdoutSink, TensorBoardSink, summarize_records
-from raytrain_ext.metrics.sinks import ReportSink, eval_fields
+from raytrain_ext.metrics.sinks import JsonlSink, ReportSink, eval_fields
 from raytrain_ext.metrics.start_phases import start_phases
 from raytrain_ext.models.sources import model_source
 from raytrain_ext.objectives import check_objective, objective_name
 from raytrain_ext.ray_group.cluster import RayCluster
 from raytrain_ext.ray_group.port import RayGroup
 from raytrain_ext.ray_session import connect_ray
-from raytrain_ext.run_dir import SUMMARY, RunDirectory, refuse_finished_run
+from raytrain_ext.run_dir import METRICS, SUMMARY, RunDirectory, refuse_finished_run
 from raytrain_ext.user_code import UserCode
 from raytrain_ext.worker.priority import with_niceness
 
@@ -168,7 +168,8 @@ class Trainer:
         sinks: List[MetricsSink] = [
             ReportSink(self.cfg.run.log_every)
             if self._user.train_loop is not None
-            else StdoutSink(self.cfg.run.log_every, self.cfg.run.max_steps)
+            else StdoutSink(self.cfg.run.log_every, self.cfg.run.max_steps),
+            JsonlSink(self.run_dir / METRICS),
         ]
         if self.cfg.run.tensorboard:
             sinks.append(TensorBoardSink(self.run_dir / "tensorboard"))

@@ -139,11 +139,12 @@ def main() -> None:
     ours, theirs, joined = [], [], []
     workdir = Path(tempfile.mkdtemp(prefix="overhead-"))
     try:
-        address = start_ray_head(workdir) if args.warm_ray else ""
-        for repeat in range(args.repeats):
+        for repeat in range(args.repeats):  # alternating, with no other Ray on the machine
             ours.append(run_raytrain_ext(workdir, args.workers, overrides, f"bench-{repeat}"))
             theirs.append(run_torchrun(workdir, args.workers, overrides))
-            if address:
+        if args.warm_ray:  # after: an idle head's daemons slowed the private Ray's start 3x
+            address = start_ray_head(workdir)
+            for repeat in range(args.repeats):
                 name = f"joined-{repeat}"
                 joined.append(run_raytrain_ext(workdir, args.workers, overrides, name, address))
     finally:

@@ -1,13 +1,15 @@
-"""One small interface for metrics, three sinks: stdout, TensorBoard, Ray metrics.
+"""One small interface for metrics, four sinks: stdout, ``metrics.jsonl``, TensorBoard,
+Ray metrics.
 
 A sink takes ``write(step, record)`` and ``close()``.  The driver feeds rank 0's
-per-step records to the stdout and TensorBoard sinks; rank 0 itself feeds the
+per-step records to the stdout, JSON-lines and TensorBoard sinks; rank 0 itself feeds the
 ``ray.util.metrics`` gauges (Prometheus through the Ray dashboard), because
 Ray exports metrics from worker processes.
 """
 
 from __future__ import annotations
 
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -105,6 +107,31 @@ class ReportSink:
 
     def close(self) -> None:
         self.stream.flush()
+
+
+class JsonlSink:
+    """Every step's whole record, one JSON object a line, appended to ``path``.
+
+    Why: the summary keeps medians, and a step that was slow for a moment (a process
+    starting beside the ranks, a save) hides in a median; each line carries its step's
+    ``phases_s``, which add up to its ``step_time_s``.  A resumed run appends to the same
+    file, so a step may appear twice (before and after a rollback or restart): its
+    ``time`` says which came last.  Lines are written as they arrive (line-buffered), so
+    a driver that dies leaves every record it had; a run that made no step writes none
+    (the file is opened at the first record)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.file: TextIO | None = None
+
+    def write(self, step: int, record: Mapping[str, Any]) -> None:
+        if self.file is None:
+            self.file = self.path.open("a", buffering=1)
+        self.file.write(json.dumps(dict(record), default=str) + "\n")
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
 
 
 class TensorBoardSink:

@@ -49,6 +49,12 @@ def test_cli_trains_logs_from_rank0_and_writes_the_run_dir(tmp_path):
     assert "Traceback" not in cli.stdout + cli.stderr  # a finished run keeps no state
     assert_start_is_accounted(summary)
     assert [w["niceness"] for w in summary["workers"]] == [15, 15]
+    # every step's record, its phases adding up to its time
+    lines = (tmp_path / "cli" / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    for r in records:
+        assert sum(r["phases_s"].values()) == pytest.approx(r["step_time_s"], abs=1e-9)
 
 
 def assert_start_is_accounted(summary):
@@ -135,6 +141,12 @@ def test_killed_cli_run_resumed_by_the_job_entrypoint_ends_as_if_uninterrupted(t
     a = uninterrupted(STEPS, *FAST_MODEL)["result"]
     assert b["restored"]["step"] >= 10 and b["steps_completed"] == STEPS
     assert b["params_sha256"] == a["params_sha256"] and b["samples_digest"] == a["samples_digest"]
+    # the killed attempt's records stay; the resumed one's follow them from its checkpoint
+    lines = (tmp_path / "victim" / "metrics.jsonl").read_text().splitlines()
+    steps = [json.loads(line)["step"] for line in lines]
+    resumed_steps = list(range(b["restored"]["step"] + 1, STEPS + 1))
+    killed = len(steps) - len(resumed_steps)  # as many as its driver had received
+    assert killed >= 1 and steps == list(range(1, killed + 1)) + resumed_steps
 
 
 def assert_resumes_where_it_stopped(cmd, run_dir, stopped):

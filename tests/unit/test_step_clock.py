@@ -1,10 +1,12 @@
 """The step clock: a step's phases add up to its time, whatever was measured inside what."""
 
+import json
 import time
+from pathlib import Path
 
 import pytest
 
-from raytrain_ext.metrics.sinks import median_phases
+from raytrain_ext.metrics.sinks import JsonlSink, median_phases
 from raytrain_ext.train.step_clock import PHASES, StepClock
 
 
@@ -29,3 +31,18 @@ def test_the_summary_takes_each_phase_median():
     records = [{"phases_s": {"data": d, "bookkeeping": 1.0}} for d in (1.0, 5.0, 2.0)]
     assert median_phases(records + [{"step": 4}]) == {"data": 2.0, "bookkeeping": 1.0}
     assert median_phases([{"step": 1}]) == {}
+
+
+def test_every_record_is_one_json_line_appended_and_no_step_writes_no_file(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    idle = JsonlSink(path)
+    idle.close()
+    assert not path.exists()
+    for steps in ((1, 2), (2, 3)):  # a resume appends after the earlier attempt's lines
+        sink = JsonlSink(path)
+        for step in steps:
+            sink.write(step, {"step": step, "phases_s": {"data": 0.5}, "restored": Path("x")})
+        sink.close()
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 2, 3]
+    assert records[0] == {"step": 1, "phases_s": {"data": 0.5}, "restored": "x"}
