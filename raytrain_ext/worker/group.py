@@ -134,15 +134,11 @@ class WorkerGroup:
         self.spares = [self._create_spare(i) for i in range(num_workers, total)]
         self.vacant, self.unplaced = [], {}
         infos = ray.get([a.node_info.remote() for a in actors])
+        self._form(list(zip(actors, range(num_workers), infos, strict=True)), form)
         self._runtime_env_string = None
         if self.process_pool is not None:  # asked now, while every rank is one started as such
-            ref = actors[0].serialized_runtime_env.remote()
+            ref = self.actors[0].serialized_runtime_env.remote()
             self._runtime_env_string = ray.get(ref, timeout=30)
-            # stocked while the group forms: at the first step (as after a recovery), the
-            # process's start at its raylet's niceness, before its setup hook runs, cost
-            # steps 3-5 of the 20m HF bench 0.35 s here, where the ranks use every core
-            self.process_pool.stock({i.node_id for i in infos}, self._runtime_env_string)
-        self._form(list(zip(actors, range(num_workers), infos, strict=True)), form)
 
     def reform(
         self,

@@ -67,15 +67,16 @@ def test_workers_get_torchrun_environment_and_one_gloo_group(ray_local):
 
 @pytest.mark.slow
 def test_a_killed_rank_is_replaced_by_the_idle_warmed_process_the_pool_kept(ray_local):
-    """Asked as the group starts (and after a recovery's first step, by the controller), the
-    pool keeps an idle worker process with torch imported on the gang's node; a rank
-    SIGKILLed from outside is replaced by exactly that process (no interpreter start), the
-    new group works, and the pool is stocked again afterwards."""
+    """Once asked (after a group's first step, by the controller), the pool keeps an idle
+    worker process with torch imported on the gang's node; a rank SIGKILLed from outside is
+    replaced by exactly that process (no interpreter start), the new group works, and the
+    pool is stocked again afterwards."""
     group = WorkerGroup({"CPU": 1}, process_pool=ProcessPool(keep_alive_s=600))
     form = FormOptions("auto", timeout_s=30, placement_timeout_s=30)
     try:
         before = idle_processes_with_torch()  # a task's worker: never given to an actor
         group.start(2, form)
+        group.replenish(0)
         idle = wait_until(lambda: idle_processes_with_torch() - before, "stocked process", 90)
         os.kill(group.infos[1].pid, signal.SIGKILL)
         wait_until(lambda: not psutil.pid_exists(group.infos[1].pid), "death of rank 1", 90)
