@@ -7,6 +7,11 @@ import time
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+# Ray Train, the peer some tests compare results with, polls its workers every 2 s by
+# default and each report waits for a poll; its results do not depend on the pace (10 s
+# of the quick-start comparison's 50 s here).  Read by its controller, a Ray worker that
+# inherits the environment of the process that started Ray.
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
 
 import pytest  # noqa: E402
 

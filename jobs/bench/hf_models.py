@@ -180,9 +180,13 @@ def print_training(runs: Dict[str, List[Dict]], header: str) -> None:
     print(f"{'final loss':26}" + "".join(f"{loss[n]:14.4f}" for n in names))
     ours = names[0]
     for other in names[1:]:
+        pairs = ", ".join(  # runs made one after the other: the drift between them is least
+            f"{a['median_step_s'] / b['median_step_s']:.3f}"
+            for a, b in zip(runs[ours], runs[other], strict=True)
+        )
         print(
-            f"{ours} / {other}: step time {best[ours] / best[other]:.3f}, "
-            f"command to 1st step {first[ours] / first[other]:.3f}"
+            f"{ours} / {other}: step time {best[ours] / best[other]:.3f} (run by run: "
+            f"{pairs}), command to 1st step {first[ours] / first[other]:.3f}"
         )
 
 

@@ -162,6 +162,10 @@ def main() -> None:
     for label, runs in (("raytrain-ext", ours), ("torchrun DDP", theirs)):
         medians = ", ".join(f"{r['median_step_s'] * 1e3:.1f}" for r in runs)
         print(f"  {label} median step per run (ms): {medians}")
+    pairs = ", ".join(  # each run of ours against the torchrun run right after it
+        f"{a['median_step_s'] / b['median_step_s']:.3f}" for a, b in zip(ours, theirs, strict=True)
+    )
+    print(f"  ratio run by run: {pairs}")
     first_ours = min(r["first_step_s"] for r in ours)
     first_theirs = min(r["first_step_s"] for r in theirs)
     print(
