@@ -26,6 +26,7 @@ from raytrain_ext.data.stream_input import is_stream, start_stream_reader, strea
 from raytrain_ext.elastic.controller import Controller, ControllerResult, RunState
 from raytrain_ext.errors import InputError
 from raytrain_ext.inputs.preflight import preflight
+from raytrain_ext.messages import FitResult
 from raytrain_ext.metrics import FanOut, MetricsSink, StdoutSink, TensorBoardSink, summarize_records
 from raytrain_ext.metrics.sinks import JsonlSink, ReportSink, eval_fields
 from raytrain_ext.metrics.start_phases import start_phases
@@ -306,7 +307,7 @@ def build_summary(
         "stream_fingerprint": ranks[0].stream_fingerprint if ranks else None,
         "replicas_identical": len(hashes) == 1 if ranks else None,
         "restored": ranks[0].restored if ranks else None,
-        "checkpoint": ranks[0].checkpoint if ranks else None,
+        "checkpoint": checkpoint_stats(ranks),
         "checkpoint_stall_s": sum(r.get("ckpt_stall_s", 0.0) for r in records),
         "backend": result.backend,
         "config_digest": config_digest(cfg),
@@ -318,6 +319,20 @@ def build_summary(
         "step_end_times": [[r["step"], r["time"]] for r in records],
     }
     return summary
+
+
+def checkpoint_stats(ranks: List[FitResult]) -> Optional[Dict[str, Any]]:
+    """Rank 0's checkpoint stats; for a user's loop, whose every rank uploads its own
+    files (``user_loop.uploader``), the upload failures of every rank, each naming it."""
+    stats = ranks[0].checkpoint if ranks else None
+    if stats is None or "upload_failures" not in stats:
+        return stats
+    failures = [
+        f"rank {r.rank}: {failure}"
+        for r in ranks
+        for failure in (r.checkpoint or {}).get("upload_failures", [])
+    ]
+    return {**stats, "upload_failures": failures}
 
 
 def _start_phases(start: float, marks: Dict[str, float], result: ControllerResult) -> Dict:

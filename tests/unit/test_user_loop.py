@@ -85,6 +85,23 @@ def rewritten():
     raise RewrittenDuringUpload("state.txt changed in place")
 
 
+def test_the_summary_names_every_ranks_upload_failures_not_only_rank_0s():
+    from raytrain_ext.messages import FitResult
+    from raytrain_ext.trainer import checkpoint_stats
+
+    def ranked(rank, *failures):
+        stats = {"reports_with_checkpoint": 2, "upload_failures": list(failures)}
+        return FitResult(rank=rank, steps=2, checkpoint=stats)
+
+    ranks = [ranked(0), ranked(1, "report 2: RewrittenDuringUpload: state.txt"), ranked(2)]
+    assert checkpoint_stats(ranks) == {
+        "reports_with_checkpoint": 2,
+        "upload_failures": ["rank 1: report 2: RewrittenDuringUpload: state.txt"],
+    }
+    built_in = [FitResult(rank=r, steps=2, checkpoint={"saves": 1}) for r in (0, 1)]
+    assert checkpoint_stats(built_in) == {"saves": 1} and checkpoint_stats([]) is None
+
+
 def test_a_new_group_discards_what_earlier_groups_left_after_its_checkpoint(tmp_path):
     s = storage(tmp_path)
     commit_losses(s, tmp_path, [0.5, 0.4])
