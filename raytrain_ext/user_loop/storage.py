@@ -118,13 +118,19 @@ class RunStorage:
     ) -> bool:
         """Write ``index``'s commit record once every rank in ``ranks`` uploaded in
         ``group`` (polled); False, and nothing written, as soon as one's upload failed,
-        once ``still_wanted()`` is False (a new group started) or after ``timeout_s``."""
+        once ``still_wanted()`` is False (a new group started) or after ``timeout_s``.
+        Each poll reads only the markers not landed yet (a rank writes one marker per
+        upload, so one that landed stays landed)."""
         deadline = time.monotonic() + timeout_s
+        pending = list(ranks)
         while True:
-            states = [self._upload_state(index, rank, group) for rank in ranks]
-            if all(state == UPLOADED for state in states):
+            states = {rank: self._upload_state(index, rank, group) for rank in pending}
+            if FAILED in states.values():
+                return False
+            pending = [rank for rank, state in states.items() if state != UPLOADED]
+            if not pending:
                 break
-            if FAILED in states or not still_wanted() or time.monotonic() > deadline:
+            if not still_wanted() or time.monotonic() > deadline:
                 return False
             time.sleep(0.1)
         record = {"index": index, "metrics": metrics, "ranks": list(ranks)}
@@ -145,10 +151,10 @@ class RunStorage:
                     self.fs.delete_file(info.path)
 
     def _upload_state(self, index: int, rank: int, group: str) -> Optional[str]:
-        marker = self._uploaded(index, rank)
-        if self._read(marker + FAILED) == group.encode():
-            return FAILED
-        return UPLOADED if self._read(marker) == group.encode() else None
+        marker, wanted = self._uploaded(index, rank), group.encode()
+        if self._read(marker) == wanted:  # the usual case: one read
+            return UPLOADED
+        return FAILED if self._read(marker + FAILED) == wanted else None
 
     def committed(self) -> List[Committed]:
         """Every committed checkpoint, oldest first."""
