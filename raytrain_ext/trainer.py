@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from raytrain_ext.checkpoint.tiers.memory import start_memory_tier, stop_memory_tier
 from raytrain_ext.config import config_digest, load_config, to_yaml
 from raytrain_ext.data.ray_input import materialise_dataset
+from raytrain_ext.data.row_input import start_row_readers
 from raytrain_ext.data.stream_input import is_stream, start_stream_reader, stream_config, streams
 from raytrain_ext.elastic.controller import Controller, ControllerResult, RunState
 from raytrain_ext.errors import InputError
@@ -87,6 +88,7 @@ class Trainer:
         self._stop_reason: Optional[str] = None
         self._interrupt_reason: Optional[str] = None
         self._marks: Dict[str, float] = {}  # this fit's moments (metrics.start_phases)
+        self._pinned: list = []  # the dataset readers' datasets, held while fit runs
         self.run_dir = Path(self.cfg.run.output_dir) / self.cfg.run.name
         # the summary that describes the last fit(): the run's, or its attempt's alone when
         # that attempt trained no step (the run's summary then keeps the earlier attempt's)
@@ -138,13 +140,17 @@ class Trainer:
         self._marks = {"ray_connecting_at": time.time()}
         started_ray = connect_ray(self.cfg.scaling.ray_address)
         self._marks["ray_connected_at"] = time.time()
-        run_actors: list = []  # the memory tier's and the stream reader: this fit's
+        run_actors: list = []  # the memory tier's and the dataset readers: this fit's
         sink = FanOut([])
         try:
             self.cfg = resolve_cluster_defaults(self.cfg)
             run_actors = self._start_memory_tier()
             if is_stream(self.cfg.data.path):
                 run_actors.append(start_stream_reader(self.cfg, self._dataset))
+            if self._user.train_loop is not None:
+                loop = self._user.train_loop
+                readers, self._pinned = start_row_readers(loop.experiment_name, loop.datasets)
+                run_actors += readers
             sink = FanOut(self._sinks())
             self._controller = Controller(
                 self.cfg,
@@ -160,6 +166,7 @@ class Trainer:
         finally:
             sink.close()
             stop_memory_tier(run_actors)
+            self._pinned = []
             if started_ray:
                 import ray
 

@@ -13,11 +13,16 @@ Scenarios (``--scenario``, default all):
   every 5 epochs, and the wall time of that run.
 - ``kill``: 2 workers on one node, SIGKILL rank 1's process at epoch FAULT_AT: fault ->
   first report after, epochs redone, whether rank 0 kept its process.
+- ``data``: 2 workers, no fault, a loop fed by ``get_dataset_shard`` alone
+  (``range_tensor`` rows of 256 floats, batches of DATA_BATCH, the same MLP step per
+  batch, a report per epoch): the median epoch after the first, rows per second, and
+  the first epoch (the dataset's first execution); Ray Train's ``streaming_split``
+  against our reader actor.
 - ``node-loss``: a 3-node cluster (1 CPU each), ``num_workers=(2, 3)``, rank 2's node
   SIGKILLed at epoch FAULT_AT and a fresh node added 3 s later: fault -> first report
   after, epochs redone, and the grow-back (the last report at 2 workers -> the first at 3).
 
-Usage: ``python jobs/bench/ray_train_loop.py [--scenario steady|kill|node-loss|all]
+Usage: ``python jobs/bench/ray_train_loop.py [--scenario steady|kill|data|node-loss|all]
 [--repeats 1] [--state-mb 300]``.  Nothing else should run on the machine.
 """
 
@@ -42,6 +47,7 @@ from recovery_scaling import Background, ray_cluster, wait_for  # noqa: E402
 
 APIS = {"Ray Train": "ray.train", "raytrain_ext": "raytrain_ext.train"}
 BATCHES, FAULT_AT, EPOCHS = 12, 10, 40
+DATA_ROWS, DATA_BATCH, DATA_EPOCHS = 16384, 64, 6
 
 
 def bench_loop(config: dict) -> None:
@@ -82,6 +88,58 @@ def bench_loop(config: dict) -> None:
         _note(config["log_dir"], rank, world, epoch, start, begun, blocked if saved else None)
 
 
+def data_loop(config: dict) -> None:
+    """The ``data`` scenario's loop: every batch of the rank's shard through one MLP step."""
+    import torch
+    from torch import nn
+
+    train = importlib.import_module(config["api"])
+    train_torch = importlib.import_module(config["api"] + ".torch")
+    context = train.get_context()
+    torch.manual_seed(0)
+    model = train_torch.prepare_model(
+        nn.Sequential(nn.Linear(256, 2048), nn.ReLU(), nn.Linear(2048, 256))
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    shard = train.get_dataset_shard("train")
+    for epoch in range(DATA_EPOCHS):
+        begun, taken = time.time(), 0
+        for batch in shard.iter_torch_batches(batch_size=DATA_BATCH):
+            x = batch["data"].float() / DATA_ROWS
+            loss = ((model(x) - x) ** 2).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            taken += len(x)
+        train.report({"epoch": epoch, "rows": taken})
+        rank, world = context.get_world_rank(), context.get_world_size()
+        _note(config["log_dir"], rank, world, epoch, 0, begun, None, rows=taken)
+
+
+def data(api: str, work: Path, state_mb: int) -> Dict[str, float]:
+    """No fault, a loop fed by get_dataset_shard (module doc)."""
+    import ray
+
+    log_dir = work / "data"
+    log_dir.mkdir(parents=True)
+    train = importlib.import_module(api)
+    run = importlib.import_module(api + ".torch").TorchTrainer(
+        data_loop,
+        train_loop_config={"api": api, "log_dir": str(log_dir)},
+        scaling_config=train.ScalingConfig(num_workers=2),
+        run_config=train.RunConfig(name="data", storage_path=str(work / "storage")),
+        datasets={"train": ray.data.range_tensor(DATA_ROWS, shape=(256,))},
+    )
+    run.fit()
+    rank0 = [r for r in rows(log_dir) if r["rank"] == 0]
+    later = statistics.median(r["epoch_s"] for r in rank0[1:])
+    return {
+        "first_epoch_s": rank0[0]["epoch_s"],
+        "epoch_s": later,
+        "rows_per_s": 2 * rank0[1]["rows"] / later,
+    }
+
+
 def _restore(checkpoint, model, optimizer) -> int:
     import torch
 
@@ -95,10 +153,11 @@ def _restore(checkpoint, model, optimizer) -> int:
     return state["epoch"] + 1
 
 
-def _note(log_dir, rank, world, epoch, start, begun, blocked) -> None:
+def _note(log_dir, rank, world, epoch, start, begun, blocked, **extra) -> None:
     import ray
 
     row = {
+        **extra,
         "rank": rank,
         "world": world,
         "epoch": epoch,
@@ -240,7 +299,12 @@ def _epoch_rows(log_dir: Path, epoch: int):
     return found if any(r["epoch"] >= epoch for r in found) else None
 
 
-SCENARIOS: Dict[str, Callable] = {"steady": steady, "kill": kill, "node-loss": node_loss}
+SCENARIOS: Dict[str, Callable] = {
+    "steady": steady,
+    "kill": kill,
+    "data": data,
+    "node-loss": node_loss,
+}
 
 
 def report(name: str, results: Dict[str, List[Dict[str, float]]]) -> None:
@@ -275,14 +339,14 @@ def main() -> None:
         for repeat in range(args.repeats):
             for label, api in APIS.items():  # alternating, Ray Train first
                 with tempfile.TemporaryDirectory(prefix="ray-train-loop-") as tmp:
-                    if name == "steady":
+                    if name in ("steady", "data"):
                         import ray
 
                         ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
                     try:
                         figures = SCENARIOS[name](api, Path(tmp), args.state_mb)
                     finally:
-                        if name == "steady":
+                        if name in ("steady", "data"):
                             ray.shutdown()
                     results[label].append(figures)
                     print(f"{name} run {repeat} {label}: {figures}", flush=True)

@@ -5,5 +5,6 @@
 (Ray Train's config objects -> a run of the elastic controller), ``function_loop`` on
 each rank (the user's function in place of the built-in loop), ``session`` (what
 ``report`` and friends reach from inside it), ``checkpoint`` and ``storage`` (reported
-directories, persisted in the background).
+directories, persisted in the background), ``dataset_shard`` (``get_dataset_shard``: each
+dataset read once, in a world-size-independent order, resumed where a checkpoint left it).
 """

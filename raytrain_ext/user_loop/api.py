@@ -36,7 +36,9 @@ def get_context() -> TrainContext:
 
 
 def get_dataset_shard(name: str) -> Any:
-    """This rank's ``DataIterator`` over ``TorchTrainer(datasets={name: ...})``: Ray Data's
-    ``streaming_split`` of the dataset, as under Ray Train (``iter_batches``,
-    ``iter_torch_batches``; a re-formed group starts the epoch over)."""
+    """This rank's shard of ``TorchTrainer(datasets={name: ...})``, with Ray Data's
+    ``DataIterator`` methods (``iter_batches``, ``iter_torch_batches``, ``iter_rows``) and
+    the rows per rank of Ray Train's ``streaming_split(equal=True)``; unlike it, a re-formed
+    group or a restarted run resumes each dataset where the checkpoint it resumes from left
+    it (``user_loop.dataset_shard``)."""
     return current_session("get_dataset_shard").get_dataset_shard(name)

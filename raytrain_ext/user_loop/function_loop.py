@@ -20,9 +20,11 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Tuple
 import torch.distributed as dist
 
 from raytrain_ext.checkpoint.manager import REQUEST_EMERGENCY, SaveRequests
+from raytrain_ext.data.row_input import reader_name
 from raytrain_ext.errors.text import is_peer_loss
 from raytrain_ext.messages import FitResult, StepReport
 from raytrain_ext.user_loop.checkpoint import Checkpoint
+from raytrain_ext.user_loop.dataset_shard import DatasetShard, positions_of
 from raytrain_ext.user_loop.loop_function import LoopFunction
 from raytrain_ext.user_loop.session import (
     PAUSE,
@@ -37,6 +39,9 @@ from raytrain_ext.user_loop.uploader import COMMIT_TIMEOUT_S, process_uploader
 
 if TYPE_CHECKING:
     from raytrain_ext.worker.rendezvous import WorkerEnv
+
+
+Positions = Dict[str, Tuple[int, int]]
 
 
 class UserLoopError(RuntimeError):
@@ -89,7 +94,7 @@ class FunctionLoop:
         # reads the newest (bounded: well within the group's collective timeout)
         uploader.drain(self.cfg.parallel.timeout_s / 4)
         self._all_gather(("drained",), group)
-        index, checkpoint, group_id = self._starting_point(group)
+        index, checkpoint, group_id, positions = self._starting_point(group)
         uploader.start_group(group_id)
         session = LoopSession(
             self._context(),
@@ -100,7 +105,7 @@ class FunctionLoop:
             stop_asked=self._stop_asked,
             uploader=uploader,
             group_id=group_id,
-            datasets=self._dataset_shards(group),
+            datasets=self._dataset_shards(group_id, positions),
         )
         set_session(session)
         self._mark("compute")
@@ -140,10 +145,11 @@ class FunctionLoop:
         deadline = self.requests.deadline
         return 0.0 if deadline is None else max(0.0, deadline - time.time())
 
-    def _starting_point(self, group) -> Tuple[int, Optional[Checkpoint], str]:
+    def _starting_point(self, group) -> Tuple[int, Optional[Checkpoint], str, Positions]:
         """Rank 0's newest committed checkpoint (index 0 and ``resume_from_checkpoint``
-        when the run has none) and a new id for this group, the same on every rank; rank 0
-        first removes what earlier groups left beyond that checkpoint."""
+        when the run has none), the dataset positions committed with it, and a new id for
+        this group, the same on every rank; rank 0 first removes what earlier groups left
+        beyond that checkpoint."""
         started = time.time()
         found: list = [None]
         if self.env.rank == 0:
@@ -152,31 +158,29 @@ class FunctionLoop:
             index = 0 if latest is None else latest.index
             storage.discard_after(index)
             checkpoint = self.spec.resume_from if latest is None else latest.checkpoint
-            found = [(index, checkpoint, uuid.uuid4().hex[:12])]
+            positions = positions_of(None if latest is None else latest.positions)
+            found = [(index, checkpoint, uuid.uuid4().hex[:12], positions)]
         dist.broadcast_object_list(found, src=0, group=group)
-        index, checkpoint, group_id = found[0]
+        index, checkpoint, group_id, positions = found[0]
         if index:
             self.restored = {"step": index, "tier": "storage", "total_s": time.time() - started}
-        return index, checkpoint, group_id
+        return index, checkpoint, group_id, positions
 
-    def _dataset_shards(self, group) -> Dict[str, Any]:
-        """This rank's split of each dataset, as Ray Train makes them: rank 0 calls
-        ``streaming_split(world_size, equal=True)`` once per group and hands each rank its
-        iterator (a handle to the split's coordinator actor).  A new group splits again,
-        so a re-formed group starts each dataset's epoch over, as a Ray Train restart does."""
-        if not self.spec.datasets:
-            return {}
-        splits: list = [None]
-        if self.env.rank == 0:
-            world = self.env.world_size
-            splits = [
-                {
-                    name: ds.streaming_split(world, equal=True)
-                    for name, ds in self.spec.datasets.items()
-                }
-            ]
-        dist.broadcast_object_list(splits, src=0, group=group)
-        return {name: shards[self.env.rank] for name, shards in splits[0].items()}
+    def _dataset_shards(self, group_id: str, positions: Positions) -> Dict[str, DatasetShard]:
+        """This rank's shard of each dataset, read from the run's reader of it
+        (``dataset_shard``), from where the checkpoint the group resumes from left it."""
+        return {
+            name: DatasetShard(
+                name,
+                reader_name(self.spec.experiment_name, name),
+                rank=self.env.rank,
+                world=self.env.world_size,
+                group=group_id,
+                position=positions.get(name, (0, 0)),
+                timeout_s=self.cfg.parallel.timeout_s,
+            )
+            for name in self.spec.datasets
+        }
 
     def _context(self) -> TrainContext:
         e = self.env

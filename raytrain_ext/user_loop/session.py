@@ -22,11 +22,15 @@ import numpy as np
 import torch
 
 from raytrain_ext.user_loop.checkpoint import Checkpoint
+from raytrain_ext.user_loop.dataset_shard import DatasetShard, shard_positions
 from raytrain_ext.user_loop.staging import Staged, stage
 from raytrain_ext.user_loop.storage import RunStorage
 from raytrain_ext.user_loop.uploader import Uploader, UploadJob
 
 REPORT, RETURNED = "report", "returned"
+# a report's payload, gathered from every rank: (kind, index, has a checkpoint, the stop
+# it asks for, every dataset's position)
+KIND, INDEX, HAS_CHECKPOINT, STOP, POSITIONS = range(5)
 PAUSE, PREEMPT, PREEMPT_NOW = "pause", "preempt", "preempt-now"
 
 
@@ -35,8 +39,8 @@ def stop_here(gathered: List[Tuple]) -> Optional[str]:
     any rank stops every rank at the next report that carries a checkpoint (nothing is
     then redone after the re-form), a preemption whose grace ran out at the next report.
     A loop that never checkpoints is therefore never paused to grow."""
-    asked = [stop for (_, _, _, stop) in gathered if stop is not None]
-    checkpointed = any(has for (_, _, has, _) in gathered)
+    asked = [g[STOP] for g in gathered if g[STOP] is not None]
+    checkpointed = any(g[HAS_CHECKPOINT] for g in gathered)
     if PREEMPT_NOW in asked:
         return PREEMPT
     if asked and checkpointed:
@@ -150,7 +154,7 @@ class LoopSession:
         stop_asked: Callable[[], Optional[str]],
         uploader: Uploader,
         group_id: str,
-        datasets: Dict[str, Any],
+        datasets: Dict[str, DatasetShard],
     ):
         self.context = context
         self.index = start_index
@@ -168,8 +172,10 @@ class LoopSession:
         index = self.index + 1
         started = time.time()
         staged = None if checkpoint is None else self._stage(checkpoint)
+        positions = shard_positions(self._datasets)
         try:
-            gathered = self._exchange((REPORT, index, staged is not None, self._stop_asked()))
+            payload = (REPORT, index, staged is not None, self._stop_asked(), positions)
+            gathered = self._exchange(payload)
             self.check_agreement(gathered, REPORT, index)
         except BaseException:
             if staged is not None:  # never queued: nobody else removes it
@@ -177,11 +183,11 @@ class LoopSession:
             raise
         self.index = index
         rank = self.context.world_rank
-        uploading = [r for r, (_, _, has, _) in enumerate(gathered) if has]
+        uploading = [r for r, g in enumerate(gathered) if g[HAS_CHECKPOINT]]
         commit = uploading if rank == 0 else []
         if staged is not None or commit:
             job = UploadJob(
-                self.context.storage, index, rank, self._group_id, staged, commit, plain
+                self.context.storage, index, rank, self._group_id, staged, commit, plain, positions
             )
             self._uploader.submit(job)
         if staged is not None:
@@ -199,7 +205,7 @@ class LoopSession:
         run."""
         return self._checkpoint
 
-    def get_dataset_shard(self, name: str) -> Any:
+    def get_dataset_shard(self, name: str) -> DatasetShard:
         if name not in self._datasets:
             known = ", ".join(sorted(self._datasets)) or "none"
             raise KeyError(
@@ -210,12 +216,14 @@ class LoopSession:
 
     def finish(self) -> None:
         """The function returned: agree that every rank did, at the same report."""
-        gathered = self._exchange((RETURNED, self.index, False, None))
+        gathered = self._exchange((RETURNED, self.index, False, None, {}))
         self.check_agreement(gathered, RETURNED, self.index)
 
     def check_agreement(self, gathered: List[Tuple], kind: str, index: int) -> None:
-        """Every rank made the same call at the same index, else ``ReportMismatch``."""
-        if all(g[0] == kind and g[1] == index for g in gathered):
+        """Every rank made the same call at the same index, else ``ReportMismatch``; and
+        at a report, every rank is at the same place in every dataset."""
+        if all(g[KIND] == kind and g[INDEX] == index for g in gathered):
+            self._check_positions(gathered, index)
             return
         calls: Dict[Tuple[str, int], List[int]] = {}
         for rank, g in enumerate(gathered):
@@ -228,6 +236,18 @@ class LoopSession:
             f"the ranks did not make the same report: {said}. Every rank must call "
             "raytrain_ext.train.report the same number of times (pass checkpoint=None on the "
             "ranks that have nothing to save)."
+        )
+
+    @staticmethod
+    def _check_positions(gathered: List[Tuple], index: int) -> None:
+        if all(g[POSITIONS] == gathered[0][POSITIONS] for g in gathered):
+            return
+        said = "; ".join(f"rank {r}: {g[POSITIONS]}" for r, g in enumerate(gathered))
+        raise ReportMismatch(
+            f"at report #{index} the ranks are at different places in their dataset shards "
+            f"([epoch, row] of each dataset: {said}). Every rank must take the same number of "
+            "batches of each get_dataset_shard between reports (the same batch_size on every "
+            "rank; leave a loop over a shard on every rank alike)."
         )
 
     def _stage(self, checkpoint: Checkpoint) -> Staged:

@@ -4,8 +4,8 @@ Layout and commit rule (the invariant ``get_checkpoint`` and ``Result`` rely on)
 each rank that passed a directory to report ``N`` uploads its files into
 ``checkpoint_N/`` (the user's files only) and then writes
 ``.uploads/checkpoint_N.rank-<r>`` holding its group's id (``.failed`` appended when the
-upload failed); rank 0 writes ``.committed/checkpoint_N.json`` (the report's index, metrics
-and uploading ranks) only once every uploading rank's marker holds *this* group's id.  A
+upload failed); rank 0 writes ``.committed/checkpoint_N.json`` (the report's index, metrics,
+uploading ranks and each dataset shard's position) only once every uploading rank's marker holds *this* group's id.  A
 checkpoint without its commit record is never returned: an upload that failed or a rank
 lost mid-upload leaves it uncommitted, and a marker an earlier group left at the same
 index (a group that rewound past it, an earlier ``fit``) never counts.  A new group's rank
@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import pyarrow.fs as pafs
@@ -51,6 +51,7 @@ class Committed:
     metrics: Dict[str, Any]
     checkpoint: Checkpoint
     ranks: Sequence[int] = ()  # the ranks whose files it holds
+    positions: Dict[str, Any] = field(default_factory=dict)  # each dataset shard's [epoch, row]
 
 
 def storage_root(storage_path: str, name: str, filesystem: Optional[pafs.FileSystem]):
@@ -112,6 +113,7 @@ class RunStorage:
         index: int,
         ranks: Sequence[int],
         metrics: Dict[str, Any],
+        positions: Dict[str, Any],
         group: str,
         still_wanted: Callable[[], bool],
         timeout_s: float,
@@ -133,7 +135,7 @@ class RunStorage:
             if not still_wanted() or time.monotonic() > deadline:
                 return False
             time.sleep(0.1)
-        record = {"index": index, "metrics": metrics, "ranks": list(ranks)}
+        record = {"index": index, "metrics": metrics, "ranks": list(ranks), "positions": positions}
         self._write(self._commit_record(index), json.dumps(record).encode())
         return True
 
@@ -165,7 +167,10 @@ class RunStorage:
             if record is not None:
                 index = record["index"]
                 checkpoint = Checkpoint(self.directory(index), self.fs)
-                found.append(Committed(index, record["metrics"], checkpoint, record["ranks"]))
+                positions = record.get("positions", {})  # none: a record of an earlier version
+                found.append(
+                    Committed(index, record["metrics"], checkpoint, record["ranks"], positions)
+                )
         return sorted(found, key=lambda c: c.index)
 
     def latest(self) -> Optional[Committed]:

@@ -40,6 +40,7 @@ class UploadJob:
     staged: Optional[Staged]
     commit_ranks: Sequence[int] = ()
     metrics: Dict[str, Any] = field(default_factory=dict)
+    positions: Dict[str, List[int]] = field(default_factory=dict)  # of each dataset shard
 
 
 class Uploader:
@@ -95,6 +96,7 @@ class Uploader:
             job.index,
             job.commit_ranks,
             job.metrics,
+            job.positions,
             job.group,
             still_wanted=lambda: self.group == job.group,
             timeout_s=COMMIT_TIMEOUT_S,

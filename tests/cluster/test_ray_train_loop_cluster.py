@@ -1,11 +1,13 @@
 """A Ray Train loop (raytrain_ext.train.TorchTrainer) on a 3-node cluster, checkpoints on
 S3, through faults from outside: a SIGKILLed worker, a removed node and its grow-back.
 
-The loop is Ray Train's quick start (tests/helpers/ray_train_loops.py) with a checkpoint
-every CADENCE epochs; what is asserted is what a user of Ray Train would look at: the run
-completes, rank 0 keeps its process through every fault (it reports its pid), and the
-metrics history repeats no epoch beyond what the checkpoint cadence implies (nothing at
-all for the grow-back, which stops at a checkpointed report).
+The loop is fed by ``get_dataset_shard`` of a Ray Dataset alone
+(tests/helpers/ray_train_loops.py: one report per batch, a checkpoint every CADENCE);
+what is asserted is what a user of Ray Train would look at: the run completes, rank 0
+keeps its process through every fault (it reports its pid), the metrics history repeats
+no report beyond what the checkpoint cadence implies (nothing at all for the grow-back,
+which stops at a checkpointed report), and every row stands exactly once per epoch
+although the group took its rounds at world sizes 3, 2 and 3 again.
 """
 
 import os
@@ -16,12 +18,12 @@ import pyarrow.fs as pafs
 import pytest
 
 from tests.helpers.leaks import assert_nothing_left
-from tests.helpers.ray_train_loops import OURS, quickstart_loop
+from tests.helpers.ray_train_loops import OURS, dataset_loop, line_rows, standing_ids
 from tests.helpers.runs import FitThread, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 
-BUCKET, EPOCHS, CADENCE = "loops", 60, 3
+BUCKET, EPOCHS, CADENCE, ROWS = "loops", 7, 3, 120
 
 
 def s3(endpoint: str) -> pafs.S3FileSystem:
@@ -55,6 +57,8 @@ def running_at(run, size: int, after: int) -> bool:
 def test_a_ray_train_loop_survives_a_kill_a_lost_node_and_grows_back(
     ray_cluster, s3_endpoint, tmp_path
 ):
+    import ray
+
     import raytrain_ext.train as train
 
     nodes = {}
@@ -63,13 +67,15 @@ def test_a_ray_train_loop_survives_a_kill_a_lost_node_and_grows_back(
         nodes[node.node_id] = node
     ray_cluster.wait_for_nodes()
     run = train.TorchTrainer(
-        quickstart_loop,
+        dataset_loop,
         train_loop_config={
             "api": OURS,
             "epochs": EPOCHS,
-            "checkpoint_every": CADENCE,
+            "batch_size": 2,
+            "every": CADENCE,
             "step_sleep_s": 0.03,
         },
+        datasets={"train": ray.data.from_items(line_rows(ROWS))},
         scaling_config=train.ScalingConfig(num_workers=(2, 3), placement_strategy="SPREAD"),
         run_config=train.RunConfig(
             name="loop",
@@ -80,7 +86,10 @@ def test_a_ray_train_loop_survives_a_kill_a_lost_node_and_grows_back(
         ),
     )
     with FitThread(run) as thread:
-        wait_until(lambda: running_at(run, 3, 3), "three reports by three workers")
+        wait_until(  # a checkpoint to resume from: the kill then re-forms past step 0
+            lambda: running_at(run, 3, 3) and run.storage.latest() is not None,
+            "a committed checkpoint of three workers",
+        )
         group = run.controller.group
         os.kill(group.infos[1].pid, signal.SIGKILL)
         killed_at = reports(run)
@@ -102,12 +111,17 @@ def test_a_ray_train_loop_survives_a_kill_a_lost_node_and_grows_back(
     assert grow["in_place"] and (grow["from"], grow["to"]) == (2, 3)
     history = result.metrics_history
     assert {m["pid"] for m in history} == {history[0]["pid"]}  # rank 0 never restarted
-    epochs = Counter(m["epoch"] for m in history)
-    assert sorted(epochs) == list(range(EPOCHS))
-    repeated = sum(count - 1 for count in epochs.values())
+    counts = Counter(m["count"] for m in history)
+    assert sorted(counts) == list(range(1, max(counts) + 1))
+    repeated = sum(count - 1 for count in counts.values())
     assert repeated == kill["steps_redone"] + node_loss["steps_redone"]
     assert kill["steps_redone"] <= CADENCE - 1 and node_loss["steps_redone"] <= CADENCE - 1
-    assert result.checkpoint.path.endswith(f"checkpoint_{EPOCHS:06d}")  # persisted on S3
+    standing = standing_ids(history)
+    assert sorted(standing) == list(range(EPOCHS))
+    for ids in standing.values():  # once each; at most world-1 rows left over at the end
+        assert len(ids) == len(set(ids)) and ROWS - 3 < len(ids) <= ROWS
+        assert sorted(ids) == list(range(len(ids)))
+    assert result.checkpoint.path.endswith(f"checkpoint_{max(counts):06d}")  # persisted on S3
     with result.checkpoint.as_directory() as directory:
         assert os.listdir(directory) == ["state.pt"]
     assert len(result.best_checkpoints) == 2

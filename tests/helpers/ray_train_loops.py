@@ -85,5 +85,85 @@ def quickstart_loop(config):
             train.report(metrics, checkpoint=saved)
 
 
+def line_rows(n: int):
+    """``n`` rows ``{"id", "x", "y"}`` on the line y = 3x + 1, for ``ray.data.from_items``."""
+    return [{"id": i, "x": (i % 17) / 17.0, "y": 3.0 * (i % 17) / 17.0 + 1.0} for i in range(n)]
+
+
+def dataset_loop(config):
+    """A loop fed by ``get_dataset_shard("train")`` alone: one report per batch, carrying
+    the ids every rank trained on (gathered), its epoch and the loop's report count; rank 0
+    checkpoints the model, optimizer, epoch and count every ``checkpoint_every`` reports
+    and at the end, and the loop resumes from ``get_checkpoint`` mid-epoch (the shard
+    resumes there by itself).  ``stop_after``: return after that many reports."""
+    import torch.distributed as dist
+
+    train, train_torch, Checkpoint = api(config)
+    torch.manual_seed(0)
+    model = train_torch.prepare_model(nn.Linear(1, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    epoch, count = 0, 0
+    checkpoint = train.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as directory:
+            state = torch.load(os.path.join(directory, "state.pt"))
+        _unwrapped(model).load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        epoch, count = state["epoch"], state["count"]
+    shard = train.get_dataset_shard("train")
+    dtypes = {"id": torch.int64, "x": torch.float32, "y": torch.float32}
+
+    def report(metrics, save):
+        saved = None
+        with tempfile.TemporaryDirectory() as directory:
+            if save and train.get_context().get_world_rank() == 0:
+                state = {
+                    "model": _unwrapped(model).state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "epoch": epoch,
+                    "count": count,
+                }
+                torch.save(state, os.path.join(directory, "state.pt"))
+                saved = Checkpoint.from_directory(directory)
+            train.report({**metrics, "pid": os.getpid(), "count": count}, checkpoint=saved)
+
+    loss = torch.zeros(())
+    while epoch < config["epochs"]:
+        for batch in shard.iter_torch_batches(batch_size=config["batch_size"], dtypes=dtypes):
+            loss = nn.functional.mse_loss(model(batch["x"][:, None]), batch["y"][:, None])
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            ids = [None] * dist.get_world_size()
+            dist.all_gather_object(ids, batch["id"].tolist())
+            count += 1
+            report({"epoch": epoch, "loss": loss.item(), "ids": ids}, count % config["every"] == 0)
+            if count == config.get("stop_after"):
+                return
+            time.sleep(config.get("step_sleep_s", 0.0))
+        epoch += 1
+    count += 1
+    report({"epoch": epoch, "loss": loss.item(), "done": True}, True)
+
+
+def standing_ids(history):
+    """{epoch: [ids]} of the reports that stand: a report whose count was reported before
+    (the loop resumed from an earlier checkpoint) replaces that one and every later one.
+    One redone by a group of the same size must have trained on the same rows."""
+    standing: dict = {}
+    for m in history:
+        if "ids" not in m:
+            continue
+        for count in [c for c in standing if c >= m["count"]]:
+            old = standing.pop(count)
+            if count == m["count"] and len(old["ids"]) == len(m["ids"]):
+                assert old["ids"] == m["ids"], f"report {count} redone on other rows"
+        standing[m["count"]] = m
+    ids: dict = {}
+    for m in standing.values():
+        ids.setdefault(m["epoch"], []).extend(i for rank in m["ids"] for i in rank)
+    return ids
+
+
 def _unwrapped(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model

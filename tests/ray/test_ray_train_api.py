@@ -7,8 +7,16 @@ import signal
 import pytest
 
 from raytrain_ext import TrainingFailed
+from raytrain_ext.data.row_input import reader_name
 from tests.helpers.leaks import assert_nothing_left
-from tests.helpers.ray_train_loops import OURS, RAY_TRAIN, quickstart_loop
+from tests.helpers.ray_train_loops import (
+    OURS,
+    RAY_TRAIN,
+    dataset_loop,
+    line_rows,
+    quickstart_loop,
+    standing_ids,
+)
 from tests.helpers.runs import FitThread, wait_until
 
 
@@ -60,7 +68,7 @@ def test_quickstart_and_resume_give_ray_trains_results(ray_local, tmp_path):
             tmp_path,
             "run",
             config={"epochs": 3, "checkpoint_every": 1, "rows": True},
-            datasets={"train": ray.data.range(64)},  # streaming_split(2, equal=True): 32 each
+            datasets={"train": ray.data.range(64)},  # 32 rows for each of 2 ranks
             **kept,
         )
         again = fit(api_name, tmp_path, "run", config={"epochs": 5, "checkpoint_every": 1}, **kept)
@@ -132,28 +140,63 @@ def test_a_broken_loop_fails_naming_the_rank_and_the_cause(ray_local, tmp_path, 
 
 @pytest.mark.slow
 @pytest.mark.chaos
-def test_a_sigkilled_worker_is_replaced_in_place_and_the_run_ends_as_unharmed(ray_local, tmp_path):
-    """SIGKILL rank 1's process from outside mid-run: rank 0 keeps its process, the loop
-    resumes from the newest committed checkpoint, no epoch is reported twice beyond the
-    checkpoint cadence, and the final loss is the uninterrupted run's to the bit."""
-    config = {"epochs": 10, "checkpoint_every": 2, "step_sleep_s": 0.04}
-    reference = fit(OURS, tmp_path, "reference", config=config)
-    run = trainer(OURS, tmp_path, "killed", config=config, max_failures=1)
+def test_a_sigkill_and_a_restarted_run_resume_the_dataset_shard_where_the_checkpoint_left_it(
+    ray_local, tmp_path
+):
+    """A loop fed by get_dataset_shard alone (44 rows, 2 ranks, batches of 4: 6 reports an
+    epoch; a checkpoint every 4 reports, so most fall mid-epoch).  SIGKILL rank 1's process
+    from outside mid-run: rank 0 keeps its process, the loop and its shard resume from the
+    newest committed checkpoint, reports redone are at most the cadence minus 1 and train
+    on the same rows, every row stands exactly once per epoch, and the final loss is the
+    uninterrupted run's to the bit; a SIGKILL of the dataset's reader later (Ray restarts
+    it, and it reads the epoch again to the position) changes nothing either.  A run that
+    stopped mid-epoch and is fit again resumes there the same way."""
+    import ray
+
+    config = {"epochs": 3, "batch_size": 4, "every": 4, "step_sleep_s": 0.04}
+
+    def run_of(name, max_failures=0, **extra):
+        datasets = {"train": ray.data.from_items(line_rows(44))}
+        loop_config = {**config, **extra}
+        return trainer(
+            OURS,
+            tmp_path,
+            name,
+            dataset_loop,
+            config=loop_config,
+            datasets=datasets,
+            max_failures=max_failures,
+        )
+
+    reference = run_of("reference").fit()
+    every_row = {epoch: list(range(44)) for epoch in range(3)}
+    assert {e: sorted(ids) for e, ids in standing_ids(reference.metrics_history).items()} == (
+        every_row
+    )
+    run = run_of("killed", max_failures=1)
     with FitThread(run) as thread:
         wait_until(
-            lambda: run.controller is not None and len(run.controller.result.records) >= 3,
-            "three reports",
+            lambda: run.controller is not None and len(run.controller.result.records) >= 7,
+            "seven reports",
         )
         workers = {w["rank"]: w["pid"] for w in run.controller.result.workers}
         os.kill(workers[1], signal.SIGKILL)
+        wait_until(lambda: len(run.controller.result.records) >= 12, "twelve reports")
+        reader = ray.get_actor(reader_name("killed", "train"))
+        os.kill(ray.get(reader.stats.remote())["pid"], signal.SIGKILL)  # Ray restarts it
         result = thread.join(timeout_s=180)
     assert not isinstance(result, Exception), result
-    summary = result.summary
-    (recovery,) = summary["recoveries"]
+    (recovery,) = result.summary["recoveries"]
     assert recovery["decision"] == "replace" and recovery["restored_from"] == "storage"
-    assert {w["rank"]: w["pid"] for w in summary["workers"]}[0] == workers[0]
-    epochs = [m["epoch"] for m in result.metrics_history]
-    assert sorted(set(epochs)) == list(range(10))
-    assert len(epochs) - 10 == recovery["steps_redone"] <= config["checkpoint_every"] - 1
+    assert {w["rank"]: w["pid"] for w in result.summary["workers"]}[0] == workers[0]
+    counts = [m["count"] for m in result.metrics_history]
+    assert len(counts) - len(set(counts)) == recovery["steps_redone"] <= config["every"] - 1
+    assert standing_ids(result.metrics_history) == standing_ids(reference.metrics_history)
     assert result.metrics["loss"] == reference.metrics["loss"]
+    stopped = run_of("restarted", stop_after=9).fit()  # its newest checkpoint: report 8
+    again = run_of("restarted").fit()
+    assert [m["count"] for m in again.metrics_history][:2] == [9, 10]  # mid-epoch 1
+    both = stopped.metrics_history + again.metrics_history
+    assert standing_ids(both) == standing_ids(reference.metrics_history)
+    assert again.metrics["loss"] == reference.metrics["loss"]
     assert_nothing_left()

@@ -50,7 +50,7 @@ def user_dir(tmp_path, name: str, content: str) -> str:
 
 
 def commit(s, index, ranks, metrics, timeout_s, group="g2", still_wanted=lambda: True):
-    return s.commit(index, ranks, metrics, group, still_wanted, timeout_s)
+    return s.commit(index, ranks, metrics, {}, group, still_wanted, timeout_s)
 
 
 def test_a_checkpoint_is_committed_only_once_every_uploading_rank_landed(tmp_path):
@@ -189,7 +189,7 @@ def test_a_report_copies_the_directory_and_persists_it_in_the_background(tmp_pat
     uploader.start_group("g2")
     loop_session, pushed, s = session(
         tmp_path,
-        lambda payload: [payload, ("report", 5, True, None)],
+        lambda payload: [payload, ("report", 5, True, None, {})],
         uploader=uploader,
     )
     directory = user_dir(tmp_path, "mine", "rank zero")
@@ -206,21 +206,25 @@ def test_ranks_that_report_differently_are_named():
     loop_session = LoopSession.__new__(LoopSession)
     with pytest.raises(ReportMismatch, match=r"ranks \[0, 2\] called report #3; ranks \[1\] "):
         loop_session.check_agreement(
-            [("report", 3, False, None), ("returned", 2, False, None), ("report", 3, False, None)],
+            [
+                ("report", 3, False, None, {}),
+                ("returned", 2, False, None, {}),
+                ("report", 3, False, None, {}),
+            ],
             "report",
             3,
         )
 
 
 def test_a_stop_asked_on_any_rank_stops_every_rank_at_the_next_checkpointed_report(tmp_path):
-    no_checkpoint = [("report", 5, False, None), ("report", 5, False, "pause")]
+    no_checkpoint = [("report", 5, False, None, {}), ("report", 5, False, "pause", {})]
     assert stop_here(no_checkpoint) is None  # a pause waits for a checkpoint: nothing redone
-    assert stop_here([("report", 5, True, None), ("report", 5, False, "pause")]) == "pause"
-    assert stop_here([("report", 5, False, "preempt-now"), ("report", 5, False, None)]) == (
+    assert stop_here([("report", 5, True, None, {}), ("report", 5, False, "pause", {})]) == "pause"
+    assert stop_here([("report", 5, False, "preempt-now", {}), ("report", 5, False, None, {})]) == (
         "preempt"  # the grace ran out: stop at once
     )
     loop_session, pushed, _ = session(
-        tmp_path, lambda payload: [payload, ("report", 5, True, "pause")]
+        tmp_path, lambda payload: [payload, ("report", 5, True, "pause", {})]
     )
     with pytest.raises(StopAtBoundary) as stop:
         loop_session.report({"loss": 1.0})
@@ -294,3 +298,19 @@ def test_a_staged_report_survives_its_directory_and_refuses_a_file_rewritten_in_
     with pytest.raises(RewrittenDuringUpload, match=r"state.txt changed in place after report"):
         s.upload(staged.directory, 2, 0, "g2", verify=lambda: check_unchanged(staged))
     assert not commit(s, 2, [0], {}, timeout_s=30) and s.latest().index == 1  # at once
+
+
+def test_ranks_at_different_places_in_a_dataset_are_named_and_positions_are_committed(
+    tmp_path,
+):
+    loop_session = LoopSession.__new__(LoopSession)
+    with pytest.raises(ReportMismatch, match=r"different places in their dataset shards.*rank 1"):
+        loop_session.check_agreement(
+            [("report", 3, False, None, {"train": [0, 8]}), ("report", 3, False, None, {})],
+            "report",
+            3,
+        )
+    s = storage(tmp_path)
+    s.upload(user_dir(tmp_path, "r0", "zero"), 2, rank=0, group="g2")
+    assert s.commit(2, [0], {}, {"train": [1, 40]}, "g2", lambda: True, 5)
+    assert s.latest().positions == {"train": [1, 40]}
