@@ -199,7 +199,10 @@ def ours_recovery(summary: dict, fault: float) -> dict:
     step, end = next((step, end) for step, end in summary["step_end_times"] if end > running)
     detect = recovery["detected_at"] - fault
     own = abs(recovery["detected_at"] + recovery["first_step_after_s"] - end) < 0.01
-    if own:
+    if own and recovery.get("phases"):  # the record's split of every second after detection
+        after = {k: v for k, v in recovery["phases"].items() if k not in ("detect", "decide")}
+        restore = "then " + ", ".join(f"{k} {v:.2f}" for k, v in after.items()) + " s"
+    elif own:
         rest = end - fault - detect - recovery["decided_s"] - recovery["restore_s"]
         restore = f"restore {recovery['restore_s']:.2f} s, the rest (re-form, step) {rest:.2f} s"
     else:

@@ -180,6 +180,8 @@ class Controller:
         self._formed()
         if self._books is not None:  # the recovery or resize under way: its re-form's time
             self._books.reform_s = self.clock() - forming
+        if isinstance(self._books, Recovery):
+            self._books.running_at = self.clock()
         self.group.start_fit(to_dict(self.cfg), self.attempt)
         return (
             RunState.RUNNING,
@@ -414,7 +416,8 @@ class Controller:
         detected_at = self.clock()
         self._drain_events()
         last_step = self._survivors_last_step()
-        self.recoveries.open_failure(reason, counted, detected_at, last_step)
+        last_at = self._last_step_at()
+        self.recoveries.open_failure(reason, counted, detected_at, last_step, last_at)
         self._books = self.recoveries.current
         return RunState.RECOVERING, f"{reason}; {self.recoveries.budget_text(counted)}"
 

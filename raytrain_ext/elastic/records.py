@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Mapping, Optional
 
 from raytrain_ext.elastic.policy import Action
 from raytrain_ext.messages import FitResult
+from raytrain_ext.metrics.start_phases import phase_chain
 
 
 class RunState(enum.Enum):
@@ -47,6 +48,7 @@ class RecoveryKind(enum.StrEnum):
 
 _DECIDED = ("decided_s", "decision", "world_size")
 _ACCOUNTED = (
+    "phases",
     "restore_s",
     "restored_from",
     "restored_step",
@@ -54,6 +56,24 @@ _ACCOUNTED = (
     "restore_bytes",
     "steps_redone",
     "first_step_after_s",
+)
+
+
+# Where a recovery's time goes, rank 0's moments in order (``metrics.start_phases``'s
+# chain: each phase from the previous moment to its own; they add up to the last step's
+# end -> the first step's end).  The fault lies inside ``detect``.
+RECOVERY_PHASES = (
+    ("detect", "detected_at"),  # the last step's end -> the controller's verdict
+    ("decide", "decided_at"),  # survivors stopped, their evidence, capacity, the decision
+    ("reform", "running_at"),  # placement, a replacement's actor, the rendezvous
+    ("dispatch", "fit_started_at"),  # fit reaching rank 0
+    ("data", "data_opened_at"),  # its data and prefetcher opened again
+    ("model", "model_built_at"),  # the model built and wrapped (DDP, FSDP), the optimizer
+    ("prepare", "restore_started_at"),  # the step's parts, checkpoint tiers opened and probed
+    ("restore", "restored_at"),  # the state, from live peers or a checkpoint
+    ("settle", "built_at"),  # what depends on the state: evaluator, the wrapper's settle
+    ("resume", "step_started_at"),  # the loop built -> its first step begins
+    ("first_step", "first_step_at"),  # the first step itself
 )
 
 
@@ -89,15 +109,36 @@ class Recovery:
     restore_bytes: Optional[Dict[str, int]] = None
     steps_redone: Optional[int] = None
     first_step_after_s: Optional[float] = None  # detection -> end of the first step after
+    last_step_at: Optional[float] = None  # when the newest step before it ended (None: none)
+    running_at: Optional[float] = None  # the re-formed group started
+    phases: Optional[Dict[str, float]] = None  # RECOVERY_PHASES, seconds
 
     def decide(self, now: float, decision: Action, world_size: Optional[int]) -> None:
         self.decided_s = now - self.detected_at
         self.decision = decision
         self.world_size = world_size
 
-    def account(self, restored: Optional[Mapping[str, Any]], step_end: float) -> None:
+    def account(
+        self,
+        restored: Optional[Mapping[str, Any]],
+        step_end: float,
+        step_time_s: float = 0.0,
+        marks: Optional[Mapping[str, float]] = None,
+    ) -> None:
         """Close the books from the new group's first step (``restored``: what it resumed
-        from, None when it started afresh)."""
+        from, None when it started afresh; ``marks``: rank 0's moments of its loop's
+        build, ``RECOVERY_PHASES``)."""
+        moments = {
+            **(marks or {}),
+            "detected_at": self.detected_at,
+            "decided_at": self.detected_at + (self.decided_s or 0.0),
+            "step_started_at": step_end - step_time_s,
+            "first_step_at": step_end,
+        }
+        if self.running_at is not None:
+            moments["running_at"] = self.running_at
+        begun = self.detected_at if self.last_step_at is None else self.last_step_at
+        self.phases = phase_chain(begun, moments, RECOVERY_PHASES)
         restored = restored or {}
         self.restored_step = restored.get("step", 0)
         self.restore_s = restored.get("total_s", 0.0)
@@ -119,8 +160,9 @@ class Recovery:
             del out["reformed"]
         if self.lost is None:
             del out["lost"]
-        if self.reform_s is None:
-            del out["reform_s"]
+        for key in ("reform_s", "last_step_at", "running_at"):
+            if out[key] is None:
+                del out[key]
         if self.first_step_after_s is None:
             for key in _ACCOUNTED:
                 del out[key]

@@ -56,9 +56,18 @@ class Recoveries:
         allowed = "unlimited" if limit < 0 else f"{limit}"
         return f"failure {self.failures} of {allowed} allowed (elastic.max_failures)"
 
-    def open_failure(self, reason: str, counted: bool, detected_at: float, last_step: int) -> None:
+    def open_failure(
+        self,
+        reason: str,
+        counted: bool,
+        detected_at: float,
+        last_step: int,
+        last_step_at: Optional[float] = None,
+    ) -> None:
         kind = RecoveryKind.FAILURE if counted else RecoveryKind.EVICTION
-        self.records.append(Recovery(kind, self.failures, reason, detected_at, last_step))
+        recovery = Recovery(kind, self.failures, reason, detected_at, last_step)
+        recovery.last_step_at = last_step_at
+        self.records.append(recovery)
 
     def open_preemption(self, reason: str, step: int) -> Optional[str]:
         """Count a preemption whose emergency checkpoint is at ``step``; why the run must
@@ -83,7 +92,7 @@ class Recoveries:
     def account(self, report: StepReport) -> None:
         """The first step after a re-form closes the books on the last recovery."""
         recovery = self.current
-        recovery.account(report.restored, report.time)
+        recovery.account(report.restored, report.time, report.step_time_s, report.start_marks)
         log.info(
             "controller: recovered from failure %d in %.2f s (restored step %d from %s, "
             "%d steps redone)",

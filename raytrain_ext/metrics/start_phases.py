@@ -14,7 +14,7 @@ another node), counts as the previous moment, so its phase is 0.
 
 from __future__ import annotations
 
-from typing import Dict, Mapping
+from typing import Dict, Mapping, Sequence, Tuple
 
 # (phase, the moment that ends it), in order
 START_PHASES = (
@@ -33,9 +33,19 @@ START_PHASES = (
 def start_phases(started_at: float, marks: Mapping[str, float]) -> Dict[str, float]:
     """Seconds per phase of :data:`START_PHASES`, from ``started_at`` (``fit``'s start) to
     ``marks["first_step_at"]``."""
+    return phase_chain(started_at, marks, START_PHASES)
+
+
+def phase_chain(
+    started_at: float, marks: Mapping[str, float], order: Sequence[Tuple[str, str]]
+) -> Dict[str, float]:
+    """Seconds per phase of ``order`` ((phase, the moment that ends it), ...), each from
+    the previous moment (``started_at`` first) to its own; a moment missing, or before
+    the previous one, counts as the previous one (its phase is 0).  The phases add up to
+    the last moment minus ``started_at``."""
     phases: Dict[str, float] = {}
     previous = started_at
-    for name, mark in START_PHASES:
+    for name, mark in order:
         at = max(marks.get(mark, previous), previous)
         phases[name] = at - previous
         previous = at

@@ -292,7 +292,7 @@ def render_markdown(
         lines += ["", "Error:", "", "```", summary["error"].strip(), "```"]
     lines += ["", *_recovery_section(recovery_phases(summary), failed(attempts))]
     lines += ["", *attempts_section(attempts)] if attempts else []
-    lines += ["", *_restore_section(summary)]
+    lines += ["", *_restore_section(summary), *_recovery_split_section(summary)]
     lines += [
         "",
         "## State transitions",
@@ -402,13 +402,34 @@ def _restore_section(summary: Dict[str, Any]) -> List[str]:
     rows = [(name, phases) for name, phases in named if isinstance(phases, dict) and phases]
     if not rows:
         return ["## Restores", "", "No checkpoint was restored."]
+    return _phase_table("Restores", "Seconds on rank 0, by phase.", "restore", rows)
+
+
+def _recovery_split_section(summary: Dict[str, Any]) -> List[str]:
+    """Each recovery from the last step's end to the first step's end, by the record's
+    phases (``elastic.records.RECOVERY_PHASES``; they add up to the total)."""
+    rows = [
+        (f"#{i}", {**r["phases"], "total": sum(r["phases"].values())})
+        for i, r in enumerate(summary.get("recoveries", []), 1)
+        if r.get("phases")
+    ]
+    if not rows:
+        return []
+    caption = (
+        "Seconds from the last step's end before the fault to the first step's end after "
+        "it (the fault lies in detect; rank 0's moments from dispatch on)."
+    )
+    return ["", *_phase_table("Recovery phases", caption, "recovery", rows)]
+
+
+def _phase_table(title: str, caption: str, what: str, rows: List[tuple]) -> List[str]:
     names = list(rows[0][1])
     lines = [
-        "## Restores",
+        f"## {title}",
         "",
-        "Seconds on rank 0, by phase.",
+        caption,
         "",
-        "| restore | " + " | ".join(n.removesuffix("_s") for n in names) + " |",
+        f"| {what} | " + " | ".join(n.removesuffix("_s") for n in names) + " |",
         "|---|" + "---|" * len(names),
     ]
     lines += [

@@ -105,9 +105,12 @@ class TrainLoop:
             dims=dims_for_run(cfg, world_size),
         )
         seed_everything(cfg.run.seed + rank, device)
+        self.build_marks: Dict[str, float] = {}  # RankLoop's: this group's start, by part
         self.objective = build_objective(cfg.objective, cfg.data.format, user.loss_fn)
         self._open_data(cfg)
+        self.build_marks["data_opened_at"] = time.time()
         self._build_model(cfg, user.model)
+        self.build_marks["model_built_at"] = time.time()
         self.reference = ReferenceLogps() if self.objective.uses_reference else None
         self._build_state(cfg)
         self.requests = requests or SaveRequests()
@@ -179,9 +182,11 @@ class TrainLoop:
         self.ckpt: Optional[CheckpointManager] = None
         if cfg.checkpoint.enabled:
             self._open_checkpoints(cfg)
+        self.build_marks["restore_started_at"] = time.time()
         self.restored = self.handover.restore(self.state, live)
         if self.restored is None and self.ckpt is not None:
             self.restored = self.ckpt.restore(self.state, held=held)
+        self.build_marks["restored_at"] = time.time()
         self.nonfinite = NonFiniteGuard(cfg.guards, self.state, self.ckpt)
         if self.reference is not None and not self.reference.ready:
             self._compute_reference(self.reference)

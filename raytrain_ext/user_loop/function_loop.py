@@ -77,6 +77,7 @@ class FunctionLoop:
         self.cfg, self.env, self.requests = cfg, env, requests
         self._report, self._mark, self.spec = report, mark, loop_function
         self.finished = False
+        self.build_marks: Dict[str, float] = {}  # RankLoop's: the starting point's read
         self.restored: Optional[Dict[str, Any]] = None
         self._first = True
 
@@ -150,7 +151,7 @@ class FunctionLoop:
         when the run has none), the dataset positions committed with it, and a new id for
         this group, the same on every rank; rank 0 first removes what earlier groups left
         beyond that checkpoint."""
-        started = time.time()
+        started = self.build_marks["restore_started_at"] = time.time()
         found: list = [None]
         if self.env.rank == 0:
             storage = self.spec.storage
@@ -162,6 +163,7 @@ class FunctionLoop:
             found = [(index, checkpoint, uuid.uuid4().hex[:12], positions)]
         dist.broadcast_object_list(found, src=0, group=group)
         index, checkpoint, group_id, positions = found[0]
+        self.build_marks["restored_at"] = time.time()
         if index:
             self.restored = {"step": index, "tier": "storage", "total_s": time.time() - started}
         return index, checkpoint, group_id, positions

@@ -266,11 +266,12 @@ class TrainWorker:
         is_rank0 = self.env.rank == 0
         if is_rank0:
             self.metrics_sink = RayMetricsSink(cfg.run.name)
-        built: Dict[str, float] = {}  # until this fit's first record carries it
+        built: Dict[str, float] = {"fit_started_at": time.time()}  # for the first record
 
         def report(step_report: StepReport) -> None:
-            if built:  # the group's first step: when this rank's loop was built
-                step_report.start_marks = dict(built)
+            if built:  # the group's first step: when this rank's loop was built, and how
+                marks = self._loop.build_marks if self._loop is not None else {}
+                step_report.start_marks = {**marks, **built}
                 built.clear()
             self.events.push(step_report, keep=is_rank0)
             if self.metrics_sink is not None:

@@ -7,7 +7,7 @@ controller, treat both alike.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Dict, Protocol
 
 from raytrain_ext.messages import FitResult
 
@@ -16,6 +16,12 @@ class RankLoop(Protocol):
     @property
     def finished(self) -> bool:
         """The run is complete: no next group takes anything from this one."""
+        ...
+
+    @property
+    def build_marks(self) -> Dict[str, float]:
+        """When the parts of this group's start happened on this rank (wall clock, by
+        ``elastic.records.RECOVERY_PHASES``'s names); the first report carries them."""
         ...
 
     def fit(self) -> FitResult:

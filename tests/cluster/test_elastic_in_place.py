@@ -104,6 +104,11 @@ def test_node_loss_shrinks_in_place_from_peers_then_grows_back_in_place(ray_clus
     assert [h["world_size"] for h in summary["world_size_history"]] == [3, 2, 3]
     (recovery,) = summary["recoveries"]
     assert recovery["decision"] == "shrink" and recovery["world_size"] == 2
+    phases = recovery["phases"]  # the last step's end -> the first step's end, every second
+    total = recovery["first_step_after_s"] + recovery["detected_at"] - recovery["last_step_at"]
+    print("recovery phases", {k: round(v, 3) for k, v in phases.items()}, round(total, 3))
+    assert abs(sum(phases.values()) - total) < 0.1
+    assert phases["settle"] + phases["resume"] < 0.5  # after the restore, before the step
     assert recovery["reformed"] == {
         "kept": 2,
         "spares_used": 0,

@@ -124,6 +124,14 @@ def test_report_markdown_mttr_table_matches_the_summary(trained):
     assert restore_row == "| recovery 1 | " + " | ".join(f"{v:.3f}" for v in phases.values()) + " |"
     assert phases["fetch_s"] > 0 and phases["read_s"] > 0  # from the memory tier
     assert sum(phases.values()) == pytest.approx(recovery["restore_s"], abs=0.05)
+    split = recovery["phases"]  # every second from the last step's end to the first after
+    (split_row,) = [line for line in report.splitlines() if line.startswith("| #1 |")]
+    cells = [float(c) for c in split_row.strip("|").split("|")[1:]]
+    assert cells[:-1] == pytest.approx(list(split.values()), abs=0.001)
+    after_fault = (
+        recovery["first_step_after_s"] + recovery["detected_at"] - recovery["last_step_at"]
+    )
+    assert cells[-1] == pytest.approx(after_fault, abs=0.002)  # the total: they add up
 
 
 @pytest.mark.slow

@@ -331,6 +331,12 @@ def test_worker_failure_recovers_at_the_same_size():
     (recovery,) = result.recoveries
     detected = recovery.pop("detected_at")
     assert detected == START + 6 * POLL_S  # the wait after step 5 reported the error
+    last_step_at, phases = recovery.pop("last_step_at"), recovery.pop("phases")
+    assert last_step_at == result.records[4]["time"]  # step 5's end
+    assert phases["detect"] == detected - last_step_at
+    assert phases["first_step"] == result.records[5]["step_time_s"]
+    assert sum(phases.values()) == detected - last_step_at + recovery["first_step_after_s"]
+    assert recovery.pop("running_at") == detected + recovery["decided_s"] + recovery["reform_s"]
     assert recovery == {
         "kind": "failure",
         "failure": 1,
