@@ -18,11 +18,14 @@ Scenarios (``--scenario``, default all):
   batch, a report per epoch): the median epoch after the first, rows per second, and
   the first epoch (the dataset's first execution); Ray Train's ``streaming_split``
   against our reader actor.
+- ``kill-torchft``: ``kill`` against Ray Train with torchft (``torchft_peer.py``: each
+  worker its own replica group, the survivor going on alone), instead of plain Ray Train;
+  ``replaced_s``: fault -> the first epoch the replacement process ends.
 - ``node-loss``: a 3-node cluster (1 CPU each), ``num_workers=(2, 3)``, rank 2's node
   SIGKILLed at epoch FAULT_AT and a fresh node added 3 s later: fault -> first report
   after, epochs redone, and the grow-back (the last report at 2 workers -> the first at 3).
 
-Usage: ``python jobs/bench/ray_train_loop.py [--scenario steady|kill|data|node-loss|all]
+Usage: ``python jobs/bench/ray_train_loop.py [--scenario steady|kill|kill-torchft|data|node-loss|all]
 [--repeats 1] [--state-mb 300]``.  Nothing else should run on the machine.
 """
 
@@ -299,9 +302,20 @@ def _epoch_rows(log_dir: Path, epoch: int):
     return found if any(r["epoch"] >= epoch for r in found) else None
 
 
+def kill_vs_torchft(api: str, work: Path, state_mb: int) -> Dict[str, float]:
+    """``kill`` for ours; for the peer, Ray Train with torchft (``torchft_peer``)."""
+    if api == APIS["Ray Train"]:
+        from torchft_peer import kill_torchft
+
+        return kill_torchft(work)
+    figures = kill(api, work, state_mb)
+    return {**figures, "replaced_s": figures["first_report_after_s"]}
+
+
 SCENARIOS: Dict[str, Callable] = {
     "steady": steady,
     "kill": kill,
+    "kill-torchft": kill_vs_torchft,
     "data": data,
     "node-loss": node_loss,
 }
@@ -333,7 +347,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--state-mb", type=int, default=300)
     args = parser.parse_args()
-    chosen = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
+    every = [name for name in SCENARIOS if name != "kill-torchft"]  # torchft: installed by hand
+    chosen = every if args.scenario == "all" else [args.scenario]
     for name in chosen:
         results: Dict[str, List[Dict[str, float]]] = {label: [] for label in APIS}
         for repeat in range(args.repeats):

@@ -154,7 +154,7 @@ def ours_at_step(trainer, step: int) -> bool:
     if not records or records[-1]["step"] < step - 2:
         return False
     beats = controller.group.heartbeats(timeout_s=1.0)
-    return max((b["step"] for b in beats.values()), default=0) >= step
+    return max((b.step for b in beats.values()), default=0) >= step
 
 
 def ours_trainer(workdir: Path, name: str, steps: int, extra: List[str]):
