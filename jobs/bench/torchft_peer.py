@@ -7,7 +7,10 @@ wraps the same MLP as ``bench_loop`` in torchft's ``Manager``, ``DistributedData
 and ``Optimizer`` (one quorum per step; the lighthouse lets one replica go on alone), and
 notes each epoch of BATCHES steps as ``bench_loop`` does.  When a replica's process is
 SIGKILLed, the survivor's step in flight fails and it goes on alone; Ray Train starts a new
-process for the lost replica, which heals from the survivor at its first quorum.
+process for the lost replica, which heals from the survivor at its first quorum.  Measured
+here (torchft 0.2.0, Ray 2.60): in some runs the survivor's own step raises instead
+(``assert fut._fut`` in torchft's DDP comm hook) and Ray Train restarts both; the run is
+given ``max_failures=3`` so that it completes either way.
 
 Figures: fault -> the first epoch any rank ends after it (``first_report_after_s``: the
 survivor's), and fault -> the first epoch the replacement ends (``replaced_s``).
@@ -104,7 +107,7 @@ def kill_torchft(work: Path) -> Dict[str, float]:
             scaling_config=ScalingConfig(num_workers=2),
             torch_config=TorchftConfig(lighthouse_kwargs={"min_replicas": 1}, backend="gloo"),
             run_config=RunConfig(
-                storage_path=str(work / "storage"), failure_config=FailureConfig(max_failures=1)
+                storage_path=str(work / "storage"), failure_config=FailureConfig(max_failures=3)
             ),
         )
         fit = Background(run.fit)
