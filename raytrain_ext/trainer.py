@@ -88,7 +88,7 @@ class Trainer:
         self._stop_reason: Optional[str] = None
         self._interrupt_reason: Optional[str] = None
         self._marks: Dict[str, float] = {}  # this fit's moments (metrics.start_phases)
-        self._pinned: list = []  # the dataset readers' datasets, held while fit runs
+        self._pinned: list = []  # the readers' datasets, held while fit runs (restarts)
         self.run_dir = Path(self.cfg.run.output_dir) / self.cfg.run.name
         # the summary that describes the last fit(): the run's, or its attempt's alone when
         # that attempt trained no step (the run's summary then keeps the earlier attempt's)
@@ -146,11 +146,14 @@ class Trainer:
             self.cfg = resolve_cluster_defaults(self.cfg)
             run_actors = self._start_memory_tier()
             if is_stream(self.cfg.data.path):
-                run_actors.append(start_stream_reader(self.cfg, self._dataset))
+                reader, dataset_ref = start_stream_reader(self.cfg, self._dataset)
+                run_actors.append(reader)
+                self._pinned.append(dataset_ref)
             if self._user.train_loop is not None:
                 loop = self._user.train_loop
-                readers, self._pinned = start_row_readers(loop.experiment_name, loop.datasets)
+                readers, refs = start_row_readers(loop.experiment_name, loop.datasets)
                 run_actors += readers
+                self._pinned += refs
             sink = FanOut(self._sinks())
             self._controller = Controller(
                 self.cfg,

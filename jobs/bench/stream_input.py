@@ -113,7 +113,7 @@ def ours_throughput(ds, steps: int, out: Path):
     from raytrain_ext.data.stream_input import start_stream_reader, stream_config
 
     cfg = stream_config(stream_cfg(out, "throughput", "stream", steps))
-    reader = start_stream_reader(cfg, ds)
+    reader, _dataset_ref = start_stream_reader(cfg, ds)  # the ref held while it reads
     pid = ray.get(reader.stats.remote())["pid"]
 
     port = _free_port()
@@ -201,7 +201,7 @@ def after_loss(ds, out: Path, positions) -> dict:
     from raytrain_ext.data.stream_input import start_stream_reader, stream_config
 
     cfg = stream_config(stream_cfg(out, "loss", "stream", 10))
-    reader = start_stream_reader(cfg, ds)
+    reader, _dataset_ref = start_stream_reader(cfg, ds)  # the ref held while it reads
     timings = {}
     for step in positions:
         StreamClient(cfg.data.path, 600).step(step)  # the reader is there

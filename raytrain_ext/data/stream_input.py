@@ -210,23 +210,27 @@ def ray_epoch_batches(dataset: Any):
     return batches
 
 
-def start_stream_reader(cfg, dataset: Any):
-    """Start the run's reader (``data.path`` names it); its handle, for ``fit`` to kill."""
+def start_stream_reader(cfg, dataset: Any) -> Tuple[Any, Any]:
+    """Start the run's reader (``data.path`` names it): (its handle, for ``fit`` to kill;
+    the dataset's reference, which ``fit`` holds until then).  The dataset goes in the
+    object store under a reference the driver keeps: a reader restarted on another node
+    (its own lost) is built from it again, where a dataset passed by value is released
+    once the first creation task ends, and the restart fails."""
     import ray
 
-    name = reader_name(cfg.data.path)
+    ref = ray.put(dataset)
     actor = (
         ray.remote(StreamReaderActor)
         .options(
-            name=name,
+            name=reader_name(cfg.data.path),
             num_cpus=0,
             max_restarts=-1,
             max_task_retries=-1,
             max_concurrency=8,
         )
-        .remote(dataset, StreamSpec.of(cfg))
+        .remote(ref, StreamSpec.of(cfg))
     )
-    return actor
+    return actor, ref
 
 
 def stream_config(cfg: DictConfig) -> DictConfig:
