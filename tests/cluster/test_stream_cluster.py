@@ -161,8 +161,11 @@ def test_a_parquet_stream_on_s3_is_consumed_once_through_kills_a_lost_node_and_a
         first = run.summary(timeout_s=120)
     stopped = first["steps_completed"]
     assert first["status"] == "interrupted"
-    # the killed worker replaced at 3, the lost node shrunk to 2, grown back to 3
-    assert [h["world_size"] for h in first["world_size_history"]] == [3, 3, 2, 3]
+    # the killed worker replaced at 3, the lost node shrunk to 2, grown back to 3 (a loaded
+    # machine may add a re-form at 3 before the loss: a rank timed out; it is named below)
+    sizes = [h["world_size"] for h in first["world_size_history"]]
+    reasons = [r.reason for r in trainer.controller.result.recovery_log]
+    assert len(sizes) >= 4 and set(sizes[:-2]) == {3} and sizes[-2:] == [2, 3], (sizes, reasons)
     assert restarted["pid"] != lost_reader["pid"] and restarted["skipped_steps"] > 0
     steps = stopped + AFTER
     resumed = Trainer(
