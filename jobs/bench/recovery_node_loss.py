@@ -19,7 +19,7 @@ of the whole run, and Ray Train / raytrain-ext for each; min-max over `--repeats
 The trends (recovery vs world size, vs state size) are in recovery_scaling.py.
 
 Usage: python jobs/bench/recovery_node_loss.py [--scenario node-loss|world-size|state-size|all]
-       [--repeats 1] [--steps 60] [--fault-at 11] [--keep]
+       [--repeats 1] [--steps 60] [--fault-at 11] [--strategy ddp|fsdp] [--keep]
 """
 
 from __future__ import annotations
@@ -105,6 +105,7 @@ def node_loss_ours(args, workdir: Path, name: str) -> dict:
             "scaling.placement_strategy=SPREAD",
             "data.global_batch_size=12",
             f"elastic.max_failures={args.max_failures}",
+            f"parallel.strategy={args.strategy}",
             *OURS_ELASTIC,
         ],
     )
@@ -118,7 +119,17 @@ def node_loss_ours(args, workdir: Path, name: str) -> dict:
     figures.update(ours_grow_back(summary))
     figures.update(wall_s=run.wall_s, fault_at_s=fault - run.started)
     figures["sizes"] = [h["world_size"] for h in summary["world_size_history"]]
+    figures["detail"] += "; " + checkpoint_stall(summary)
     return figures
+
+
+def checkpoint_stall(summary: dict) -> str:
+    """The checkpoints' stall (per-step snapshots included) against the steps' time."""
+    ends = [end for _, end in summary["step_end_times"]]
+    steps_s = ends[-1] - ends[0] if len(ends) > 1 else 0.0
+    stall = summary["checkpoint_stall_s"]
+    share = f" ({stall / steps_s:.1%} of the steps' time)" if steps_s > 0 else ""
+    return f"checkpoint stall {stall:.2f} s in {len(ends)} steps{share}"
 
 
 def ours_grow_back(summary: dict) -> dict:

@@ -253,6 +253,12 @@ def parse_args(argv=None, default_scenario: str = "node-loss", doc: str = __doc_
     parser.add_argument("--fault-at", type=int, help="fault after this step (11; trends 8)")
     parser.add_argument("--rejoin-after", type=float, default=3.0, help="s before the new node")
     parser.add_argument("--max-failures", type=int, default=1)
+    parser.add_argument(
+        "--strategy",
+        choices=["ddp", "fsdp"],
+        default="ddp",
+        help="node-loss: our layout (fsdp: per-step snapshots, its default; Ray Train stays DDP)",
+    )
     parser.add_argument("--sizes", default="2,4,8,16", help="world sizes of the trend")
     parser.add_argument("--details", action="store_true", help="trends: each run's recovery")
     parser.add_argument("--keep", action="store_true", help="keep the run directories")

@@ -57,9 +57,11 @@ class CheckpointConfig:
     # early loses at most this, not every_seconds); about what a restart costs anyway
     first_save_after_s: Optional[float] = positive(60.0, null="every_seconds")
     save_final: bool = True
-    # also save every step to the memory tier alone (a copy on a second node); a step waits
-    # for the last save to persist: a sharded layout that loses a node redoes <= 1 step
-    snapshot_every_step: bool = False
+    # also save every step to the memory tier alone (a copy on a second node); a step's
+    # update waits for the last one to persist: a lost node redoes <= 1 step.  null: on
+    # where each rank holds its own shards (FSDP, TP, PP, EP) unless it stalls over 5% of a
+    # step (checkpoint.snapshot_policy); DDP and HSDP heal from live peers
+    snapshot_every_step: Optional[bool] = None
     async_save: bool = True
     write_threads: int = positive(2)  # DCP writer threads per rank (2 doubles write bandwidth here)
     # restore: checksum chunks verified and items loaded at once, per rank

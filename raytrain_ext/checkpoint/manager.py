@@ -50,6 +50,7 @@ from raytrain_ext.checkpoint.manifest import (
 from raytrain_ext.checkpoint.recycle import POOL
 from raytrain_ext.checkpoint.restore import Restorer
 from raytrain_ext.checkpoint.save_failure import save_failure_text, snapshot_bytes
+from raytrain_ext.checkpoint.snapshot_policy import SnapshotPolicy
 from raytrain_ext.checkpoint.tiers import build_tiers
 from raytrain_ext.checkpoint.tiers.base import Tier, prune
 from raytrain_ext.checkpoint.train_state import TrainState
@@ -114,7 +115,10 @@ class CheckpointManager:
         local_rank: int,
         config_digest: str,
         stall_s: float = 0.0,
+        own_shards: bool = False,
     ):
+        """``own_shards``: the layout's ranks each hold their own shards (``snapshot_policy``:
+        per-step snapshots by default)."""
         self.cfg = ckpt_cfg
         self.stall_s = stall_s  # chaos: hold saves open between write and commit
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
@@ -126,8 +130,12 @@ class CheckpointManager:
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=ckpt_cfg.timeout_s))
         self.restorer = Restorer(ckpt_cfg, self.tiers, rank, world_size, self.group, self.cache)
         self._thread: Optional[threading.Thread] = None
+        self._persisting_regular = False  # what _thread persists: a regular save, or a snapshot
         self._buffers: Any = None  # host copy of the last snapshot, reused by the next
         self._last_save_time = time.time()
+        self.snapshots = SnapshotPolicy(ckpt_cfg.snapshot_every_step, own_shards)
+        self._waited_s = 0.0  # before this step's update, for the last save (a stall)
+        self._step_started: Optional[float] = None  # the previous after_step's end
         self.stats: Dict[str, Any] = {
             "saves": 0,
             "skipped": 0,
@@ -148,7 +156,9 @@ class CheckpointManager:
         return flag
 
     def busy(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        """A regular save still persists (``checkpoint.on_busy``); a per-step snapshot's
+        persist does not count: the next save waits for it (``before_update``)."""
+        return self._thread is not None and self._thread.is_alive() and self._persisting_regular
 
     def is_due(self, step: int, request: float, final: bool) -> bool:
         every = self.cfg.every_steps
@@ -177,8 +187,10 @@ class CheckpointManager:
         so the newest committed step is at most one behind the last finished one.
         """
         regular = self.is_due(step, request, final)
+        waited, self._waited_s = self._waited_s, 0.0
         if not regular and not self._snapshot_due():
-            return 0.0
+            self._step_started = time.perf_counter()
+            return waited
         urgent = final or request >= REQUEST_EMERGENCY
         if any_busy and regular and self.cfg.on_busy == "skip" and not urgent:
             self.stats["skipped"] += 1
@@ -188,21 +200,25 @@ class CheckpointManager:
                     "persisting (checkpoint.on_busy=skip)",
                     step,
                 )
-            return 0.0
+            return waited
         start = time.perf_counter()
-        self.wait()  # the previous snapshot's buffers are free again
+        self.wait()  # the previous snapshot's buffers are free again (before_update: mostly)
         native_files = self._save_native(state, step) if regular else native.NativeFiles()
         tiers = None if regular else [t for t in self.tiers if t.holds_snapshots]
         snap = ckpt_state.snapshot(ckpt_state.capture(state), reuse=self._buffers)
         self._buffers = snap
         if torch.cuda.is_available() and state.ctx.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
-        stall = time.perf_counter() - start
+        stall = time.perf_counter() - start + waited
+        if not regular:
+            self._judge_snapshots(stall)
+        self._step_started = time.perf_counter()
         self.stats["saves"] += 1
         self.stats["stall_s"] += stall
         self.stats["stalls_s"].append(round(stall, 6))
         self._last_save_time = time.time()
         if self.cfg.async_save and not urgent:
+            self._persisting_regular = regular
             self._thread = threading.Thread(
                 target=self._persist,
                 args=(step, snap, None, native_files, tiers),
@@ -257,9 +273,33 @@ class CheckpointManager:
             self._thread.join()
             self._thread = None
 
+    def before_update(self) -> None:
+        """With per-step snapshots, wait for the last one's persist before this step's
+        optimizer update: a node lost during the wait leaves the ranks one step past the
+        newest committed snapshot, not two (after the update they would have finished
+        another step that no snapshot holds).  The wait is a stall of this step's save."""
+        if self._thread is None or not self._snapshot_due():
+            return
+        start = time.perf_counter()
+        self.wait()
+        self._waited_s += time.perf_counter() - start
+
+    def _judge_snapshots(self, stall_s: float) -> None:
+        """Count a per-step snapshot for ``snapshot_policy``'s probe (its step: since the
+        previous ``after_step`` ended)."""
+        step_s = 0.0 if self._step_started is None else time.perf_counter() - self._step_started
+        said = self.snapshots.observe(stall_s, step_s, self._ranks_max)
+        if said and self.rank == 0:
+            log.info(said)
+
+    def _ranks_max(self, value: float) -> float:
+        agreed = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)
+        return float(agreed.item())
+
     # ---- saving ---------------------------------------------------------------------------
     def _snapshot_due(self) -> bool:
-        return self.cfg.snapshot_every_step and any(t.holds_snapshots for t in self.tiers)
+        return self.snapshots.on and any(t.holds_snapshots for t in self.tiers)
 
     def _persist(
         self,

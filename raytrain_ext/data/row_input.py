@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, Tuple
 
+from raytrain_ext.data.reader_actor import start_reader
 from raytrain_ext.data.row_reader import Rounds, RowReader
 
 READER_PREFIX = "raytrain_ext.rows."
@@ -20,19 +21,16 @@ def reader_name(run: str, dataset: str) -> str:
 class RowReaderActor:
     """A dataset's reader, as a Ray actor (threaded: ranks ask concurrently).
 
-    It is given the dataset as ``[ref]``, a reference the driver holds for the whole
-    ``fit``: a reader restarted on another node (its own lost) builds itself from it again,
-    where a dataset passed by value lives only as long as its first creation task."""
+    Started by :func:`raytrain_ext.data.reader_actor.start_reader`: a reader restarted on
+    another node builds itself from the same dataset."""
 
-    def __init__(self, dataset_ref: List[Any]):
+    def __init__(self, dataset: Any):
         import logging
-
-        import ray
 
         from raytrain_ext.data.stream_input import ray_epoch_batches
 
         logging.getLogger("ray.data").setLevel(logging.ERROR)
-        self.reader = RowReader(ray_epoch_batches(ray.get(dataset_ref[0])))
+        self.reader = RowReader(ray_epoch_batches(dataset))
 
     def take(self, epoch: int, start: int, **ask: Any) -> Rounds:
         return self.reader.take(epoch, start, **ask)
@@ -52,19 +50,8 @@ class RowReaderActor:
 def start_row_readers(run: str, datasets: Dict[str, Any]) -> Tuple[list, list]:
     """One reader per dataset of this ``fit``: (their handles, for ``fit`` to kill; the
     datasets' references, which ``fit`` holds until then)."""
-    import ray
-
-    refs = [ray.put(dataset) for dataset in datasets.values()]
-    handles = [
-        ray.remote(RowReaderActor)
-        .options(
-            name=reader_name(run, name),
-            num_cpus=0,
-            max_restarts=-1,
-            max_task_retries=-1,
-            max_concurrency=8,
-        )
-        .remote([ref])
-        for name, ref in zip(datasets, refs, strict=True)
+    started = [
+        start_reader(RowReaderActor, reader_name(run, name), dataset)
+        for name, dataset in datasets.items()
     ]
-    return handles, refs
+    return [handle for handle, _ in started], [ref for _, ref in started]

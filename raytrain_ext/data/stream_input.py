@@ -31,6 +31,7 @@ import pyarrow as pa
 from omegaconf import DictConfig, OmegaConf
 
 from raytrain_ext.data.config import DataFormat, RayDatasetInput
+from raytrain_ext.data.reader_actor import start_reader
 from raytrain_ext.data.stream_reader import StepBatch, StreamReader
 from raytrain_ext.data.stream_samples import SamplePacker, Tokenizing
 from raytrain_ext.errors import ConfigError, InputError
@@ -212,25 +213,8 @@ def ray_epoch_batches(dataset: Any):
 
 def start_stream_reader(cfg, dataset: Any) -> Tuple[Any, Any]:
     """Start the run's reader (``data.path`` names it): (its handle, for ``fit`` to kill;
-    the dataset's reference, which ``fit`` holds until then).  The dataset goes in the
-    object store under a reference the driver keeps: a reader restarted on another node
-    (its own lost) is built from it again, where a dataset passed by value is released
-    once the first creation task ends, and the restart fails."""
-    import ray
-
-    ref = ray.put(dataset)
-    actor = (
-        ray.remote(StreamReaderActor)
-        .options(
-            name=reader_name(cfg.data.path),
-            num_cpus=0,
-            max_restarts=-1,
-            max_task_retries=-1,
-            max_concurrency=8,
-        )
-        .remote(ref, StreamSpec.of(cfg))
-    )
-    return actor, ref
+    the dataset's reference, which ``fit`` holds until then; ``reader_actor``)."""
+    return start_reader(StreamReaderActor, reader_name(cfg.data.path), dataset, StreamSpec.of(cfg))
 
 
 def stream_config(cfg: DictConfig) -> DictConfig:

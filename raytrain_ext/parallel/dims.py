@@ -358,6 +358,13 @@ def replicates_state(parallel_cfg) -> bool:
     return live_state(parallel_cfg) is LiveState.replicated
 
 
+def holds_own_shards(parallel_cfg) -> bool:
+    """Whether each rank holds shards that no live peer holds (FSDP, TP, PP, EP; not HSDP's
+    replicas), so that a lost rank's state comes from a checkpoint
+    (``checkpoint.snapshot_policy``: per-step snapshots by default)."""
+    return live_state(parallel_cfg) is LiveState.own_shards
+
+
 def state_from_peers(cfg) -> bool:
     """Whether a group re-formed in place takes its state from its live ranks (else from
     the newest checkpoint): a replicated layout, unless ``elastic.state_from_peers`` is off."""

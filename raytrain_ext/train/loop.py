@@ -44,6 +44,7 @@ from raytrain_ext.models import model_spec
 from raytrain_ext.models.moe import moe_layers
 from raytrain_ext.objectives import build_objective
 from raytrain_ext.parallel import DistContext, dims_for_run
+from raytrain_ext.parallel.dims import holds_own_shards
 from raytrain_ext.parallel.registry import build_strategy
 from raytrain_ext.train.evaluation import Evaluator
 from raytrain_ext.train.exchange import exchange
@@ -253,6 +254,7 @@ class TrainLoop:
             ctx.local_rank,
             self.config_digest,
             stall_s=self.faults.save_stall_s,
+            own_shards=holds_own_shards(cfg.parallel),
         )
         for tier in self.ckpt.tiers:
             tier.probe()
@@ -383,6 +385,10 @@ class TrainLoop:
     def _update(self, step: int, apply: bool, consumed, clock: StepClock) -> None:
         """The optimizer step (only when ``apply``: a skipped or non-finite step consumes
         its batch without training on it), the schedule, the ledger; the step is done."""
+        if self.ckpt is not None:  # the last per-step snapshot committed before the update
+            clock.lap("bookkeeping")
+            self.ckpt.before_update()
+            clock.lap("checkpoint")
         if apply:
             self.strategy.step(self.model, self.optimizer)
         self.scheduler.step()

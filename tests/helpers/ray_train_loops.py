@@ -8,6 +8,7 @@ import importlib
 import os
 import tempfile
 import time
+from typing import Optional
 
 import torch
 from torch import nn
@@ -44,14 +45,8 @@ def quickstart_loop(config):
     loader = train_torch.prepare_data_loader(
         DataLoader(synthetic_data(), batch_size=config.get("batch_size", 16), shuffle=True)
     )
-    start = 0
-    checkpoint = train.get_checkpoint()
-    if checkpoint is not None:
-        with checkpoint.as_directory() as directory:
-            state = torch.load(os.path.join(directory, "state.pt"))
-        _unwrapped(model).load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        start = state["epoch"] + 1
+    state = _restored(train, model, optimizer)
+    start = 0 if state is None else state["epoch"] + 1
     context = train.get_context()
     for epoch in range(start, config["epochs"]):
         if context.get_world_size() > 1:
@@ -102,14 +97,8 @@ def dataset_loop(config):
     torch.manual_seed(0)
     model = train_torch.prepare_model(nn.Linear(1, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    epoch, count = 0, 0
-    checkpoint = train.get_checkpoint()
-    if checkpoint is not None:
-        with checkpoint.as_directory() as directory:
-            state = torch.load(os.path.join(directory, "state.pt"))
-        _unwrapped(model).load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        epoch, count = state["epoch"], state["count"]
+    state = _restored(train, model, optimizer)
+    epoch, count = (0, 0) if state is None else (state["epoch"], state["count"])
     shard = train.get_dataset_shard("train")
     dtypes = {"id": torch.int64, "x": torch.float32, "y": torch.float32}
 
@@ -163,6 +152,19 @@ def standing_ids(history):
     for m in standing.values():
         ids.setdefault(m["epoch"], []).extend(i for rank in m["ids"] for i in rank)
     return ids
+
+
+def _restored(train, model: nn.Module, optimizer) -> Optional[dict]:
+    """``get_checkpoint``'s ``state.pt`` loaded into the model and the optimizer, and
+    returned (None: no checkpoint yet)."""
+    checkpoint = train.get_checkpoint()
+    if checkpoint is None:
+        return None
+    with checkpoint.as_directory() as directory:
+        state = torch.load(os.path.join(directory, "state.pt"))
+    _unwrapped(model).load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    return state
 
 
 def _unwrapped(model: nn.Module) -> nn.Module:

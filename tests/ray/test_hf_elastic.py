@@ -123,8 +123,10 @@ def test_killed_worker_of_an_hf_model_on_a_ray_dataset_ends_bit_identical(
         "started": 1,
         "left_out": 0,
     }
+    # FSDP snapshots every step by default, and step 7's update waited for step 6's
+    # snapshot: the killed rank's shards of step 6 are in the memory tier, one step redone
     assert recovery["restored_from"] == "memory"
-    assert recovery["restored_step"] == 4 and recovery["steps_redone"] == 3
+    assert recovery["restored_step"] == 6 and recovery["steps_redone"] == 1
     assert 0 < recovery["first_step_after_s"] < 60
     assert [t["target"] for t in summary["transitions"]] == [
         "RUNNING",
@@ -141,11 +143,11 @@ def test_killed_worker_of_an_hf_model_on_a_ray_dataset_ends_bit_identical(
     assert summary["params_sha256"] == reference["result"]["params_sha256"]
     assert summary["samples_digest"] == reference["result"]["samples_digest"]
     assert summary["final_loss"] == reference["result"]["final_loss"]
-    evals = summary["eval_history"]  # step 6 ran before the kill and again after the restore
-    assert [e["step"] for e in evals] == [6, 6, 12] and evals[0] == evals[1]
+    evals = summary["eval_history"]  # step 6's ran before the kill, and the restore is past it
+    assert [e["step"] for e in evals] == [6, 12]
     assert evals[-1]["eval_loss"] < evals[0]["eval_loss"] and evals[-1]["eval_ppl"] > 1
     report = write_report(tmp_path / "hf-kill")
-    assert "3 evaluations; at step 12" in report["markdown"].read_text()
+    assert "2 evaluations; at step 12" in report["markdown"].read_text()
     other = token_dataset(TOKENS[::-1].copy())  # same size, other content: not resumable
     longer = run_overrides(
         tmp_path, llama_overrides, "run.name=hf-kill", f"run.max_steps={STEPS + 4}"
