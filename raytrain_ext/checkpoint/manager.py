@@ -288,14 +288,11 @@ class CheckpointManager:
         """Count a per-step snapshot for ``snapshot_policy``'s probe (its step: since the
         previous ``after_step`` ended)."""
         step_s = 0.0 if self._step_started is None else time.perf_counter() - self._step_started
-        said = self.snapshots.observe(stall_s, step_s, self._ranks_max)
+        said = self.snapshots.observe(
+            stall_s, step_s, lambda share: max(gather_from_all(share, self.group))
+        )
         if said and self.rank == 0:
             log.info(said)
-
-    def _ranks_max(self, value: float) -> float:
-        agreed = torch.tensor([value], dtype=torch.float64)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)
-        return float(agreed.item())
 
     # ---- saving ---------------------------------------------------------------------------
     def _snapshot_due(self) -> bool:

@@ -175,13 +175,6 @@ def test_lone_worker_killed_on_a_live_node_is_replaced_in_place_bit_identical(
     assert summary["params_sha256"] == reference["params_sha256"]
     assert summary["samples_digest"] == reference["samples_digest"]
     assert_nothing_left()
-    if recovery["steps_redone"] > 1:  # everything else held; the one-step bound did not
-        pytest.xfail(
-            "known, issue 33 item 5: each update now waits for the previous snapshot's "
-            "persist (CheckpointManager.before_update), and alone this redoes 0-1 steps, but "
-            "a CI run under load (250c2cb) still redid 2: the newest committed snapshot "
-            "was two behind the survivors' last step"
-        )
 
 
 def test_fsdp_node_loss_with_the_per_step_snapshot_redoes_at_most_one_step(ray_cluster, tmp_path):
