@@ -55,6 +55,7 @@ from raytrain_ext.checkpoint.tiers import build_tiers
 from raytrain_ext.checkpoint.tiers.base import Tier, prune
 from raytrain_ext.checkpoint.train_state import TrainState
 from raytrain_ext.checkpoint.writer import ChecksummingWriter
+from raytrain_ext.errors.text import is_peer_loss, peer_loss_marker
 from raytrain_ext.version import __version__
 
 log = logging.getLogger(__name__)
@@ -105,6 +106,11 @@ def seconds_between_saves(ckpt_cfg, saves: int) -> Optional[float]:
     return first if every is None else min(every, first)
 
 
+class SnapshotPeerLost(RuntimeError):
+    """The persist awaited before an update failed because a peer vanished: an echo of that
+    peer's failure (``errors.text.is_peer_loss`` says so from the message)."""
+
+
 class CheckpointManager:
     def __init__(
         self,
@@ -132,6 +138,7 @@ class CheckpointManager:
         self._thread: Optional[threading.Thread] = None
         self._persisting_regular = False  # what _thread persists: a regular save, or a snapshot
         self._buffers: Any = None  # host copy of the last snapshot, reused by the next
+        self._peer_lost: Optional[BaseException] = None  # _thread's persist met a lost peer
         self._last_save_time = time.time()
         self.snapshots = SnapshotPolicy(ckpt_cfg.snapshot_every_step, own_shards)
         self._waited_s = 0.0  # before this step's update, for the last save (a stall)
@@ -283,6 +290,16 @@ class CheckpointManager:
         start = time.perf_counter()
         self.wait()
         self._waited_s += time.perf_counter() - start
+        lost, self._peer_lost = self._peer_lost, None
+        if lost is not None:
+            # the persist failed because a peer vanished: this step's collectives are over
+            # (FSDP's update needs none), so without this the survivors would finish one more
+            # step that no committed snapshot holds and redo two; fail it as its collective would
+            raise SnapshotPeerLost(
+                f"the last snapshot was not persisted: a peer vanished ({peer_loss_marker(lost)}); "
+                "this step's update is not applied, so the group re-forms one step past the "
+                "newest committed snapshot"
+            ) from lost
 
     def _judge_snapshots(self, stall_s: float) -> None:
         """Count a per-step snapshot for ``snapshot_policy``'s probe (its step: since the
@@ -308,7 +325,9 @@ class CheckpointManager:
     ) -> None:
         """Write the snapshot, then upload and commit it to ``tiers`` in order (None: every
         tier; a per-step snapshot names the memory tier alone and its staged files go once
-        uploaded); a tier that fails is recorded and the others go on."""
+        uploaded); a tier that fails is recorded and the others go on; a failure because a
+        peer vanished is also kept for ``before_update`` to raise."""
+        self._peer_lost = None
         try:
             native_files = native_files or native.NativeFiles()
             step_dir = self.staging / step_dir_name(step)
@@ -355,6 +374,8 @@ class CheckpointManager:
                 shutil.rmtree(step_dir, ignore_errors=True)
         except (Exception, CheckpointException) as e:  # never kill training for a failed save
             self._save_failed(e, step, snap)
+            if is_peer_loss(e):
+                self._peer_lost = e
 
     def _save_failed(self, error: BaseException, step: int, snap: Dict[str, Any]) -> None:
         """Record a failed save, free what its partial files took, and say in one line

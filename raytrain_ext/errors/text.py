@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 import traceback
-from typing import List
+from typing import List, Optional
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 MAX_LINE = 600
@@ -31,8 +31,13 @@ PEER_LOSS_MARKERS = (
 
 def is_peer_loss(error: BaseException) -> bool:
     """A collective that raised because a peer vanished (an echo of another rank's failure)."""
+    return peer_loss_marker(error) is not None
+
+
+def peer_loss_marker(error: BaseException) -> Optional[str]:
+    """Which of ``PEER_LOSS_MARKERS`` the error carries (None: not a vanished peer)."""
     text = f"{type(root_cause(error)).__name__}: {error}"
-    return any(marker in text for marker in PEER_LOSS_MARKERS)
+    return next((marker for marker in PEER_LOSS_MARKERS if marker in text), None)
 
 
 def root_cause(error: BaseException) -> BaseException:
