@@ -160,18 +160,22 @@ class WorkerGroup:
         replaced in the background) are vacant at once, to be filled the same way.  A
         refill bundle left over stays vacant until ``replenish`` (once training has
         resumed: a starting process would compete with the recovery for CPU).  Returns
-        how each place was filled (``prestarted``: new actors that took an idle process)."""
+        how each place was filled (``prestarted``: new actors that took an idle process).
+
+        Members are ranked in the order of the places they take (a kept rank's own, a
+        refilled or spare-filled lost rank's), so a same-size replacement keeps every rank:
+        each rank's samples and the order its gradients are summed in stay as they were,
+        and the run stays bit-identical whichever rank was lost, rank 0 included."""
         keep, refill = set(keep_ranks), set(refill_ranks)
-        members = [(self.actors[r], self.bundles[r], self.infos[r]) for r in sorted(keep)]
+        places = {r: (self.actors[r], self.bundles[r], self.infos[r]) for r in sorted(keep)}
         lost = [r for r in range(self.world_size) if r not in keep]
         for rank in lost:
             _kill(self.actors[rank])
-        need = size - len(members)
+        need = size - len(places)
         ready = self._ready_spares(need)
-        members += ready
-        slots = [self.bundles[r] for r in lost if r in refill]
+        refilled = [r for r in lost if r in refill][: need - len(ready)]
         asked_at = time.time()
-        fresh = [(self._create(b, self._rank_env), b) for b in slots[: need - len(ready)]]
+        fresh = [(self._create(self.bundles[r], self._rank_env), self.bundles[r]) for r in refilled]
         later = [self.bundles[r] for r in deferred_ranks]
         unplaced = [r for r in lost if r not in refill and r not in deferred_ranks]
         self.unplaced.update({self.bundles[r]: self.infos[r].node_id for r in unplaced})
@@ -179,10 +183,17 @@ class WorkerGroup:
             [a.node_info.remote() for a, _ in fresh],  # a process start, in a
             timeout=min(form.placement_timeout_s, 30.0),
         )  # bundle the gang holds
-        members += [(a, b, info) for (a, b), info in zip(fresh, infos, strict=True)]
+        started = [(a, b, info) for (a, b), info in zip(fresh, infos, strict=True)]
+        places.update(zip(refilled, started, strict=True))
+        # the spares take the lost ranks left, in order (past the old world if it grows)
+        open_ranks = [r for r in lost if r not in refilled] + list(
+            range(self.world_size, self.world_size + len(ready))
+        )
+        places.update(zip(open_ranks, ready, strict=False))
         prestarted = self._taken_from_pool(infos, asked_at)
-        self.vacant += slots[need - len(ready) :] + later
-        self._form(members, form)
+        self.vacant += [self.bundles[r] for r in lost if r in refill and r not in refilled]
+        self.vacant += later
+        self._form([places[r] for r in sorted(places)], form)
         return {
             "kept": len(keep),
             "spares_used": len(ready),

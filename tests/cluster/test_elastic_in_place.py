@@ -24,7 +24,7 @@ from raytrain_ext.checkpoint.tiers.disk import DiskTier
 from tests.helpers.layouts import ATOL_UNEVEN
 from tests.helpers.leaks import assert_nothing_left, idle_processes_with_torch
 from tests.helpers.reference import uninterrupted
-from tests.helpers.runs import FitThread, last_step, tiny_overrides, wait_until
+from tests.helpers.runs import FitThread, last_step, recovered, tiny_overrides, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 
@@ -134,44 +134,65 @@ def test_node_loss_shrinks_in_place_from_peers_then_grows_back_in_place(ray_clus
     assert_nothing_left()
 
 
-def test_lone_worker_killed_on_a_live_node_is_replaced_in_place_bit_identical(
-    ray_cluster, tmp_path
-):
-    """2 nodes, one worker each; rank 1's process is SIGKILLed from outside.  Its node is
-    alive (Ray says the worker process died), so a new process takes its slot on the same
-    node and gets the state from rank 0: same world size, nothing redone, and the run
-    ends bit-identical to the uninterrupted one."""
-    add_nodes(ray_cluster, 2)
-    steps = 40  # the kill waits for the pool's processes (3-4 s of imports at idle priority)
-    cfg = run_config(tmp_path, steps, "checkpoint.every_steps=100")  # only the final one
-    reference = uninterrupted(steps)["result"]
+def kill_when_the_pool_is_stocked(trainer, rank: int, idle_before: set, steps: int):
+    """SIGKILL ``rank``'s process once the pool's process on every node has started (its
+    start, not the kill, is timed); returns the group's (node, pid) per rank before."""
+    wait_until(lambda: len(idle_processes_with_torch() - idle_before) >= 3, "stocked pool")
+    assert last_step(trainer) < steps - 4, "the run ended before its pool was stocked"
+    before = [(i.node_id, i.pid) for i in trainer.controller.group.infos]
+    os.kill(before[rank][1], signal.SIGKILL)
+    return before
+
+
+def test_killed_rank_0_then_last_rank_are_replaced_in_place_bit_identical(ray_cluster, tmp_path):
+    """3 nodes, one worker each; rank 0's process (the rendezvous host), then the last
+    rank's, SIGKILLed from outside.  Their nodes are alive (Ray says the worker process
+    died), so each time a new process takes the lost rank's own place on the same node,
+    the others keep theirs, and the state comes from the live peers: nothing redone, each
+    rank's samples and the order of the gradient sums as before (3 ranks: another order
+    would round differently), and the run ends bit-identical to the uninterrupted one."""
+    add_nodes(ray_cluster, 3)
+    steps = 60  # each kill waits for the pool's processes (3-4 s of imports at idle priority)
+    cfg = run_config(
+        tmp_path,
+        steps,
+        *THREE_WAY,
+        "scaling.num_workers=3",
+        "elastic.max_failures=2",
+        "checkpoint.every_steps=100",  # only the final one
+    )
+    reference = uninterrupted(steps, *THREE_WAY, world=3)["result"]
     trainer = Trainer(cfg)
     idle_before = idle_processes_with_torch()
+    groups = []
     with FitThread(trainer) as run:
         wait_until(lambda: last_step(trainer) >= 6, "step 6")
-        # the pool's process on each node has started (its start, not the kill, is timed)
-        wait_until(lambda: len(idle_processes_with_torch() - idle_before) >= 2, "stocked pool")
-        assert last_step(trainer) < steps - 4, "the run ended before its pool was stocked"
-        before = group_processes(trainer.controller.group.infos)
-        victim = trainer.controller.group.infos[1]
-        os.kill(victim.pid, signal.SIGKILL)
+        for count, victim in enumerate((0, 2), start=1):
+            before = kill_when_the_pool_is_stocked(trainer, victim, idle_before, steps)
+            wait_until(lambda n=count: recovered(trainer, n) and running_at(trainer, 3), "recovery")
+            after = [(i.node_id, i.pid) for i in trainer.controller.group.infos]
+            groups.append((victim, before, after))
         summary = run.summary(timeout_s=180)
     assert summary["status"] == "finished" and summary["steps_completed"] == steps
-    (recovery,) = summary["recoveries"]
-    assert recovery["decision"] == "replace" and recovery["world_size"] == 2
-    # the new process is the idle one the pool kept on that node, torch already imported
-    assert recovery["reformed"] == {
-        "kept": 1,
-        "spares_used": 0,
-        "started": 1,
-        "prestarted": 1,
-        "left_out": 0,
-    }
-    assert recovery["lost"] == [{"rank": 1, "fate": "process_died"}]
-    assert recovery["restored_from"] == "peers" and recovery["steps_redone"] == 0
-    assert [h["world_size"] for h in summary["world_size_history"]] == [2, 2]
-    (replacement,) = processes(summary["workers"]) - before
-    assert replacement[0] == victim.node_id  # a new process, on the same node
+    for (victim, before, after), recovery in zip(groups, summary["recoveries"], strict=True):
+        assert recovery["decision"] == "replace" and recovery["world_size"] == 3
+        # the new process is the idle one the pool kept on that node, torch already imported
+        assert recovery["reformed"] == {
+            "kept": 2,
+            "spares_used": 0,
+            "started": 1,
+            "prestarted": 1,
+            "left_out": 0,
+        }
+        assert recovery["lost"] == [{"rank": victim, "fate": "process_died"}]
+        assert recovery["restored_from"] == "peers" and recovery["steps_redone"] == 0
+        # every rank in its place: the kept processes where they were, a new one on the
+        # lost rank's node in its rank
+        assert [a for r, a in enumerate(after) if r != victim] == [
+            b for r, b in enumerate(before) if r != victim
+        ]
+        assert after[victim][0] == before[victim][0] and after[victim] != before[victim]
+    assert [h["world_size"] for h in summary["world_size_history"]] == [3, 3, 3]
     assert summary["params_sha256"] == reference["params_sha256"]
     assert summary["samples_digest"] == reference["samples_digest"]
     assert_nothing_left()

@@ -19,7 +19,7 @@ import pytest
 
 from tests.helpers.leaks import assert_nothing_left
 from tests.helpers.ray_train_loops import OURS, dataset_loop, line_rows, standing_ids
-from tests.helpers.runs import FitThread, wait_until
+from tests.helpers.runs import FitThread, recovered, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 
@@ -52,13 +52,6 @@ def running_at(run, size: int, after: int) -> bool:
         and c.group.world_size == size
         and reports(run) > after
     )
-
-
-def recovered(run, count: int) -> bool:
-    """``count`` recoveries closed by their group's first report: the controller forwards
-    rank 0's reports in batches, so a count of reports alone can run ahead of a fault."""
-    log = [] if run.controller is None else run.controller.result.recovery_log
-    return len(log) >= count and log[count - 1].first_step_after_s is not None
 
 
 def test_a_ray_train_loop_survives_a_kill_a_lost_node_and_grows_back(

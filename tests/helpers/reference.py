@@ -19,10 +19,11 @@ from tests.helpers.dist import train_processes
 _RUNS: Dict[Tuple[str, ...], dict] = {}
 
 
-def uninterrupted(steps: int, *extra: str) -> dict:
+def uninterrupted(steps: int, *extra: str, world: int = 2) -> dict:
     """Rank 0's ``{"result", "params"}`` of the packaged default config trained for
-    ``steps`` steps on 2 ranks (LR decaying over the same ``steps``), plus ``extra``."""
+    ``steps`` steps on ``world`` ranks (LR decaying over the same ``steps``), plus ``extra``."""
     overrides = (
+        f"scaling.num_workers={world}",
         f"run.max_steps={steps}",
         f"optim.decay_steps={steps}",
         "checkpoint.enabled=false",
@@ -32,6 +33,6 @@ def uninterrupted(steps: int, *extra: str) -> dict:
     if overrides not in _RUNS:
         with tempfile.TemporaryDirectory(prefix=f"raytrain-ext-reference-{steps}-") as tmp:
             out = Path(tmp)
-            rank0 = train_processes(2, [f"run.output_dir={out}", *overrides], out)[0]
+            rank0 = train_processes(world, [f"run.output_dir={out}", *overrides], out)[0]
         _RUNS[overrides] = {"result": rank0["result"], "params": rank0["params"]}
     return _RUNS[overrides]

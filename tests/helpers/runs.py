@@ -68,6 +68,13 @@ def last_step(trainer) -> int:
     return records[-1]["step"] if records else 0
 
 
+def recovered(trainer, count: int) -> bool:
+    """``count`` recoveries closed by their group's first report: the controller forwards
+    rank 0's reports in batches, so a count of reports alone can run ahead of a fault."""
+    log = [] if trainer.controller is None else trainer.controller.result.recovery_log
+    return len(log) >= count and log[count - 1].first_step_after_s is not None
+
+
 class FitThread:
     """``trainer.fit()`` in a thread, for tests that inject faults while it runs.
 
