@@ -47,6 +47,7 @@ from raytrain_ext.checkpoint.manifest import (
     checksum_file,
     step_dir_name,
 )
+from raytrain_ext.checkpoint.peer_loss_latch import PeerLossLatch
 from raytrain_ext.checkpoint.recycle import POOL
 from raytrain_ext.checkpoint.restore import Restorer
 from raytrain_ext.checkpoint.save_failure import save_failure_text, snapshot_bytes
@@ -55,7 +56,6 @@ from raytrain_ext.checkpoint.tiers import build_tiers
 from raytrain_ext.checkpoint.tiers.base import Tier, prune
 from raytrain_ext.checkpoint.train_state import TrainState
 from raytrain_ext.checkpoint.writer import ChecksummingWriter
-from raytrain_ext.errors.text import is_peer_loss, peer_loss_marker
 from raytrain_ext.version import __version__
 
 log = logging.getLogger(__name__)
@@ -106,11 +106,6 @@ def seconds_between_saves(ckpt_cfg, saves: int) -> Optional[float]:
     return first if every is None else min(every, first)
 
 
-class SnapshotPeerLost(RuntimeError):
-    """The persist awaited before an update failed because a peer vanished: an echo of that
-    peer's failure (``errors.text.is_peer_loss`` says so from the message)."""
-
-
 class CheckpointManager:
     def __init__(
         self,
@@ -138,7 +133,7 @@ class CheckpointManager:
         self._thread: Optional[threading.Thread] = None
         self._persisting_regular = False  # what _thread persists: a regular save, or a snapshot
         self._buffers: Any = None  # host copy of the last snapshot, reused by the next
-        self._peer_lost: Optional[BaseException] = None  # _thread's persist met a lost peer
+        self.peer_loss = PeerLossLatch()  # _thread's persist met a vanished peer
         self._last_save_time = time.time()
         self.snapshots = SnapshotPolicy(ckpt_cfg.snapshot_every_step, own_shards)
         self._waited_s = 0.0  # before this step's update, for the last save (a stall)
@@ -281,25 +276,18 @@ class CheckpointManager:
             self._thread = None
 
     def before_update(self) -> None:
-        """With per-step snapshots, wait for the last one's persist before this step's
+        """With per-step snapshots, wait for the save in flight before this step's
         optimizer update: a node lost during the wait leaves the ranks one step past the
         newest committed snapshot, not two (after the update they would have finished
-        another step that no snapshot holds).  The wait is a stall of this step's save."""
-        if self._thread is None or not self._snapshot_due():
+        another step that no snapshot holds).  The wait is a stall of this step's save.
+        Raises ``SnapshotPeerLost`` when that save's collectives met a vanished peer."""
+        in_flight_snapshot = self._thread is not None and not self._persisting_regular
+        if self._thread is None or not (self._snapshot_due() or in_flight_snapshot):
             return
         start = time.perf_counter()
         self.wait()
         self._waited_s += time.perf_counter() - start
-        lost, self._peer_lost = self._peer_lost, None
-        if lost is not None:
-            # the persist failed because a peer vanished: this step's collectives are over
-            # (FSDP's update needs none), so without this the survivors would finish one more
-            # step that no committed snapshot holds and redo two; fail it as its collective would
-            raise SnapshotPeerLost(
-                f"the last snapshot was not persisted: a peer vanished ({peer_loss_marker(lost)}); "
-                "this step's update is not applied, so the group re-forms one step past the "
-                "newest committed snapshot"
-            ) from lost
+        self.peer_loss.raise_if_tripped()
 
     def _judge_snapshots(self, stall_s: float) -> None:
         """Count a per-step snapshot for ``snapshot_policy``'s probe (its step: since the
@@ -326,14 +314,14 @@ class CheckpointManager:
         """Write the snapshot, then upload and commit it to ``tiers`` in order (None: every
         tier; a per-step snapshot names the memory tier alone and its staged files go once
         uploaded); a tier that fails is recorded and the others go on; a failure because a
-        peer vanished is also kept for ``before_update`` to raise."""
-        self._peer_lost = None
+        peer vanished in a collective trips ``peer_loss`` for ``before_update``."""
+        self.peer_loss.reset()
         try:
             native_files = native_files or native.NativeFiles()
             step_dir = self.staging / step_dir_name(step)
             timing: Dict[str, Any] = {"step": step, "tiers_s": {}}
             mine, entries = self._write(snap, step_dir, timing, native_files.names)
-            parts = gather_from_all((entries, bool(native_files.info)), self.group)
+            parts = self._gather((entries, bool(native_files.info)))
             files = {name: entry for part, _ in parts for name, entry in part.items()}
             timing["bytes"] = sum(entry.size for entry in files.values())
             # native files are loadable only if every rank saved its own
@@ -374,8 +362,6 @@ class CheckpointManager:
                 shutil.rmtree(step_dir, ignore_errors=True)
         except (Exception, CheckpointException) as e:  # never kill training for a failed save
             self._save_failed(e, step, snap)
-            if is_peer_loss(e):
-                self._peer_lost = e
 
     def _save_failed(self, error: BaseException, step: int, snap: Dict[str, Any]) -> None:
         """Record a failed save, free what its partial files took, and say in one line
@@ -405,7 +391,8 @@ class CheckpointManager:
         started = time.perf_counter()
         pool = self.staging / POOL if self.cfg.local and self.cfg.recycle_files else None
         writer = ChecksummingWriter(step_dir, chunk, pool, thread_count=self.cfg.write_threads)
-        dcp.save(snap, storage_writer=writer, process_group=self.group)
+        with self.peer_loss.watch():
+            dcp.save(snap, storage_writer=writer, process_group=self.group)
         timing["write_s"] = time.perf_counter() - started
         mine, written = sorted(self._own_files(step_dir) + native_names), writer.entries
         entries = {
@@ -414,11 +401,17 @@ class CheckpointManager:
         timing["checksum_s"] = time.perf_counter() - started - timing["write_s"]
         return mine, entries
 
+    def _gather(self, value: Any) -> List[Any]:
+        """Every rank's ``value`` (the checkpoint group's all-gather), watched for a
+        vanished peer."""
+        with self.peer_loss.watch():
+            return gather_from_all(value, self.group)
+
     def _agree_past(self, deadline: Optional[float]) -> bool:
         """True on every rank when any rank is past ``deadline`` (one all-gather)."""
         if deadline is None:
             return False
-        return any(gather_from_all(time.time() > deadline, self.group))
+        return any(self._gather(time.time() > deadline))
 
     def _own_files(self, step_dir: Path) -> List[str]:
         names = [p.name for p in step_dir.iterdir() if p.name.startswith(f"__{self.rank}_")]
@@ -433,7 +426,7 @@ class CheckpointManager:
             tier.upload(manifest.step, step_dir, mine)
         except Exception as e:
             error = f"rank {self.rank}: {e}"
-        errors = [e for e in gather_from_all(error, self.group) if e]
+        errors = [e for e in self._gather(error) if e]
         if errors:
             self.stats["failed"].append(
                 {"step": manifest.step, "tier": tier.name, "error": errors[0]}

@@ -313,7 +313,6 @@ class TrainLoop:
         exchanged = self._exchange(local, loss_sum, clock)
         loss = exchanged.loss_sum / units
         decision = self.nonfinite.decide(step, loss, float(grad_norm), exchanged.consumed)
-        self.handover.updating()
         clock.lap("bookkeeping")
         skipped = skip_batch or decision.action != StepAction.OK
         self._update(step, not skipped, exchanged.consumed, clock)
@@ -387,8 +386,9 @@ class TrainLoop:
         its batch without training on it), the schedule, the ledger; the step is done."""
         if self.ckpt is not None:  # the last per-step snapshot committed before the update
             clock.lap("bookkeeping")
-            self.ckpt.before_update()
+            self.ckpt.before_update()  # may fail the step: the state is still at the boundary
             clock.lap("checkpoint")
+        self.handover.updating()
         if apply:
             self.strategy.step(self.model, self.optimizer)
         self.scheduler.step()

@@ -162,10 +162,12 @@ class WorkerGroup:
         resumed: a starting process would compete with the recovery for CPU).  Returns
         how each place was filled (``prestarted``: new actors that took an idle process).
 
-        Members are ranked in the order of the places they take (a kept rank's own, a
-        refilled or spare-filled lost rank's), so a same-size replacement keeps every rank:
-        each rank's samples and the order its gradients are summed in stay as they were,
-        and the run stays bit-identical whichever rank was lost, rank 0 included."""
+        Members are ranked in the order of the places they take: a kept rank its own, a
+        new process on a lost rank's node (a refill) that rank's, so a same-size refill
+        keeps every rank where it was, rank 0 included: each rank's samples and the order
+        its gradients are summed in stay as they were, and the run stays bit-identical
+        whichever rank was lost.  A spare (another node) ranks after them: rank 0 stays on
+        a node whose local checkpoint tier it plans the restore from (``Restorer``)."""
         keep, refill = set(keep_ranks), set(refill_ranks)
         places = {r: (self.actors[r], self.bundles[r], self.infos[r]) for r in sorted(keep)}
         lost = [r for r in range(self.world_size) if r not in keep]
@@ -185,11 +187,8 @@ class WorkerGroup:
         )  # bundle the gang holds
         started = [(a, b, info) for (a, b), info in zip(fresh, infos, strict=True)]
         places.update(zip(refilled, started, strict=True))
-        # the spares take the lost ranks left, in order (past the old world if it grows)
-        open_ranks = [r for r in lost if r not in refilled] + list(
-            range(self.world_size, self.world_size + len(ready))
-        )
-        places.update(zip(open_ranks, ready, strict=False))
+        # spares rank after the others: see the docstring
+        places.update(zip(range(self.world_size, self.world_size + len(ready)), ready, strict=True))
         prestarted = self._taken_from_pool(infos, asked_at)
         self.vacant += [self.bundles[r] for r in lost if r in refill and r not in refilled]
         self.vacant += later

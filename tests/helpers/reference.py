@@ -2,7 +2,7 @@
 
 A chaos test proves that a run which was killed, preempted, shrunk or resumed ends
 where the uninterrupted run ends.  That run depends only on the training config,
-not on Ray or on which test asks, so it is trained once (2 gloo processes, no Ray)
+not on Ray or on which test asks, so it is trained once (gloo processes, 2 unless told, no Ray)
 and cached by its overrides.  ``test_worker_group`` asserts that the Trainer's
 2-worker run on Ray and this 2-process run are bit-identical, which is what lets
 Ray tests, multi-node tests and CLI tests compare against it.

@@ -1,5 +1,7 @@
 """Elastic policies are pure: decisions as data, checked without Ray."""
 
+import pytest
+
 from raytrain_ext.elastic.policy import (
     Action,
     Budget,
@@ -84,7 +86,7 @@ def test_node_probe_counts_nodes_proven_alive_without_pinging_them():
 def test_failure_origin_is_the_dead_rank_not_the_peers_that_echo_it():
     import ray
 
-    from raytrain_ext.checkpoint.manager import SnapshotPeerLost
+    from raytrain_ext.checkpoint.peer_loss_latch import PeerLossLatch
     from raytrain_ext.errors.text import is_peer_loss, peer_loss_marker
     from raytrain_ext.ray_group.survivors import origin_of
 
@@ -93,10 +95,14 @@ def test_failure_origin_is_the_dead_rank_not_the_peers_that_echo_it():
     )
     dead = ray.exceptions.ActorDiedError()
     assert is_peer_loss(echo) and not is_peer_loss(ValueError("bad batch"))
-    # an update refused because the awaited snapshot met the dead peer is an echo as well
-    refused = SnapshotPeerLost(f"a peer vanished ({peer_loss_marker(echo)})")
-    assert peer_loss_marker(echo) == "Connection closed by peer" and is_peer_loss(refused)
-    assert origin_of({0: refused, 2: dead}) == 2
+    # an update refused because the save it waited for met the dead peer is an echo too
+    latch = PeerLossLatch()
+    with pytest.raises(RuntimeError), latch.watch():
+        raise echo
+    with pytest.raises(RuntimeError) as refused:
+        latch.raise_if_tripped()
+    assert peer_loss_marker(echo) == "Connection closed by peer"
+    assert is_peer_loss(refused.value) and origin_of({0: refused.value, 2: dead}) == 2
     assert origin_of({0: echo}) is None  # only an echo so far: the origin has yet to report
     assert origin_of({0: echo, 2: dead}) == 2
     assert origin_of({0: echo, 1: ValueError("bad batch")}) == 1  # a rank's own error
