@@ -194,8 +194,9 @@ class PipelineStrategy(Strategy):
 
     @property
     def optimizer_foreach(self) -> bool:
-        """Plain expert tensors beside FSDP's DTensors need the per-tensor step (train/optim.py)."""
-        return not (self.experts is not None and self.inner.shards_parameters)
+        """The inner layout's choice (FSDP's: the per-tensor step); plain expert tensors
+        beside FSDP's DTensors need the per-tensor step too (train/optim.py)."""
+        return self.inner.optimizer_foreach
 
     def clip_grad_norm(self, wrapped: nn.Module, max_norm: float) -> torch.Tensor:
         """Clip by the whole model's norm: each stage's squared norm, summed over the pp group."""

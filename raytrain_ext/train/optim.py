@@ -12,8 +12,9 @@ import torch.nn as nn
 def build_optimizer(model: nn.Module, optim_cfg, foreach: bool = True) -> torch.optim.Optimizer:
     """AdamW; weight decay applies to matrices only (not norms, biases).
 
-    ``foreach=False`` for models that mix DTensor and plain parameters in a
-    group (experts left out of FSDP), which the fused multi-tensor step refuses.
+    ``foreach``: the strategy's ``optimizer_foreach`` (the per-tensor step over DTensor
+    parameters, and where DTensor and plain parameters share a group, experts left out of
+    FSDP, which the multi-tensor step refuses).
     """
     decay: List[torch.nn.Parameter] = []
     no_decay: List[torch.nn.Parameter] = []

@@ -14,6 +14,7 @@ from raytrain_ext.models import GPT_SPEC
 from raytrain_ext.parallel.catalog import STRATEGY_CATALOG, load_class
 from raytrain_ext.parallel.config import PipelineSchedule, StrategyName
 from raytrain_ext.parallel.ddp import DDPStrategy
+from raytrain_ext.parallel.fsdp import FSDPStrategy
 from raytrain_ext.parallel.pp import SCHEDULES, PipelineStrategy
 from raytrain_ext.parallel.strategy import DistContext, Strategy
 from raytrain_ext.parallel.tp import apply_tensor_parallel
@@ -81,6 +82,9 @@ def test_each_strategy_says_what_it_does_differently():
     assert (zero.owns_optimizer_state, zero.native_checkpoint) == (True, True)
     pipeline = PipelineStrategy(cfg, GPT_SPEC, DDPStrategy(cfg, GPT_SPEC))
     assert pipeline.runs_microbatches and pipeline.optimizer_foreach
+    # DTensor parameters take the per-tensor optimizer step, in a pipeline stage too
+    assert not FSDPStrategy(cfg, GPT_SPEC).optimizer_foreach
+    assert not PipelineStrategy(cfg, GPT_SPEC, FSDPStrategy(cfg, GPT_SPEC)).optimizer_foreach
 
 
 def test_a_layout_the_spec_cannot_cut_is_refused_naming_the_member_to_add():
