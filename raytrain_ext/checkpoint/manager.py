@@ -281,8 +281,9 @@ class CheckpointManager:
         newest committed snapshot, not two (after the update they would have finished
         another step that no snapshot holds).  The wait is a stall of this step's save.
         Raises ``SnapshotPeerLost`` when that save's collectives met a vanished peer."""
-        in_flight_snapshot = self._thread is not None and not self._persisting_regular
-        if self._thread is None or not (self._snapshot_due() or in_flight_snapshot):
+        # a regular save in flight is waited for only while snapshots are on; a snapshot
+        # always (also in the step whose verdict turned them off)
+        if self._thread is None or (self._persisting_regular and not self._snapshot_due()):
             return
         start = time.perf_counter()
         self.wait()

@@ -177,16 +177,16 @@ class WorkerGroup:
         ready = self._ready_spares(need)
         refilled = [r for r in lost if r in refill][: need - len(ready)]
         asked_at = time.time()
-        fresh = [(self._create(self.bundles[r], self._rank_env), self.bundles[r]) for r in refilled]
+        fresh = [self._create(self.bundles[r], self._rank_env) for r in refilled]
         later = [self.bundles[r] for r in deferred_ranks]
         unplaced = [r for r in lost if r not in refill and r not in deferred_ranks]
         self.unplaced.update({self.bundles[r]: self.infos[r].node_id for r in unplaced})
         infos = ray.get(
-            [a.node_info.remote() for a, _ in fresh],  # a process start, in a
+            [a.node_info.remote() for a in fresh],  # a process start, in a
             timeout=min(form.placement_timeout_s, 30.0),
         )  # bundle the gang holds
-        started = [(a, b, info) for (a, b), info in zip(fresh, infos, strict=True)]
-        places.update(zip(refilled, started, strict=True))
+        for rank, actor, info in zip(refilled, fresh, infos, strict=True):
+            places[rank] = (actor, self.bundles[rank], info)
         # spares rank after the others: see the docstring
         places.update(zip(range(self.world_size, self.world_size + len(ready)), ready, strict=True))
         prestarted = self._taken_from_pool(infos, asked_at)
