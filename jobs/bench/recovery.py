@@ -7,13 +7,15 @@ Same tiny model, 2 workers, same fault (rank 1's process exits right after step
 - Ray Train: `TorchTrainer` with `FailureConfig(max_failures=1)`, a checkpoint every
   `--ray-every` steps through `ray.train.report`, restarted from `get_checkpoint()`.
 Prints fault -> detect / decide / re-form / restore / first step after, and steps redone.
-Ours runs four times: survivors kept and the dead rank restarted in its freed slot
-(the group waits for it; the new actor takes the idle process with torch imported that
-`elastic.prestart_processes` keeps on the node); the same without that idle process (an
-interpreter starts); with `elastic.replace_in_background=true` (the
-survivor trains on alone at once and the new process joins at a step boundary once
-warm); and with one warm spare (`elastic.spare_workers=1`, one more slot reserved)
-taking its place.  The node-loss scenario and the trends are in recovery_node_loss.py.
+Ours runs five times: the defaults (`elastic.replacement=auto`: the group waits for the
+new process only where a warm one takes the place, else the survivor trains on alone at
+once and the new process joins at a step boundary once warm); `elastic.replacement=in_place`
+(the group waits for the dead rank's new process in its freed slot, which takes the idle
+process `elastic.prestart_processes` keeps on the node, still importing or not); the same
+without that idle process (an interpreter starts); `elastic.replacement=background`; and
+with one warm spare (`elastic.spare_workers=1`, one more slot reserved) taking its place.
+Each line gives the decision: `replace` waited for the new process, `shrink` went on.
+The node-loss scenario and the trends are in recovery_node_loss.py.
 
 Usage: python jobs/bench/recovery.py [--steps 30 --kill-at 12]
 """
@@ -36,7 +38,7 @@ from raytrain_ext.config import load_config  # noqa: E402
 
 
 def ours(
-    args, workdir: Path, spares: int = 0, background: bool = False, prestart: bool = True
+    args, workdir: Path, spares: int = 0, replacement: str = "auto", prestart: bool = True
 ) -> dict:
     from raytrain_ext import Trainer
 
@@ -44,7 +46,7 @@ def ours(
         None,
         [
             f"run.output_dir={workdir}",
-            f"run.name=ours-{spares}-{int(background)}-{int(prestart)}",
+            f"run.name=ours-{spares}-{replacement}-{int(prestart)}",
             "run.tensorboard=false",
             f"elastic.spare_workers={spares}",
             f"run.max_steps={args.steps}",
@@ -55,7 +57,7 @@ def ours(
             "elastic.max_failures=1",
             "chaos.kill_rank=1",
             f"chaos.kill_at_step={args.kill_at}",
-            f"elastic.replace_in_background={str(background).lower()}",
+            f"elastic.replacement={replacement}",
             f"elastic.prestart_processes={str(prestart).lower()}",
             "scaling.min_workers=1",
         ],
@@ -72,6 +74,7 @@ def ours(
         "restore_s": recovery["restore_s"],
         "first_step_after_s": recovery["first_step_after_s"] + recovery["detected_at"] - fault,
         "steps_redone": recovery["steps_redone"],
+        "decision": recovery["decision"],
         "restored_from": recovery["restored_from"],
         "reformed": recovery.get("reformed"),
         "sizes": [h["world_size"] for h in summary["world_size_history"]],
@@ -175,11 +178,12 @@ def ray_train(args, workdir: Path) -> dict:
     }
 
 
-VARIANTS = (  # (label, spare_workers, replace_in_background, prestart_processes), elastic.*
-    ("0 spares, replaced in place", 0, False, True),
-    ("0 spares, replaced in place, no idle process", 0, False, False),
-    ("0 spares, replaced in the background", 0, True, True),
-    ("1 warm spare", 1, False, True),
+VARIANTS = (  # (label, spare_workers, replacement, prestart_processes), elastic.*
+    ("defaults (0 spares, auto)", 0, "auto", True),
+    ("0 spares, in place", 0, "in_place", True),
+    ("0 spares, in place, no idle process", 0, "in_place", False),
+    ("0 spares, in the background", 0, "background", True),
+    ("1 warm spare", 1, "auto", True),
 )
 
 
@@ -198,8 +202,8 @@ def main():
     try:
         try:
             runs = {
-                label: ours(args, workdir, spares, background, prestart)
-                for label, spares, background, prestart in VARIANTS
+                label: ours(args, workdir, spares, replacement, prestart)
+                for label, spares, replacement, prestart in VARIANTS
             }
         finally:
             ray.shutdown()
@@ -210,7 +214,7 @@ def main():
     for label, a in runs.items():
         print(
             f"raytrain-ext, {label} (checkpoint every {args.ours_every} step(s), "
-            f"restored from {a['restored_from']}, slots {a['reformed']}): detect "
+            f"restored from {a['restored_from']}, {a['decision']}, slots {a['reformed']}): detect "
             f"{a['detect_s']:.2f} s, decide {a['decide_s']:.2f} s, re-form {a['reform_s']:.2f} s, "
             f"restore {a['restore_s']:.2f} s, first step after {a['first_step_after_s']:.2f} s, "
             f"{a['steps_redone']} step(s) redone; world sizes {a['sizes']}, grow-back pauses "

@@ -20,6 +20,14 @@ class PlacementStrategy(Choice):
     STRICT_SPREAD = "STRICT_SPREAD"
 
 
+class Replacement(Choice):
+    """``elastic.replacement``: how a process lost on a live node is replaced."""
+
+    in_place = "in_place"  # wait for the new process: same size, same numerics
+    background = "background"  # go on without it at once; it joins once warm
+    auto = "auto"  # in place when a warm process takes the place, else in the background
+
+
 @dataclass
 class ScalingConfig:
     """How many workers, what each one needs, and how they are placed.
@@ -88,10 +96,13 @@ class ElasticConfig:
     # a replicated layout (DDP) takes the survivors' in-memory state after a re-form in
     # place (no checkpoint read, no step redone); false: restore the newest checkpoint
     state_from_peers: bool = True
-    # a process lost on a live node: false = wait for its replacement (same size, same
-    # numerics); true = go on without it at once, and let the replacement join at a step
-    # boundary once warm (below min_workers it is always waited for)
-    replace_in_background: bool = False
+    # a process lost on a live node: in_place = wait for its replacement (same size, same
+    # numerics); background = go on without it at once, and let the replacement join at a
+    # step boundary once warm; auto = in place when a ready spare or the pool's process
+    # with its imports done takes the place, else in the background (a cold start costs
+    # 2-5 s of every rank's time, a grow-back about one step).  Below min_workers the
+    # replacement is always waited for
+    replacement: Replacement = Replacement.auto
     # warm standby processes placed with the gang (each holds a slot)
     spare_workers: int = at_least(0, 0)
     # keep one idle worker process per node of the gang in Ray's worker pool, torch

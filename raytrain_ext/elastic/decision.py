@@ -20,6 +20,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
+from raytrain_ext.elastic.config import Replacement
 from raytrain_ext.elastic.in_place import InPlacePlan, sized
 from raytrain_ext.elastic.policy import Action, Budget, Decision, ScalingPolicy, recovery_decision
 
@@ -42,25 +43,28 @@ class Evidence:
     """What the broken group showed.  ``healthy``: ranks whose ``fit`` ended and left a
     process fit to join a new group; ``fates``: Ray's verdict on every other rank (left
     empty when no process was healthy: nothing would be kept); ``spares``: warm spares
-    ready to take a place now."""
+    ready to take a place now; ``warm``: lost ranks whose node holds the pool's process
+    with its imports done (``worker.process_pool``)."""
 
     world_size: int
     healthy: List[int]
     fates: Dict[int, Fate] = field(default_factory=dict)
     spares: int = 0
+    warm: List[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
 class Situation:
     """Everything a recovery decision reads.  ``evidence``: None when no re-form in place
     is considered (``in_place_considered``) or nothing ran; ``capacity``: the workers that
-    fit once the group stopped, None before it was measured; ``background``:
-    ``elastic.replace_in_background`` (a lost rank on a live node joins later)."""
+    fit once the group stopped, None before it was measured; ``replacement``:
+    ``elastic.replacement`` (whether a lost rank on a live node is waited for or joins
+    later; the config's default is ``auto``, a bare situation's is waiting)."""
 
     failures: int
     evidence: Optional[Evidence] = None
     capacity: Optional[int] = None
-    background: bool = False
+    replacement: Replacement = Replacement.in_place
 
 
 def in_place_considered(failure: bool, reuse_survivors: bool) -> bool:
@@ -69,10 +73,10 @@ def in_place_considered(failure: bool, reuse_survivors: bool) -> bool:
     return failure and reuse_survivors
 
 
-def in_place_plan(evidence: Evidence, background: bool) -> Optional[InPlacePlan]:
+def in_place_plan(evidence: Evidence, replacement: Replacement) -> Optional[InPlacePlan]:
     """Who stays and where new processes go, before sizing; None when no process survived
-    or none was lost.  A lost rank whose node is alive is refilled in its own slot (later,
-    with ``background``); a dead node, or no verdict in time, leaves the rank out (a ping
+    or none was lost.  A lost rank whose node is alive is refilled in its own slot, now or
+    later (``replaced_now``); a dead node, or no verdict in time, leaves the rank out (a ping
     can still be answered between a node's workers' and its raylet's death, so a
     live-looking node is not proof enough)."""
     keep = sorted(evidence.healthy)
@@ -82,7 +86,8 @@ def in_place_plan(evidence: Evidence, background: bool) -> Optional[InPlacePlan]
     fates = {rank: evidence.fates.get(rank, Fate.UNKNOWN) for rank in lost}
     on_live_nodes = [rank for rank in lost if fates[rank] in ON_A_LIVE_NODE]
     left_out = [rank for rank in lost if rank not in on_live_nodes]
-    refill, deferred = ([], on_live_nodes) if background else (on_live_nodes, [])
+    refill = replaced_now(on_live_nodes, evidence, replacement)
+    deferred = [rank for rank in on_live_nodes if rank not in refill]
     return InPlacePlan(
         keep,
         refill,
@@ -93,6 +98,19 @@ def in_place_plan(evidence: Evidence, background: bool) -> Optional[InPlacePlan]
     )
 
 
+def replaced_now(ranks: List[int], evidence: Evidence, replacement: Replacement) -> List[int]:
+    """Which of ``ranks`` (lost, node alive) get a new process in their slot now; the
+    others' slots take one that joins at a step boundary once warm.  ``auto`` starts one
+    now only where the pool's process waits with its imports done; ready spares are
+    counted apart (``sized``: a re-form takes them first), so a place one fills is
+    waited for whatever the mode."""
+    if replacement is Replacement.in_place:
+        return list(ranks)
+    if replacement is Replacement.background:
+        return []
+    return [rank for rank in ranks if rank in evidence.warm]
+
+
 def decide_recovery(situation: Situation, budget: Budget, scaling: ScalingPolicy) -> Decision:
     """The one recovery decision (module doc): FAIL once ``budget`` is spent; REPLACE or
     SHRINK with a sized plan when surviving processes can fill an allowed size; else
@@ -101,7 +119,7 @@ def decide_recovery(situation: Situation, budget: Budget, scaling: ScalingPolicy
     if not budget.allows(situation.failures):
         return Decision(Action.FAIL, budget.spent(situation.failures, "failure"))
     evidence = situation.evidence
-    plan = None if evidence is None else in_place_plan(evidence, situation.background)
+    plan = None if evidence is None else in_place_plan(evidence, situation.replacement)
     plan = None if plan is None else sized(plan, scaling)
     if plan is not None:
         action = Action.SHRINK if plan.shrinks else Action.REPLACE

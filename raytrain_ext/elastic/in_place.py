@@ -20,7 +20,7 @@ class InPlacePlan:
     their slot); ``left_out``: lost ranks whose node died, or whose fate is unknown
     (the group goes on without them; their slots wait for a node); ``deferred``: lost
     ranks whose node is alive but whose new process joins later, at a step boundary
-    (``elastic.replace_in_background``).  ``spares``: warm
+    (``elastic.replacement``).  ``spares``: warm
     spares ready to take a lost rank's place.  ``size``: the next group's world size,
     ``from_size``: the failed group's (both set by ``sized``).  ``fates``: Ray's verdict
     on each lost rank (``death.Fate`` values), the record of who was lost and how; the

@@ -87,7 +87,7 @@ class Recoveries:
         evidence = None
         if in_place_considered(self.current.kind is RecoveryKind.FAILURE, e.reuse_survivors):
             evidence = self.group.gather_evidence(hung_ranks, e.reuse_wait_s, e.fate_wait_s)
-        return Situation(self.failures, evidence, background=e.replace_in_background)
+        return Situation(self.failures, evidence, replacement=e.replacement)
 
     def account(self, report: StepReport) -> None:
         """The first step after a re-form closes the books on the last recovery."""

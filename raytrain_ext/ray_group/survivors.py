@@ -83,7 +83,8 @@ def gather_evidence(
     or at ``parallel.timeout_s``).  A healthy rank is one whose ``fit`` ended within
     ``wait_s`` and left a sound process.  Each other rank's fate is Ray's verdict
     (``death.fates_of``, waiting up to ``evidence_s`` for it), asked only when some
-    process is healthy: without one, nothing would be kept.
+    process is healthy: without one, nothing would be kept; so is which lost ranks'
+    nodes hold a warm idle process (the pool's).
     """
     group.kill(hung_ranks)
     group.abort_collectives([r for r in range(len(fit_refs)) if r not in hung_ranks])
@@ -99,4 +100,6 @@ def gather_evidence(
         return evidence
     actors = [group.actors[r] for r in lost]
     fates = fates_of(actors, [group.infos[r].node_id for r in lost], evidence_s)
-    return replace(evidence, fates=dict(zip(lost, fates, strict=True)))
+    warm_nodes = group.warm_nodes()
+    warm = [rank for rank in lost if group.infos[rank].node_id in warm_nodes]
+    return replace(evidence, fates=dict(zip(lost, fates, strict=True)), warm=warm)

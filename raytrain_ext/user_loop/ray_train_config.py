@@ -124,6 +124,9 @@ def overrides_for(
         "scaling.resources_per_worker": resources,
         "scaling.placement_strategy": str(scaling.placement_strategy),
         "elastic.max_failures": int(failure.max_failures),
+        # a user's loop re-enters at every re-form and resumes from its last reported
+        # checkpoint, so a replacement joining later would cost a second resume: wait for it
+        "elastic.replacement": "in_place",
         # Ray Train's pace for growing an elastic run: ours checks and cools down alike
         "elastic.grow_check_s": min(2.0, float(scaling.elastic_resize_monitor_interval_s)),
         "elastic.resize_cooldown_s": float(scaling.elastic_resize_monitor_interval_s),

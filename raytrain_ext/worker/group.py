@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import ray
 from ray.util.placement_group import (
@@ -242,6 +242,10 @@ class WorkerGroup:
             if placed.get(bundle) not in (None, "", lost_node):
                 del self.unplaced[bundle]
                 self.spares.append(self._create_spare(bundle))
+
+    def warm_nodes(self) -> Set[str]:
+        """Nodes where the pool's process waits with its imports done (none without a pool)."""
+        return self.process_pool.warm_nodes() if self.process_pool is not None else set()
 
     def ready_spare_count(self) -> int:
         return len(self._warm_spares())

@@ -23,6 +23,13 @@ Only the group's ranks are created with the hook's environment, so only they can
 stocked process (a spare, which warms up by itself, starts with the caller's); a
 rank's new process was a stocked one exactly when it is older than the time since it
 was asked for, each read on its own clock (``WorkerGroup``).
+
+A stocked process announces itself once its imports are done (a key in Ray's internal
+key-value store naming its job, node and pid) and withdraws when an actor takes it, so a
+recovery can tell a lost rank whose node has a warm process waiting from one whose new
+process would still be importing (``elastic.replacement=auto``, ``warm_nodes``).  A
+process that dies idle (the raylet's keep-alive ends, an OOM kill) leaves its key: the
+recovery then waits for a process start, as without a pool.
 """
 
 from __future__ import annotations
@@ -58,6 +65,7 @@ WARM_MODULES = (
 )
 
 SETUP_HOOK = f"{__name__}.import_warm_modules"
+WARM_NAMESPACE = "raytrain_ext_pool"
 
 # the setup hook's import thread in this process (one hook per process; None: no hook)
 _warming: Optional[threading.Thread] = None
@@ -83,23 +91,34 @@ def import_warm_modules() -> None:
     _warming.start()
 
 
-def await_warm_imports() -> None:
+def await_warm_imports() -> bool:
     """Wait for the setup hook's imports, at the caller's priority where the process may
     raise the thread's (``CAP_SYS_NICE``: an unprivileged thread cannot leave
-    ``SCHED_IDLE``, and then they finish at idle priority).
+    ``SCHED_IDLE``, and then they finish at idle priority); whether this process ran the
+    hook.
 
     Invariant: the actor calls this before anything of its own touches torch.  Two
     threads importing torch at once fail (``c10d_init`` raised when the actor's module
     imported ``torch.distributed`` beside the hook's thread), so the actor's module
     imports no torch at its top (``worker.actor``)."""
     thread = _warming
-    if thread is None or not thread.is_alive() or thread.native_id is None:
-        return
-    try:
-        os.sched_setscheduler(thread.native_id, os.SCHED_OTHER, os.sched_param(0))
-    except (AttributeError, OSError) as e:  # unprivileged, or not Linux
-        log.debug("warm imports stay at idle priority: %s", e)
+    if thread is None:
+        return False
+    if thread.is_alive() and thread.native_id is not None:
+        try:
+            os.sched_setscheduler(thread.native_id, os.SCHED_OTHER, os.sched_param(0))
+        except (AttributeError, OSError) as e:  # unprivileged, or not Linux
+            log.debug("warm imports stay at idle priority: %s", e)
     thread.join()
+    _kv(lambda kv: kv._internal_kv_del(_warm_key(), namespace=WARM_NAMESPACE))  # taken
+    return True
+
+
+def import_warm_modules_now() -> None:
+    """Import :data:`WARM_MODULES` on this thread, in a process the setup hook did not
+    run in (no pool, or the job's own hook)."""
+    for module in WARM_MODULES:
+        importlib.import_module(module)
 
 
 def _import_at_idle_priority() -> None:
@@ -112,6 +131,31 @@ def _import_at_idle_priority() -> None:
             importlib.import_module(module)
         except Exception as e:  # noqa: BLE001 - reported where it is really imported
             log.debug("setup hook: %s did not import: %s", module, e)
+    _kv(lambda kv: kv._internal_kv_put(_warm_key(), b"", namespace=WARM_NAMESPACE))
+
+
+def _warm_prefix(job_id: str) -> str:
+    return f"warm/{job_id}/"
+
+
+def _warm_key() -> str:
+    """This process's key: its job (stocked processes are per job), node and pid."""
+    ctx = ray.get_runtime_context()
+    return f"{_warm_prefix(ctx.get_job_id())}{ctx.get_node_id()}/{os.getpid()}"
+
+
+def _kv(call) -> None:
+    """Best effort, as stocking is (module doc): a missing key costs a recovery its
+    choice, not the process.  Only in a process connected to Ray (asking a bare one for
+    its context would start a cluster)."""
+    from ray.experimental import internal_kv
+
+    if not ray.is_initialized():
+        return
+    try:
+        call(internal_kv)
+    except Exception as e:  # noqa: BLE001 - best effort
+        log.debug("warm-process key not updated: %s", e)
 
 
 def adopt_thread_count() -> None:
@@ -144,6 +188,20 @@ class ProcessPool:
             return env
         env["env_vars"] = {**env.get("env_vars", {}), WORKER_PROCESS_SETUP_HOOK_ENV_VAR: SETUP_HOOK}
         return env
+
+    def warm_nodes(self) -> Set[str]:
+        """The nodes where a stocked process of this job has its imports done and waits
+        for an actor (module doc); none when the store cannot be read (a recovery then
+        goes on without waiting, as for a cold process)."""
+        from ray.experimental import internal_kv
+
+        prefix = _warm_prefix(ray.get_runtime_context().get_job_id())
+        try:
+            keys = internal_kv._internal_kv_list(prefix, namespace=WARM_NAMESPACE)
+        except Exception as e:  # noqa: BLE001 - best effort (module doc)
+            log.warning("could not read which nodes hold a warm process: %s", e)
+            return set()
+        return {key.decode()[len(prefix) :].split("/")[0] for key in keys}
 
     def taken(self, node_id: str, serialized_runtime_env: str) -> None:
         """A re-form started an actor on a stocked process of ``node_id``."""

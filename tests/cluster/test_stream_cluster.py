@@ -101,6 +101,7 @@ def config(tmp_path, endpoint: str, steps: int, *extra: str):
             f"data.stream_ahead_steps={AHEAD}",
             "scaling.placement_strategy=SPREAD",
             "scaling.min_workers=2",
+            "elastic.replacement=in_place",  # the killed worker's place: waited for (sizes)
             "parallel.timeout_s=15",
             "elastic.max_failures=4",
             "checkpoint.memory=true",

@@ -70,7 +70,8 @@ def test_a_killed_rank_is_replaced_by_the_idle_warmed_process_the_pool_kept(ray_
     """Once asked (after a group's first step, by the controller), the pool keeps an idle
     worker process with torch imported on the gang's node; a rank SIGKILLed from outside is
     replaced by exactly that process (no interpreter start), the new group works, and the
-    pool is stocked again afterwards."""
+    pool is stocked again afterwards.  The stocked process announces itself once warm
+    and withdraws when taken (what ``elastic.replacement=auto`` reads)."""
     group = WorkerGroup({"CPU": 1}, process_pool=ProcessPool(keep_alive_s=600))
     form = FormOptions("auto", timeout_s=30, placement_timeout_s=30)
     try:
@@ -78,11 +79,14 @@ def test_a_killed_rank_is_replaced_by_the_idle_warmed_process_the_pool_kept(ray_
         group.start(2, form)
         group.replenish(0)
         idle = wait_until(lambda: idle_processes_with_torch() - before, "stocked process", 90)
+        node = group.infos[1].node_id
+        wait_until(lambda: group.warm_nodes() == {node}, "the stocked process's announcement", 90)
         os.kill(group.infos[1].pid, signal.SIGKILL)
         wait_until(lambda: not psutil.pid_exists(group.infos[1].pid), "death of rank 1", 90)
         filled = group.reform([0], form, size=2, refill_ranks=[1], deferred_ranks=[])
         assert filled == {"kept": 1, "spares_used": 0, "started": 1, "prestarted": 1, "left_out": 0}
         assert {i.pid for i in group.infos} - {group.infos[0].pid} <= idle
+        assert group.warm_nodes() == set()  # taken: withdrawn
 
         def all_reduce(self):
             import torch
@@ -96,6 +100,7 @@ def test_a_killed_rank_is_replaced_by_the_idle_warmed_process_the_pool_kept(ray_
         assert ray.get([a.__ray_call__.remote(all_reduce) for a in group.actors]) == [(3.0, 1)] * 2
         group.replenish(0)
         wait_until(lambda: idle_processes_with_torch() - idle - before, "newly stocked process", 90)
+        wait_until(lambda: group.warm_nodes() == {node}, "the new process's announcement", 90)
     finally:
         group.shutdown()
     assert_nothing_left()
@@ -166,6 +171,54 @@ def test_worker_error_reaches_the_user_in_one_line_and_nothing_is_left(ray_local
     assert summary["status"] == "failed" and summary["error"] == text
     log = (tmp_path / "tiny" / "attempts" / "001" / "error.log").read_text()
     assert summary["error_log"].endswith("attempts/001/error.log") and 'loop.py", line' in log
+    assert_nothing_left()
+
+
+@pytest.mark.slow
+@pytest.mark.chaos
+def test_a_killed_rank_without_a_warm_process_is_replaced_in_the_background(ray_local, tmp_path):
+    """``elastic.replacement=auto`` (the default), no pool (``prestart_processes=false``),
+    so no warm process waits for rank 1's place: rank 0 trains on alone at once from its
+    own state, the new process warms up in the freed slot and joins at a step boundary.
+    Nothing is redone and every sample is seen once, as in the uninterrupted run; the
+    loss agrees within what a different summation order rounds to."""
+    steps = 20
+    reference = uninterrupted(steps)["result"]
+    cfg = load_config(
+        None,
+        tiny_overrides(
+            tmp_path,
+            f"run.max_steps={steps}",
+            f"optim.decay_steps={steps}",
+            "run.name=background",
+            "scaling.min_workers=1",
+            "elastic.max_failures=1",
+            "elastic.prestart_processes=false",
+            "chaos.kill_rank=1",
+            "chaos.kill_at_step=3",
+            "chaos.slow_rank=0",  # 0.5 s a step in every attempt: the new process (3-5 s
+            "chaos.slow_s=0.5",  # to start here) joins well before the last step
+            "chaos.attempts=3",
+        ),
+    )
+    summary = Trainer(cfg).fit()
+    assert summary["status"] == "finished" and summary["steps_completed"] == steps
+    (recovery,) = summary["recoveries"]
+    assert recovery["decision"] == "shrink" and recovery["world_size"] == 1
+    assert recovery["lost"] == [{"rank": 1, "fate": "process_died"}]
+    assert recovery["reformed"] == {
+        "kept": 1,
+        "spares_used": 0,
+        "started": 0,
+        "prestarted": 0,
+        "left_out": 1,
+    }
+    assert recovery["restored_from"] == "peers" and recovery["steps_redone"] == 0
+    assert [h["world_size"] for h in summary["world_size_history"]] == [2, 1, 2]
+    (grow,) = summary["resizes"]
+    assert grow["in_place"] and (grow["from"], grow["to"]) == (1, 2)
+    assert summary["samples_digest"] == reference["samples_digest"]
+    assert summary["final_loss"] == pytest.approx(reference["final_loss"], abs=1e-4)
     assert_nothing_left()
 
 

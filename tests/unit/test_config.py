@@ -166,6 +166,7 @@ def test_choice_keys_are_the_closed_sets_the_code_uses():
         "data.ray_dataset": ("auto", "stream", "materialise"),
         "objective.name": ("causal_lm", "sft", "dpo", "user"),
         "scaling.placement_strategy": ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
+        "elastic.replacement": ("in_place", "background", "auto"),
         "parallel.strategy": ("ddp", "fsdp", "zero"),
         "parallel.backend": ("auto", "nccl", "gloo"),
         "parallel.mixed_precision": ("auto", "bf16", "fp32"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from raytrain_ext.elastic.config import Replacement
 from raytrain_ext.elastic.decision import (
     Evidence,
     Fate,
@@ -19,6 +20,7 @@ from raytrain_ext.elastic.decision import (
 from raytrain_ext.elastic.policy import Action, Budget, ScalingPolicy
 
 DIED, NODE, ALIVE, UNKNOWN = Fate.PROCESS_DIED, Fate.NODE_DIED, Fate.ALIVE, Fate.UNKNOWN
+BACKGROUND, AUTO = Replacement.background, Replacement.auto
 BUDGET = Budget(2, "elastic.max_failures")
 
 # (situation, scaling (min, max, unit), action, size, keep, refill, left_out, deferred)
@@ -48,12 +50,37 @@ ROWS = {
         (2, 4, 2), Action.SHRINK, 2, [0, 1], [], [2], [],
     ),
     "in the background: the live node's rank joins later": (
-        Situation(1, Evidence(3, [0, 1], {2: DIED}), background=True),
+        Situation(1, Evidence(3, [0, 1], {2: DIED}), replacement=BACKGROUND),
         (2, 3, 1), Action.SHRINK, 2, [0, 1], [], [], [2],
     ),
     "in the background below min: refilled now instead": (
-        Situation(1, Evidence(2, [0], {1: DIED}), background=True),
+        Situation(1, Evidence(2, [0], {1: DIED}), replacement=BACKGROUND),
         (2, 2, 1), Action.REPLACE, 2, [0], [1], [], [],
+    ),
+    "auto, a warm process on the node: waited for": (
+        Situation(1, Evidence(3, [0, 1], {2: DIED}, warm=[2]), replacement=AUTO),
+        (2, 3, 1), Action.REPLACE, 3, [0, 1], [2], [], [],
+    ),
+    "auto, the node's process still importing: joins later": (
+        Situation(1, Evidence(3, [0, 1], {2: DIED}), replacement=AUTO),
+        (2, 3, 1), Action.SHRINK, 2, [0, 1], [], [], [2],
+    ),
+    "auto, one warm node and one spare: two places filled now, one later": (
+        Situation(1, Evidence(5, [0, 1], {2: DIED, 3: DIED, 4: DIED}, spares=1, warm=[4]),
+                  replacement=AUTO),
+        (2, 5, 1), Action.SHRINK, 4, [0, 1], [4], [], [2, 3],
+    ),
+    "auto, a spare for the one cold rank: the group keeps its size": (
+        Situation(1, Evidence(3, [0, 1], {2: DIED}, spares=1), replacement=AUTO),
+        (2, 3, 1), Action.REPLACE, 3, [0, 1], [], [], [2],
+    ),
+    "auto below min: the cold process is waited for": (
+        Situation(1, Evidence(2, [0], {1: DIED}), replacement=AUTO),
+        (2, 2, 1), Action.REPLACE, 2, [0], [1], [], [],
+    ),
+    "auto: a warm process on a lost node is no use": (
+        Situation(1, Evidence(3, [0, 1], {2: NODE}, warm=[2]), replacement=AUTO),
+        (2, 3, 1), Action.SHRINK, 2, [0, 1], [], [2], [],
     ),
     "survivors below min: restart, size to be measured": (
         Situation(1, Evidence(3, [0], {1: NODE, 2: NODE})),
