@@ -131,9 +131,12 @@ def decide_recovery(situation: Situation, budget: Budget, scaling: ScalingPolicy
 
 def _in_place_reason(plan: InPlacePlan) -> str:
     lost = ", ".join(f"rank {rank} ({fate})" for rank, fate in sorted(plan.fates.items()))
-    left_out = plan.from_size - plan.size
+    short = plan.from_size - plan.size
+    later = min(len(plan.deferred), short)  # a deferred place a spare filled is not short
+    left_out = short - later
     return (
         f"re-forming {plan.size} workers in place: {len(plan.keep)} surviving process(es) kept"
         + (f"; lost {lost}" if lost else "")
         + (f", {left_out} lost rank(s) left out (node lost)" if left_out > 0 else "")
+        + (f", {later} to rejoin once a new process is warm (elastic.replacement)" if later else "")
     )

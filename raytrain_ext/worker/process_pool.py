@@ -189,10 +189,10 @@ class ProcessPool:
         env["env_vars"] = {**env.get("env_vars", {}), WORKER_PROCESS_SETUP_HOOK_ENV_VAR: SETUP_HOOK}
         return env
 
-    def warm_nodes(self) -> Set[str]:
-        """The nodes where a stocked process of this job has its imports done and waits
-        for an actor (module doc); none when the store cannot be read (a recovery then
-        goes on without waiting, as for a cold process)."""
+    def warm_processes(self) -> Set[Tuple[str, int]]:
+        """(node id, pid) of each stocked process of this job whose imports are done and
+        that waits for an actor (module doc); none when the store cannot be read (a
+        recovery then goes on without waiting, as for a cold process)."""
         from ray.experimental import internal_kv
 
         prefix = _warm_prefix(ray.get_runtime_context().get_job_id())
@@ -201,7 +201,12 @@ class ProcessPool:
         except Exception as e:  # noqa: BLE001 - best effort (module doc)
             log.warning("could not read which nodes hold a warm process: %s", e)
             return set()
-        return {key.decode()[len(prefix) :].split("/")[0] for key in keys}
+        places = (key.decode()[len(prefix) :].split("/") for key in keys)
+        return {(node, int(pid)) for node, pid in places}
+
+    def warm_nodes(self) -> Set[str]:
+        """The nodes of :meth:`warm_processes`."""
+        return {node for node, _ in self.warm_processes()}
 
     def taken(self, node_id: str, serialized_runtime_env: str) -> None:
         """A re-form started an actor on a stocked process of ``node_id``."""

@@ -79,14 +79,17 @@ def test_a_killed_rank_is_replaced_by_the_idle_warmed_process_the_pool_kept(ray_
         group.start(2, form)
         group.replenish(0)
         idle = wait_until(lambda: idle_processes_with_torch() - before, "stocked process", 90)
-        node = group.infos[1].node_id
-        wait_until(lambda: group.warm_nodes() == {node}, "the stocked process's announcement", 90)
+        pool, node = group.process_pool, group.infos[1].node_id
+        announced = {(node, pid) for pid in idle}
+        wait_until(lambda: announced <= pool.warm_processes(), "the stocked process's word", 90)
+        assert node in group.warm_nodes()
         os.kill(group.infos[1].pid, signal.SIGKILL)
         wait_until(lambda: not psutil.pid_exists(group.infos[1].pid), "death of rank 1", 90)
         filled = group.reform([0], form, size=2, refill_ranks=[1], deferred_ranks=[])
         assert filled == {"kept": 1, "spares_used": 0, "started": 1, "prestarted": 1, "left_out": 0}
         assert {i.pid for i in group.infos} - {group.infos[0].pid} <= idle
-        assert group.warm_nodes() == set()  # taken: withdrawn
+        taken = {(i.node_id, i.pid) for i in group.infos}
+        assert not taken & pool.warm_processes()  # taken: withdrawn
 
         def all_reduce(self):
             import torch
@@ -99,8 +102,14 @@ def test_a_killed_rank_is_replaced_by_the_idle_warmed_process_the_pool_kept(ray_
         # the stocked process runs with Ray's thread count for its actor, like a new one
         assert ray.get([a.__ray_call__.remote(all_reduce) for a in group.actors]) == [(3.0, 1)] * 2
         group.replenish(0)
-        wait_until(lambda: idle_processes_with_torch() - idle - before, "newly stocked process", 90)
-        wait_until(lambda: group.warm_nodes() == {node}, "the new process's announcement", 90)
+        restocked = wait_until(
+            lambda: idle_processes_with_torch() - idle - before, "newly stocked process", 90
+        )
+        wait_until(
+            lambda: {(node, pid) for pid in restocked} <= pool.warm_processes(),
+            "the new process's word",
+            90,
+        )
     finally:
         group.shutdown()
     assert_nothing_left()

@@ -131,6 +131,11 @@ def test_the_reasons_name_what_was_lost_and_what_is_spent():
         "re-forming 2 workers in place: 2 surviving process(es) kept; lost rank 2 "
         "(node_died), 1 lost rank(s) left out (node lost)"
     )
+    cold = Situation(1, Evidence(3, [0, 1], {2: DIED}), replacement=AUTO)
+    assert decide_recovery(cold, BUDGET, ScalingPolicy(2, 3)).reason == (
+        "re-forming 2 workers in place: 2 surviving process(es) kept; lost rank 2 "
+        "(process_died), 1 to rejoin once a new process is warm (elastic.replacement)"
+    )
     spent = decide_recovery(Situation(3), BUDGET, ScalingPolicy(1, 2)).reason
     assert spent == "failure 3 exceeds elastic.max_failures=2"
 
