@@ -33,7 +33,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import List
+from typing import List, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -68,8 +68,11 @@ OURS_ELASTIC = [
 # ---------------------------------------------------------------- the node-loss fault
 
 
-def lose_a_node(cluster, node_id: str, rejoin_after_s: float) -> float:
+def lose_a_node(
+    cluster, node_id: str, rejoin_after_s: float, rejoin: Optional[List[float]] = None
+) -> float:
     """SIGKILL a whole node at once, then add a fresh one; the wall-clock time of the fault.
+    ``rejoin`` (when given) gets the times ``add_node`` was called and returned.
 
     ``remove_node(allow_graceful=False)`` SIGKILLs the node's raylet and agents but not
     the worker processes under the raylet, which go on training for about half a second
@@ -88,7 +91,10 @@ def lose_a_node(cluster, node_id: str, rejoin_after_s: float) -> float:
             process.send_signal(signal.SIGKILL)
     cluster.remove_node(node, allow_graceful=False)
     time.sleep(rejoin_after_s)
+    started = time.time()
     cluster.add_node(**NODE_ARGS)
+    if rejoin is not None:
+        rejoin[:] = [started, time.time()]
     return fault
 
 
@@ -113,14 +119,43 @@ def node_loss_ours(args, workdir: Path, name: str) -> dict:
         run = Background(trainer.fit)
         wait_for(lambda: ours_at_step(trainer, args.fault_at), run, "ours: the fault step")
         victim = trainer.controller.group.infos[1].node_id  # rank 1's node
-        fault = lose_a_node(cluster, victim, args.rejoin_after)
+        rejoin: List[float] = []
+        fault = lose_a_node(cluster, victim, args.rejoin_after, rejoin)
         summary = run.result()
     figures = ours_recovery(summary, fault)
     figures.update(ours_grow_back(summary))
+    resumed = fault + figures["first_step_after_s"]
+    figures["steps_while_back"] = steps_while_the_node_returns(summary, resumed, *rejoin)
     figures.update(wall_s=run.wall_s, fault_at_s=fault - run.started)
     figures["sizes"] = [h["world_size"] for h in summary["world_size_history"]]
     figures["detail"] += "; " + checkpoint_stall(summary)
     return figures
+
+
+def steps_while_the_node_returns(summary: dict, resumed: float, added: float, up: float) -> str:
+    """Rank 0's step times (median, max) at each stage of the node's return: the shrunk
+    group before the node is added (from the recovery's first step on), while its raylet
+    and daemons start (``add_node``), while its process warms (until the grow-back's
+    checkpoint step), and the grown group after.  On this machine every node shares the
+    same two cores, so what the new node starts competes with the ranks; on a real
+    cluster it does not."""
+    ends = summary["step_end_times"]
+    grow = next((r for r in summary.get("resizes", []) if r["to"] > r["from"]), None)
+    grow_end = next((end for step, end in ends if grow and step == grow["step"]), float("inf"))
+    stages = (
+        ("before the node returns", resumed, added),
+        ("while it starts", added, up),
+        ("while its process warms", up, grow_end),
+        ("after the grow-back", grow_end + 1.0, float("inf")),  # past its first step
+    )
+    took = [(end, end - prev) for (_, prev), (_, end) in zip(ends, ends[1:], strict=False)]
+    parts = []
+    for label, lo, hi in stages:
+        times = sorted(d for end, d in took if lo < end - d and end <= hi)
+        if times:
+            median = times[len(times) // 2]
+            parts.append(f"{label} {median:.2f}/{times[-1]:.2f} ({len(times)})")
+    return "step s median/max (steps): " + ", ".join(parts)
 
 
 def checkpoint_stall(summary: dict) -> str:
@@ -151,7 +186,8 @@ def ours_grow_back(summary: dict) -> dict:
         "grow_pause_s": pause,
         "grow_redone": 0,  # a planned stop at a checkpoint boundary
         "grow_state": grow.get("state_from", "?"),
-        "grow": f"{grow['from']}->{grow['to']}",
+        "grow": f"{grow['from']}->{grow['to']}"
+        + "".join(f", {k} {v:.2f}" for k, v in (grow.get("phases") or {}).items()),
     }
 
 
@@ -357,6 +393,7 @@ def print_node_loss(args, ours: List[dict], ray_train: List[dict]) -> None:
                 f"restored from {r['restored_from']}, "
                 f"grow-back {r.get('grow', 'none')} (state from {r['grow_state']})"
                 + (f"; {r['detail']}" if "detail" in r else "")
+                + (f"\n    {r['steps_while_back']}" if "steps_while_back" in r else "")
             )
 
 

@@ -52,7 +52,6 @@ from raytrain_ext.errors.text import one_line, root_cause
 from raytrain_ext.messages import StepReport
 from raytrain_ext.metrics import MetricsSink
 from raytrain_ext.parallel.dims import state_from_peers
-from raytrain_ext.typed_config.serialize import to_dict
 from raytrain_ext.worker.form_options import FormOptions
 
 log = logging.getLogger(__name__)
@@ -180,9 +179,9 @@ class Controller:
         self._formed()
         if self._books is not None:  # the recovery or resize under way: its re-form's time
             self._books.reform_s = self.clock() - forming
-        if isinstance(self._books, Recovery):
+        if self._books is not None:
             self._books.running_at = self.clock()
-        self.group.start_fit(to_dict(self.cfg), self.attempt)
+        self.group.start_fit(self.cfg, self.attempt)
         return (
             RunState.RUNNING,
             f"{self.group.world_size} workers formed a {self.group.backend} group",
@@ -336,6 +335,7 @@ class Controller:
             self.clock() - started,
             False,
             self._last_step_at(),
+            decided_at=self.clock(),
         )
         self.result.resize_log.append(resize)
         self._books = resize
@@ -357,6 +357,7 @@ class Controller:
         self.world_size = size
         self.attempt += 1
         resize = Resize(self._last_step(), before, size, wanted, 0.0, True, self._last_step_at())
+        resize.decided_at = self.clock()
         self.result.resize_log.append(resize)
         self._books = resize
         return RunState.SCHEDULING, (
@@ -476,7 +477,7 @@ class Controller:
         if isinstance(books, Recovery):
             self.recoveries.account(report)
         elif isinstance(books, Resize):
-            books.account(report.restored, report.time)
+            books.account(report)
         self.group.replenish(self.cfg.elastic.spare_workers)
 
     def _decide(self, wait_s: float, situation: Optional[Situation] = None) -> Decision:

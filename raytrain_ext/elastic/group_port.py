@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Protocol, Sequence, Set, Tuple
+from typing import Dict, List, Optional, Protocol, Sequence, Set, Tuple
+
+from omegaconf import DictConfig
 
 from raytrain_ext.elastic.decision import Evidence
 from raytrain_ext.elastic.in_place import InPlacePlan
@@ -65,8 +67,9 @@ class GroupPort(Protocol):
         places were filled."""
         ...
 
-    def start_fit(self, cfg_dict: Dict[str, Any], attempt: int) -> None:
-        """Start ``fit`` on every rank; ``attempt`` counts re-forms."""
+    def start_fit(self, cfg: DictConfig, attempt: int) -> None:
+        """Start ``fit`` on every rank with the run's read-only ``cfg``; ``attempt`` counts
+        re-forms."""
         ...
 
     def wait_fit(self, timeout_s: float) -> FitStatus:

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Mapping, Optional
 
 from raytrain_ext.elastic.policy import Action
-from raytrain_ext.messages import FitResult
+from raytrain_ext.messages import FitResult, StepReport
 from raytrain_ext.metrics.start_phases import phase_chain
 
 
@@ -77,6 +77,12 @@ RECOVERY_PHASES = (
 )
 
 
+# Where a grow-back's pause goes: the last step's end -> every rank stopped at the step
+# boundary (under a sharded layout, after the checkpoint that carries the state over) and
+# the size decided, then the re-form and the loop's build as a recovery's.
+RESIZE_PHASES = (("pause", "decided_at"),) + RECOVERY_PHASES[2:]
+
+
 @dataclass
 class Recovery:
     """One recovery, from its detection to the first step of the re-formed group.
@@ -118,28 +124,19 @@ class Recovery:
         self.decision = decision
         self.world_size = world_size
 
-    def account(
-        self,
-        restored: Optional[Mapping[str, Any]],
-        step_end: float,
-        step_time_s: float = 0.0,
-        marks: Optional[Mapping[str, float]] = None,
-    ) -> None:
-        """Close the books from the new group's first step (``restored``: what it resumed
-        from, None when it started afresh; ``marks``: rank 0's moments of its loop's
-        build, ``RECOVERY_PHASES``)."""
-        moments = {
-            **(marks or {}),
-            "detected_at": self.detected_at,
-            "decided_at": self.detected_at + (self.decided_s or 0.0),
-            "step_started_at": step_end - step_time_s,
-            "first_step_at": step_end,
-        }
+    def account(self, first: StepReport) -> None:
+        """Close the books from the new group's first step (its ``restored``: what it
+        resumed from, None when it started afresh; its ``start_marks``: rank 0's moments
+        of its loop's build, ``RECOVERY_PHASES``)."""
+        step_end = first.time
+        moments = first_step_moments(first)
+        moments["detected_at"] = self.detected_at
+        moments["decided_at"] = self.detected_at + (self.decided_s or 0.0)
         if self.running_at is not None:
             moments["running_at"] = self.running_at
         begun = self.detected_at if self.last_step_at is None else self.last_step_at
         self.phases = phase_chain(begun, moments, RECOVERY_PHASES)
-        restored = restored or {}
+        restored = first.restored or {}
         self.restored_step = restored.get("step", 0)
         self.restore_s = restored.get("total_s", 0.0)
         self.restored_from = restored.get("tier")
@@ -188,13 +185,25 @@ class Resize:
     pause_s: Optional[float] = None
     state_from: Optional[str] = None
     restore_bytes: Optional[Dict[str, int]] = None  # as ``Recovery.restore_bytes``
+    restore_phases: Optional[Dict[str, float]] = None  # as ``Recovery.restore_phases``
+    decided_at: Optional[float] = None  # every rank stopped, the size decided
+    running_at: Optional[float] = None  # the grown group started
+    phases: Optional[Dict[str, float]] = None  # RESIZE_PHASES, seconds; add up to pause_s
 
-    def account(self, restored: Optional[Mapping[str, Any]], step_end: float) -> None:
-        restored = restored or {}
+    def account(self, first: StepReport) -> None:
+        """Close the books from the grown group's first step (as ``Recovery.account``)."""
+        restored = first.restored or {}
         self.state_from = restored.get("tier")
         self.restore_bytes = restore_bytes(restored)
-        if self.last_step_at is not None:
-            self.pause_s = step_end - self.last_step_at
+        self.restore_phases = restored.get("phases")
+        if self.last_step_at is None:
+            return
+        self.pause_s = first.time - self.last_step_at
+        moments = first_step_moments(first)
+        for key, at in (("decided_at", self.decided_at), ("running_at", self.running_at)):
+            if at is not None:
+                moments[key] = at
+        self.phases = phase_chain(self.last_step_at, moments, RESIZE_PHASES)
 
     def to_dict(self) -> Dict[str, Any]:
         out: Dict[str, Any] = {
@@ -207,9 +216,23 @@ class Resize:
         }
         if self.pause_s is not None or self.state_from is not None:
             out.update(pause_s=self.pause_s, state_from=self.state_from, reform_s=self.reform_s)
-        if self.restore_bytes is not None:
-            out["restore_bytes"] = self.restore_bytes
+        optional = {
+            "phases": self.phases,
+            "restore_bytes": self.restore_bytes,
+            "restore_phases": self.restore_phases,
+        }
+        out.update({key: value for key, value in optional.items() if value is not None})
         return out
+
+
+def first_step_moments(first: StepReport) -> Dict[str, float]:
+    """A new group's first step's moments: rank 0's loop build marks, and the step's own
+    start and end (``RECOVERY_PHASES``' last two)."""
+    return {
+        **(first.start_marks or {}),
+        "step_started_at": first.time - first.step_time_s,
+        "first_step_at": first.time,
+    }
 
 
 def restore_bytes(restored: Mapping[str, Any]) -> Optional[Dict[str, int]]:

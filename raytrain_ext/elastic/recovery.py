@@ -92,7 +92,7 @@ class Recoveries:
     def account(self, report: StepReport) -> None:
         """The first step after a re-form closes the books on the last recovery."""
         recovery = self.current
-        recovery.account(report.restored, report.time, report.step_time_s, report.start_marks)
+        recovery.account(report)
         log.info(
             "controller: recovered from failure %d in %.2f s (restored step %d from %s, "
             "%d steps redone)",

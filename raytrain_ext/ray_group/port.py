@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set
 
 import ray
+from omegaconf import DictConfig
 
 from raytrain_ext.elastic.decision import Evidence
 from raytrain_ext.elastic.group_port import FitStatus
@@ -85,8 +86,8 @@ class RayGroup:
             deferred_ranks=plan.deferred,
         )
 
-    def start_fit(self, cfg_dict: Dict[str, Any], attempt: int) -> None:
-        self._fit_refs = self._group.call_async("fit", cfg_dict, attempt, self._user)
+    def start_fit(self, cfg: DictConfig, attempt: int) -> None:
+        self._fit_refs = self._group.call_async("fit", cfg, attempt, self._user)
         self._pending = list(self._fit_refs)
 
     def wait_fit(self, timeout_s: float) -> FitStatus:

@@ -74,6 +74,8 @@ def test_a_ray_train_loop_survives_a_kill_a_lost_node_and_grows_back(
             "batch_size": 2,
             "every": CADENCE,
             "step_sleep_s": 0.03,
+            "full_world": 3,
+            "shrunk_step_sleep_s": 0.5,  # 150 reports at world 2 leave 75 s to grow back
         },
         datasets={"train": ray.data.from_items(line_rows(ROWS))},
         scaling_config=train.ScalingConfig(num_workers=(2, 3), placement_strategy="SPREAD"),

@@ -90,7 +90,10 @@ def dataset_loop(config):
     the ids every rank trained on (gathered), its epoch and the loop's report count; rank 0
     checkpoints the model, optimizer, epoch and count every ``checkpoint_every`` reports
     and at the end, and the loop resumes from ``get_checkpoint`` mid-epoch (the shard
-    resumes there by itself).  ``stop_after``: return after that many reports."""
+    resumes there by itself).  ``stop_after``: return after that many reports;
+    ``shrunk_step_sleep_s`` replaces ``step_sleep_s`` while the group is smaller than
+    ``full_world`` (a grow-back test keeps the run going until the new node's process is
+    warm, however slowly it imports on a loaded machine)."""
     import torch.distributed as dist
 
     train, train_torch, Checkpoint = api(config)
@@ -129,7 +132,8 @@ def dataset_loop(config):
             report({"epoch": epoch, "loss": loss.item(), "ids": ids}, count % config["every"] == 0)
             if count == config.get("stop_after"):
                 return
-            time.sleep(config.get("step_sleep_s", 0.0))
+            shrunk = dist.get_world_size() < config.get("full_world", 0)
+            time.sleep(config["shrunk_step_sleep_s"] if shrunk else config.get("step_sleep_s", 0.0))
         epoch += 1
     count += 1
     report({"epoch": epoch, "loss": loss.item(), "done": True}, True)

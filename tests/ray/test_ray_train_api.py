@@ -173,7 +173,7 @@ def test_a_sigkill_and_a_restarted_run_resume_the_dataset_shard_where_the_checkp
     assert {e: sorted(ids) for e, ids in standing_ids(reference.metrics_history).items()} == (
         every_row
     )
-    run = run_of("killed", max_failures=1)
+    run = run_of("killed", max_failures=1, step_sleep_s=0.2)  # the reader dies mid-run
     with FitThread(run) as thread:
         wait_until(
             lambda: run.controller is not None and len(run.controller.result.records) >= 7,
@@ -184,6 +184,7 @@ def test_a_sigkill_and_a_restarted_run_resume_the_dataset_shard_where_the_checkp
         wait_until(lambda: len(run.controller.result.records) >= 12, "twelve reports")
         reader = ray.get_actor(reader_name("killed", "train"))
         os.kill(ray.get(reader.stats.remote())["pid"], signal.SIGKILL)  # Ray restarts it
+        assert len(run.controller.result.records) < 19, "the reader died after the last report"
         result = thread.join(timeout_s=180)
     assert not isinstance(result, Exception), result
     (recovery,) = result.summary["recoveries"]

@@ -154,7 +154,7 @@ class FakeGroup:
         self.start_marks = {"formed_at": self.clock()}
         return {"kept": len(plan.keep), "spares_used": spares, "started": started}
 
-    def start_fit(self, cfg_dict, attempt):
+    def start_fit(self, cfg, attempt):
         self.attempt, self.step, self.first = attempt, self.committed, True
         self.stopping, self.preempted_at = False, None
         self.pausing, self.paused_at = False, None
@@ -514,10 +514,13 @@ def test_grows_back_when_capacity_returns():
     # checks every 0.5 s: n2 seen at t=0.75 s, stable at 1.75 s, past the cooldown (2 s since
     # the group formed) at the check of 2.25 s, after step 9; rank 0 stops at that step
     (resize,) = result.resizes
+    phases = resize.pop("phases")  # the pause, split (records.RESIZE_PHASES)
+    assert sum(phases.values()) == pytest.approx(resize["pause_s"])
+    assert {k: v for k, v in phases.items() if v} == {"pause": 0.25, "first_step": 0.25}
     assert resize == {
         "step": 9, "from": 1, "to": 2, "wanted": 2, "decided_s": 0.0, "in_place": False,
         "pause_s": 0.5, "state_from": "memory", "reform_s": 0.0,
-        "restore_bytes": {"read": 3000, "held": 1000},
+        "restore_bytes": {"read": 3000, "held": 1000}, "restore_phases": {"fetch_s": 0.5},
     }  # fmt: skip
     assert result.transitions[1].reason == "checkpoint at step 9 committed; growing to 2 workers"
     assert result.world_size_history[-1] == {"step": 9, "world_size": 2}
@@ -621,7 +624,7 @@ def test_recovery_record_keys_appear_stage_by_stage():
     decided = recovery.to_dict()
     assert list(decided) == opened + ["decided_s", "decision", "world_size"]
     assert decided["decided_s"] == 2.5 and type(decided["decision"]) is str
-    recovery.account(None, 20.0)  # the new group started afresh: nothing restored
+    recovery.account(StepReport(8, 20.0, 0.0, 1.0))  # started afresh: nothing restored
     accounted = recovery.to_dict()
     assert accounted["restored_step"] == 0 and accounted["steps_redone"] == 7
     assert accounted["restored_from"] is None and accounted["first_step_after_s"] == 10.0
