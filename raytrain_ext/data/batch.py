@@ -11,6 +11,7 @@ Invariants:
   order, so row ``i`` and row ``pairs + i`` belong to the same record.
 - ``indices`` are the global sample indices the rows came from (one per sample, so
   a preference batch has ``pairs`` of them).
+- ``rollout`` (GRPO only): the generated completions' advantages and log-probs.
 - ``positions`` (``data.document_mask`` only): each input token's position within its
   document, restarting at 0 after every EOS; the model keeps attention within a
   document, and the target after an EOS (the next document's first token) weighs 0.
@@ -28,6 +29,19 @@ if TYPE_CHECKING:  # the driver's data checks import this module, and need no to
 
 
 @dataclass
+class Rollout:
+    """What a batch of generated completions carries for the GRPO loss
+    (``objectives.grpo``): each row's advantage ``[rows]``, and per target token the
+    log-prob under the policy that generated it and, when the loss has a KL term, under
+    the reference policy (``[rows, seq_len]``, aligned with ``Batch.targets``; only
+    completion tokens, weight 1, are read)."""
+
+    advantages: torch.Tensor
+    old_logps: torch.Tensor
+    ref_logps: Optional[torch.Tensor] = None
+
+
+@dataclass
 class Batch:
     inputs: torch.Tensor
     targets: torch.Tensor
@@ -35,17 +49,24 @@ class Batch:
     pairs: int = 0
     indices: Optional[np.ndarray] = None
     positions: Optional[torch.Tensor] = None
+    rollout: Optional[Rollout] = None
 
     def to(self, device: torch.device) -> "Batch":
         def move(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
             return None if t is None else t.to(device, non_blocking=True)
 
+        rollout = self.rollout
+        if rollout is not None:
+            rollout = Rollout(
+                move(rollout.advantages), move(rollout.old_logps), move(rollout.ref_logps)
+            )
         return replace(
             self,
             inputs=move(self.inputs),
             targets=move(self.targets),
             weights=move(self.weights),
             positions=move(self.positions),
+            rollout=rollout,
         )
 
     @property
