@@ -91,3 +91,12 @@ def place_from_files(world: int, overrides: List[str], out_dir: Path) -> List[Di
     overrides = [f"scaling.num_workers={world}", *overrides]
     spawn_ranks(_place_rank, (world, free_port("127.0.0.1"), overrides, str(out_dir)), world)
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def tiny_policy(seed: int = 5):
+    """A tiny Llama causal LM (a rollout engine's model factory: importable by Ray's
+    workers, built the same in every process)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(tiny_config("llama"))

@@ -1,0 +1,199 @@
+"""Rollout engines as Ray actors, and what happens when one dies.
+
+:class:`EnginePool` spreads a step's prompt groups over its engines (whole groups, never a
+part of one) and gathers their completions in request order.  When an engine dies (its
+process killed, its node lost), the groups it had not returned are issued again, whole,
+to the engines still alive, and a replacement engine starts and takes the weights the
+others have: the pool keeps the newest weights in Ray's object store, the trainers' own
+(no checkpoint is read, no file written).  Because every completion is drawn from its
+own seed (``rollout.sampling``), what the re-issued groups generate is what the lost
+engine would have generated.
+
+Each loss is recorded (``EngineRecovery``: engine, Ray's verdict, groups re-issued,
+seconds from the loss to the step's last completion).
+
+Invariants:
+- ``generate`` returns one ``GroupCompletions`` per request, in request order, each from
+  exactly one engine call: none missing, none twice, never a partial group.
+- A replacement generates only after it has loaded the pool's newest weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import ray
+import torch
+
+from raytrain_ext.ray_group.death import fates_of
+from raytrain_ext.rollout.engine import (
+    GroupCompletions,
+    GroupRequest,
+    HFGenerateEngine,
+    RolloutSettings,
+)
+
+log = logging.getLogger(__name__)
+
+ModelFactory = Callable[[], torch.nn.Module]
+FATE_WAIT_S = 10.0  # Ray's verdict on a lost engine; its groups are re-issued before
+
+
+class EngineActor:
+    """One engine in a Ray actor (``HFGenerateEngine`` over the model ``build`` makes)."""
+
+    def __init__(self, build: ModelFactory, settings: RolloutSettings):
+        self.engine = HFGenerateEngine(build(), settings)
+
+    def load_weights(self, state: Mapping[str, torch.Tensor], version: int) -> int:
+        self.engine.load_weights(state, version)
+        return version
+
+    def generate(self, requests: Sequence[GroupRequest]) -> List[GroupCompletions]:
+        return self.engine.generate(requests)
+
+    def placement(self) -> Tuple[str, int]:
+        """(node id, pid) of this engine."""
+        return ray.get_runtime_context().get_node_id(), os.getpid()
+
+
+@dataclass
+class EngineRecovery:
+    """One engine lost: which, Ray's verdict, the groups issued again and the seconds
+    from noticing the loss to the step's last completion."""
+
+    engine: int
+    fate: str
+    groups_reissued: int
+    seconds: float
+
+    def to_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+
+class EnginePool:
+    """``engines`` rollout engines, each an actor of ``actor_options`` (resources,
+    scheduling) building its model with ``build``; ``timeout_s`` bounds every wait on
+    one."""
+
+    def __init__(
+        self,
+        build: ModelFactory,
+        settings: RolloutSettings,
+        engines: int,
+        actor_options: Optional[Dict[str, Any]] = None,
+        timeout_s: float = 600.0,
+    ):
+        if engines < 1:
+            raise ValueError(f"a rollout needs at least one engine; got {engines}")
+        self._remote = ray.remote(EngineActor).options(max_restarts=0, **(actor_options or {}))
+        self._build, self._settings, self.timeout_s = build, settings, timeout_s
+        self.actors: List[Any] = []
+        self._placements: List[ray.ObjectRef] = []  # each engine's (node id, pid), once built
+        for _ in range(engines):
+            self._start()
+        ray.get(self._placements, timeout=timeout_s)  # built: a model that fails, fails here
+        self._weights: Optional[Tuple[ray.ObjectRef, int]] = None
+        self.recoveries: List[EngineRecovery] = []
+
+    def _start(self, engine: Optional[int] = None) -> None:
+        """A new engine actor, appended, or in ``engine``'s place."""
+        actor = self._remote.remote(self._build, self._settings)
+        placement = actor.placement.remote()
+        if engine is None:
+            self.actors.append(actor)
+            self._placements.append(placement)
+        else:
+            self.actors[engine], self._placements[engine] = actor, placement
+
+    def load_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
+        """Every engine takes ``state`` (put in the object store once, read by each); an
+        engine lost meanwhile is replaced by one that takes it."""
+        ref = ray.put({k: v.detach().cpu() for k, v in state.items()})
+        self._weights = (ref, version)
+        calls = [actor.load_weights.remote(ref, version) for actor in self.actors]
+        for engine, call in enumerate(calls):
+            try:
+                ray.get(call, timeout=self.timeout_s)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                self.recoveries.append(self._replace(engine, 0))
+
+    def generate(self, requests: Sequence[GroupRequest]) -> List[GroupCompletions]:
+        """Every request's group, whole, in request order, through engine losses (an
+        engine that returns nothing within ``timeout_s`` is killed and counts as lost)."""
+        n = len(self.actors)
+        pending: Dict[ray.ObjectRef, Tuple[int, List[int]]] = {}
+        for engine in range(n):
+            chunk = list(range(engine, len(requests), n))
+            if chunk:
+                pending[self._submit(engine, requests, chunk)] = (engine, chunk)
+        done: Dict[int, GroupCompletions] = {}
+        lost: List[Tuple[float, EngineRecovery]] = []
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=self.timeout_s)
+            if not ready:  # hung: killed, then lost as any other
+                for engine, _chunk in pending.values():
+                    ray.kill(self.actors[engine])
+                continue
+            engine, chunk = pending.pop(ready[0])
+            try:
+                done.update(zip(chunk, ray.get(ready[0]), strict=True))
+            except ray.exceptions.RayActorError:
+                noticed = time.monotonic()
+                target = self._least_busy(exclude=engine, pending=pending.values())
+                lost.append((noticed, self._replace(engine, len(chunk))))
+                pending[self._submit(target, requests, chunk)] = (target, chunk)
+        for noticed, recovery in lost:
+            recovery.seconds = time.monotonic() - noticed
+            self.recoveries.append(recovery)
+        return [done[i] for i in range(len(requests))]
+
+    def _submit(
+        self, engine: int, requests: Sequence[GroupRequest], chunk: List[int]
+    ) -> ray.ObjectRef:
+        return self.actors[engine].generate.remote([requests[i] for i in chunk])
+
+    def _least_busy(self, exclude: int, pending) -> int:
+        """The live engine with the fewest groups in flight (the lost one's replacement
+        only when it is the pool's one engine: it still has to build its model)."""
+        load = {e: 0 for e in range(len(self.actors)) if e != exclude}
+        for engine, chunk in pending:
+            if engine in load:
+                load[engine] += len(chunk)
+        return min(load, key=lambda e: (load[e], e)) if load else exclude
+
+    def _replace(self, engine: int, groups: int) -> EngineRecovery:
+        """A new actor in the lost engine's place, loaded with the newest weights before
+        it is given anything (Ray runs an actor's calls in submission order); Ray's
+        verdict on the lost one (``ray_group.death``)."""
+        lost, node = self.actors[engine], self._node_of(engine)
+        self._start(engine)
+        if self._weights is not None:
+            ref, version = self._weights
+            self.actors[engine].load_weights.remote(ref, version)
+        (fate,) = fates_of([lost], [node], timeout_s=FATE_WAIT_S)
+        log.warning(
+            "rollout engine %d lost (%s); %d group(s) issued again", engine, fate.value, groups
+        )
+        return EngineRecovery(engine, fate.value, groups, 0.0)
+
+    def _node_of(self, engine: int) -> str:
+        """The node a lost engine ran on ("" when it died before it was built)."""
+        try:
+            node, _ = ray.get(self._placements[engine], timeout=1.0)
+        except (ray.exceptions.RayError, TimeoutError):
+            return ""
+        return node
+
+    def placements(self) -> List[Tuple[str, int]]:
+        """(node id, pid) of each engine, waiting for any still starting."""
+        return ray.get(self._placements)
+
+    def shutdown(self) -> None:
+        for actor in self.actors:
+            ray.kill(actor)
+        self.actors = []
