@@ -1,0 +1,79 @@
+"""Generated prompt groups -> the batch the GRPO loss trains on (``Batch`` with its
+``Rollout``).
+
+Each completion becomes one row: its prompt's tokens, then its own, right-padded to the
+longest row.  ``inputs`` are a row's tokens but the last and ``targets`` the same shifted
+by one, as every batch here; a target weighs 1 exactly where it is a completion token
+(the model's prediction of it is what the policy gradient moves), 0 on the prompt and
+the padding.  Right padding leaves every real token's causal context as it was, so no
+attention mask is needed.
+
+Invariants:
+- Rows are in group order, each group's completions in generation order: the row of
+  completion ``g`` of the ``k``-th group is ``k * num_generations + g``, the layout
+  ``objectives.grpo.group_advantages`` reads.
+- ``Rollout.old_logps`` are the log-probs of the policy that generated the completions
+  (the weights the engines had), recomputed by the trainer: with ``num_iterations=1`` and
+  on-policy rollouts they equal the current policy's, so every ratio is 1, as in TRL.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+from raytrain_ext.data.batch import Batch, Rollout
+from raytrain_ext.objectives.base import token_nll
+from raytrain_ext.rollout.engine import GroupCompletions
+
+LogitsFn = Callable[[torch.Tensor], torch.Tensor]  # inputs [rows, seq] -> logits [rows, seq, V]
+
+
+def completion_rows(
+    groups: Sequence[GroupCompletions],
+    prompts: Mapping[int, Tuple[int, ...]],
+    pad_token_id: int,
+) -> Batch:
+    """The rows of ``groups`` (module doc), without their rollout terms yet."""
+    rows: List[Tuple[int, ...]] = []
+    starts: List[int] = []  # where each row's completion starts
+    for group in groups:
+        prompt = prompts[group.prompt_index]
+        for completion in group.completions:
+            rows.append(prompt + completion)
+            starts.append(len(prompt))
+    width = max(len(r) for r in rows)
+    tokens = torch.full((len(rows), width), pad_token_id, dtype=torch.int64)
+    weights = torch.zeros(len(rows), width - 1)
+    for i, (row, start) in enumerate(zip(rows, starts, strict=True)):
+        tokens[i, : len(row)] = torch.tensor(row)
+        weights[i, start - 1 : len(row) - 1] = 1.0  # targets start..len-1 are the completion's
+    return Batch(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), weights)
+
+
+@torch.no_grad()
+def token_logps(logits_of: LogitsFn, batch: Batch) -> torch.Tensor:
+    """Each target's log-prob under the model ``logits_of`` runs, float32 ``[rows, seq]``."""
+    return -token_nll(logits_of(batch.inputs), batch)
+
+
+def rollout_batch(
+    groups: Sequence[GroupCompletions],
+    prompts: Mapping[int, Tuple[int, ...]],
+    advantages: torch.Tensor,
+    pad_token_id: int,
+    policy: LogitsFn,
+    reference: Optional[LogitsFn] = None,
+) -> Batch:
+    """The GRPO batch of ``groups``: rows, advantages per row, and the generating
+    ``policy``'s (and, for the KL term, the ``reference``'s) per-token log-probs."""
+    batch = completion_rows(groups, prompts, pad_token_id)
+    if advantages.shape != (batch.inputs.shape[0],):
+        raise ValueError(
+            f"{tuple(advantages.shape)} advantages for {batch.inputs.shape[0]} completions"
+        )
+    old = token_logps(policy, batch)
+    ref = None if reference is None else token_logps(reference, batch)
+    batch.rollout = Rollout(advantages.float(), old, ref)
+    return batch
