@@ -50,12 +50,13 @@ def load_reward_fn(path: str) -> RewardFn:
 
 @dataclass(frozen=True)
 class ScoredGroup:
-    """One prompt group to score: its global index, prompt and completions (text), and
-    the dataset's other columns of that prompt, passed through to every function."""
+    """One prompt group to score: its global index, prompt and completions (text, as the
+    run decodes them), and the dataset's other columns of that prompt, passed through to
+    every function."""
 
     prompt_index: int
     prompt: Any
-    completions: Sequence[str]
+    completions: Sequence[Any]
     columns: Dict[str, Any] = field(default_factory=dict)
 
 
@@ -97,7 +98,7 @@ def _columns(groups: Sequence[ScoredGroup]) -> Dict[str, List[Any]]:
 def _call(
     fn: RewardFn,
     prompts: List[Any],
-    completions: List[str],
+    completions: List[Any],
     columns: Dict[str, List[Any]],
     owners: List[int],
 ) -> List[float]:

@@ -1,0 +1,220 @@
+"""The run's rollout service: one Ray actor, started by the driver and living as long as
+the run, that owns the rollout engines (``EnginePool``) and turns a step's prompt groups
+into scored completions with their advantages.
+
+Why an actor of its own, not rank 0's: Ray ends an actor with the process that created
+it.  Engines that rank 0 created would die with rank 0, and a trainer's loss would cost
+every engine its process and weights.  Owned by this service (itself the driver's),
+they keep both through any re-form of the trainers.
+
+How a step goes: every rank asks ``rollout(step, prompts)`` with the same prompt groups
+(they all read the same global sampler).  The first request generates (the engines), then
+scores (the reward functions, in Ray tasks: a slow reward holds no trainer) and computes
+the group advantages; every request for that step gets the same result, and the last
+few steps' results are kept, so a trainer group re-formed mid-step takes what was already
+generated instead of generating it again.  ``load_weights`` after each update gives the
+engines the new policy; ``rollout(step)`` generates only once the weights of ``step - 1``
+are in (on-policy).
+
+Invariants:
+- One generation per step, whatever the number of ranks or re-forms asking for it.
+- A step's result has every prompt group whole, each completion scored by every reward
+  function (or the step fails naming the function and the prompt).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import ray
+import torch
+
+from raytrain_ext.objectives.grpo import ScaleRewards, combined_rewards, group_advantages
+from raytrain_ext.rollout.engine import GroupCompletions, GroupRequest, RolloutSettings
+from raytrain_ext.rollout.pool import EnginePool, ModelFactory
+from raytrain_ext.rollout.rewards import RewardFn, ScoredGroup, load_reward_fn, score_groups
+
+KEEP_STEPS = 4  # results kept for re-formed trainers asking again
+ROLLOUT_NAMESPACE = "raytrain_ext_rollout"
+
+
+@dataclass(frozen=True)
+class PromptGroup:
+    """What a rank asks to be generated for one prompt: its global index, token ids, the
+    text (or messages) the reward functions see, and the record's other columns."""
+
+    index: int
+    prompt_ids: Tuple[int, ...]
+    prompt: Any
+    columns: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RolloutResult:
+    """A step's completions and what they are worth: ``rewards_per_function`` is
+    ``[completions, functions]`` (NaN: the function returned None), ``advantages`` one
+    per completion in group order."""
+
+    step: int
+    groups: List[GroupCompletions]
+    rewards_per_function: torch.Tensor
+    rewards: torch.Tensor
+    advantages: torch.Tensor
+
+
+@dataclass
+class RewardSpec:
+    """The reward functions (``pkg.mod:fn`` names or callables), their weights (one
+    each; all 1 by default), and how advantages are scaled."""
+
+    functions: Sequence[Union[str, RewardFn]]
+    weights: Optional[Sequence[float]] = None
+    scale_rewards: ScaleRewards = ScaleRewards.group
+    task_options: Dict[str, Any] = field(default_factory=lambda: {"num_cpus": 0.25})
+
+    def loaded(self) -> List[RewardFn]:
+        return [load_reward_fn(f) if isinstance(f, str) else f for f in self.functions]
+
+
+class RolloutService:
+    """The actor (module doc).  ``build`` makes an engine's model; ``engines`` engines of
+    ``engine_options`` each; ``decode`` turns a completion's token ids into what the
+    reward functions see (a tokenizer's decode; by default the ids as a list)."""
+
+    def __init__(
+        self,
+        build: ModelFactory,
+        settings: RolloutSettings,
+        rewards: RewardSpec,
+        engines: int,
+        engine_options: Optional[Dict[str, Any]] = None,
+        decode: Optional[Callable[[Sequence[int]], Any]] = None,
+    ):
+        self.settings, self.rewards = settings, rewards
+        self.decode = decode or list  # what reward functions see of a completion
+        self.reward_fns = rewards.loaded()
+        self.weights = rewards.weights or [1.0] * len(self.reward_fns)
+        self.pool = EnginePool(build, settings, engines, engine_options)
+        self.version = -1  # the step whose weights the engines have
+        self._lock = threading.Condition()
+        self._results: Dict[int, "_Pending"] = {}
+        self.generations = 0  # steps generated (tests: once per step)
+
+    def load_weights(self, state: Dict[str, torch.Tensor], version: int) -> int:
+        self.pool.load_weights(state, version)
+        with self._lock:
+            self.version = max(self.version, version)
+            self._lock.notify_all()
+        return version
+
+    def rollout(
+        self, step: int, prompts: Sequence[PromptGroup], wait_s: float = 600.0
+    ) -> RolloutResult:
+        """The step's result, generated once (module doc)."""
+        with self._lock:
+            pending = self._results.get(step)
+            first = pending is None
+            if first:
+                pending = self._results[step] = _Pending()
+                for old in [s for s in self._results if s <= step - KEEP_STEPS]:
+                    del self._results[old]
+        assert pending is not None
+        if first:
+            try:
+                pending.set(self._generate(step, prompts, wait_s))
+            except BaseException as e:  # every waiting rank sees the cause
+                pending.fail(e)
+                with self._lock:
+                    del self._results[step]
+                raise
+        return pending.get(wait_s)
+
+    def _generate(self, step: int, prompts: Sequence[PromptGroup], wait_s: float) -> RolloutResult:
+        with self._lock:
+            if not self._lock.wait_for(lambda: self.version >= step - 1, timeout=wait_s):
+                raise TimeoutError(
+                    f"rollout of step {step}: the engines still have the weights of step "
+                    f"{self.version} after {wait_s:.0f} s (load_weights({step - 1}) never came)"
+                )
+        requests = [GroupRequest(p.index, p.prompt_ids, step) for p in prompts]
+        groups = self.pool.generate(requests)
+        per_function = self._score(prompts, groups)
+        rewards = combined_rewards(per_function, self.weights)
+        advantages = group_advantages(
+            rewards, self.settings.num_generations, self.rewards.scale_rewards
+        )
+        self.generations += 1
+        return RolloutResult(step, groups, per_function, rewards, advantages)
+
+    def _score(
+        self, prompts: Sequence[PromptGroup], groups: List[GroupCompletions]
+    ) -> torch.Tensor:
+        """Every completion scored by every function, in Ray tasks (one per 8 groups)."""
+        scored = [
+            ScoredGroup(p.index, p.prompt, [self.decode(c) for c in g.completions], dict(p.columns))
+            for p, g in zip(prompts, groups, strict=True)
+        ]
+        task = ray.remote(score_groups).options(**self.rewards.task_options)
+        chunks = [scored[i : i + 8] for i in range(0, len(scored), 8)]
+        parts = ray.get([task.remote(self.reward_fns, chunk) for chunk in chunks])
+        rows = [completion for part in parts for group in part for completion in group]
+        return torch.tensor(rows, dtype=torch.float32).view(-1, len(self.reward_fns))
+
+    def stats(self) -> Dict[str, Any]:
+        """Steps generated, the engines' weights version, and each engine lost."""
+        recoveries = [r.to_dict() for r in self.pool.recoveries]
+        return {"generations": self.generations, "version": self.version, "recoveries": recoveries}
+
+    def engine_placements(self) -> List[Tuple[str, int]]:
+        return self.pool.placements()
+
+    def shutdown(self) -> None:
+        self.pool.shutdown()
+
+
+class _Pending:
+    """A step's result being generated, waited for by every rank that asks."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._value: Optional[RolloutResult] = None
+        self._error: Optional[BaseException] = None
+
+    def set(self, value: RolloutResult) -> None:
+        self._value = value
+        self._done.set()
+
+    def fail(self, error: BaseException) -> None:
+        self._error = error
+        self._done.set()
+
+    def get(self, wait_s: float) -> RolloutResult:
+        if not self._done.wait(wait_s):
+            raise TimeoutError(f"no rollout result within {wait_s:.0f} s")
+        if self._error is not None:
+            raise self._error
+        assert self._value is not None
+        return self._value
+
+
+def start_rollout_service(
+    build: ModelFactory,
+    settings: RolloutSettings,
+    rewards: RewardSpec,
+    engines: int,
+    engine_options: Optional[Dict[str, Any]] = None,
+    decode: Optional[Callable[[Sequence[int]], Any]] = None,
+    concurrency: int = 16,
+) -> Any:
+    """The service actor (threaded: every rank's request and the weights' loads at once),
+    on the calling process's node, owned by it."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    node = ray.get_runtime_context().get_node_id()
+    strategy = NodeAffinitySchedulingStrategy(node, soft=True)
+    actor_class = ray.remote(RolloutService).options(
+        num_cpus=0, max_concurrency=concurrency, scheduling_strategy=strategy
+    )
+    return actor_class.remote(build, settings, rewards, engines, engine_options, decode)

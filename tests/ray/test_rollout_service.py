@@ -1,0 +1,77 @@
+"""The run's rollout service (raytrain_ext.rollout.service), a Ray actor owning the
+engines: every rank asking for a step gets the one generation of that step, scored by
+reward functions that run in Ray tasks (not in the service, not in a trainer), with
+TRL's group advantages; a step waits for the previous step's weights; a SIGKILLed engine
+costs no group; a re-formed trainer asking again gets the kept result."""
+
+import os
+import signal
+
+import pytest
+import torch
+
+from raytrain_ext.objectives.grpo import ScaleRewards, combined_rewards, group_advantages
+from raytrain_ext.rollout.engine import GroupRequest, HFGenerateEngine, RolloutSettings
+from raytrain_ext.rollout.service import PromptGroup, RewardSpec, start_rollout_service
+from tests.helpers.hf_models import tiny_policy
+from tests.helpers.leaks import assert_nothing_left
+
+SETTINGS = RolloutSettings(
+    num_generations=4, max_completion_length=6, seed=13, eos_token_id=3, pad_token_id=0
+)
+PROMPTS = [PromptGroup(i, (1 + i, 2 + i, 4 + i), f"prompt {i}", {"answer": i}) for i in range(4)]
+
+
+def scorer_pid(prompts, completions, **columns):
+    return [float(os.getpid())] * len(completions)
+
+
+def even_tokens(prompts, completions, answer, **columns):
+    return [
+        sum(t % 2 == 0 for t in c) / len(c) + 0 * a
+        for c, a in zip(completions, answer, strict=True)
+    ]
+
+
+def test_one_generation_per_step_scored_in_tasks_through_a_killed_engine(ray_local, tmp_path):
+    import ray
+
+    rewards = RewardSpec(
+        ["tests.ray.test_rollout_service:scorer_pid", even_tokens], weights=[0.0, 1.0]
+    )
+    service = start_rollout_service(
+        tiny_policy, SETTINGS, rewards, engines=2, engine_options={"num_cpus": 1}
+    )
+    reference = HFGenerateEngine(tiny_policy(), SETTINGS)
+    try:
+        weights = {1: tiny_policy(seed=6).state_dict(), 2: tiny_policy(seed=7).state_dict()}
+        ray.get(service.load_weights.remote(weights[1], 1))
+        first, second = ray.get([service.rollout.remote(2, PROMPTS) for _ in range(2)])  # 2 ranks
+        reference.load_weights(weights[1], 1)
+        expected = reference.generate([GroupRequest(p.index, p.prompt_ids, 2) for p in PROMPTS])
+        assert first.groups == second.groups == expected
+        assert torch.equal(first.advantages, second.advantages)
+        pids = set(first.rewards_per_function[:, 0].tolist())
+        assert os.getpid() not in pids and len(pids) >= 1  # scored in tasks of their own
+        rewards_ = combined_rewards(first.rewards_per_function, [0.0, 1.0])
+        assert torch.equal(first.rewards, rewards_)
+        assert torch.equal(first.advantages, group_advantages(rewards_, 4, ScaleRewards.group))
+        with pytest.raises(ray.exceptions.RayTaskError, match=r"load_weights\(2\) never came"):
+            ray.get(service.rollout.remote(3, PROMPTS, wait_s=1.0))
+        (_, lost), _ = ray.get(service.engine_placements.remote())
+        os.kill(lost, signal.SIGKILL)
+        ray.get(service.load_weights.remote(weights[2], 2))  # the lost engine's place refilled
+        third = ray.get(service.rollout.remote(3, PROMPTS))
+        reference.load_weights(weights[2], 2)
+        assert third.groups == reference.generate(
+            [GroupRequest(p.index, p.prompt_ids, 3) for p in PROMPTS]
+        )
+        again = ray.get(service.rollout.remote(3, PROMPTS))  # a re-formed trainer asks again
+        assert again.groups == third.groups
+        stats = ray.get(service.stats.remote())
+        assert stats["generations"] == 2 and stats["version"] == 2
+        assert [r["engine"] for r in stats["recoveries"]] == [0]
+    finally:
+        ray.get(service.shutdown.remote())
+        ray.kill(service)
+    assert_nothing_left()
