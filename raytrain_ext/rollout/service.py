@@ -78,25 +78,29 @@ class RewardSpec:
         return [load_reward_fn(f) if isinstance(f, str) else f for f in self.functions]
 
 
-class RolloutService:
-    """The actor (module doc).  ``build`` makes an engine's model; ``engines`` engines of
-    ``engine_options`` each; ``decode`` turns a completion's token ids into what the
-    reward functions see (a tokenizer's decode; by default the ids as a list)."""
+@dataclass
+class RolloutSpec:
+    """What a run's rollout is made of: ``build`` makes an engine's model; ``engines``
+    engines of ``engine_options`` each; ``decode`` turns a completion's token ids into
+    what the reward functions see (a tokenizer's decode; by default the ids as a list)."""
 
-    def __init__(
-        self,
-        build: ModelFactory,
-        settings: RolloutSettings,
-        rewards: RewardSpec,
-        engines: int,
-        engine_options: Optional[Dict[str, Any]] = None,
-        decode: Optional[Callable[[Sequence[int]], Any]] = None,
-    ):
-        self.settings, self.rewards = settings, rewards
-        self.decode = decode or list  # what reward functions see of a completion
-        self.reward_fns = rewards.loaded()
-        self.weights = rewards.weights or [1.0] * len(self.reward_fns)
-        self.pool = EnginePool(build, settings, engines, engine_options)
+    build: ModelFactory
+    settings: RolloutSettings
+    rewards: RewardSpec
+    engines: int
+    engine_options: Optional[Dict[str, Any]] = None
+    decode: Optional[Callable[[Sequence[int]], Any]] = None
+
+
+class RolloutService:
+    """The actor (module doc)."""
+
+    def __init__(self, spec: RolloutSpec):
+        self.settings, self.rewards = spec.settings, spec.rewards
+        self.decode = spec.decode or list  # what reward functions see of a completion
+        self.reward_fns = spec.rewards.loaded()
+        self.weights = spec.rewards.weights or [1.0] * len(self.reward_fns)
+        self.pool = EnginePool(spec.build, spec.settings, spec.engines, spec.engine_options)
         self.version = -1  # the step whose weights the engines have
         self._lock = threading.Condition()
         self._results: Dict[int, "_Pending"] = {}
@@ -199,15 +203,7 @@ class _Pending:
         return self._value
 
 
-def start_rollout_service(
-    build: ModelFactory,
-    settings: RolloutSettings,
-    rewards: RewardSpec,
-    engines: int,
-    engine_options: Optional[Dict[str, Any]] = None,
-    decode: Optional[Callable[[Sequence[int]], Any]] = None,
-    concurrency: int = 16,
-) -> Any:
+def start_rollout_service(spec: RolloutSpec, concurrency: int = 16) -> Any:
     """The service actor (threaded: every rank's request and the weights' loads at once),
     on the calling process's node, owned by it."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -217,4 +213,4 @@ def start_rollout_service(
     actor_class = ray.remote(RolloutService).options(
         num_cpus=0, max_concurrency=concurrency, scheduling_strategy=strategy
     )
-    return actor_class.remote(build, settings, rewards, engines, engine_options, decode)
+    return actor_class.remote(spec)

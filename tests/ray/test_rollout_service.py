@@ -12,7 +12,12 @@ import torch
 
 from raytrain_ext.objectives.grpo import ScaleRewards, combined_rewards, group_advantages
 from raytrain_ext.rollout.engine import GroupRequest, HFGenerateEngine, RolloutSettings
-from raytrain_ext.rollout.service import PromptGroup, RewardSpec, start_rollout_service
+from raytrain_ext.rollout.service import (
+    PromptGroup,
+    RewardSpec,
+    RolloutSpec,
+    start_rollout_service,
+)
 from tests.helpers.hf_models import tiny_policy
 from tests.helpers.leaks import assert_nothing_left
 
@@ -39,9 +44,8 @@ def test_one_generation_per_step_scored_in_tasks_through_a_killed_engine(ray_loc
     rewards = RewardSpec(
         ["tests.ray.test_rollout_service:scorer_pid", even_tokens], weights=[0.0, 1.0]
     )
-    service = start_rollout_service(
-        tiny_policy, SETTINGS, rewards, engines=2, engine_options={"num_cpus": 1}
-    )
+    spec = RolloutSpec(tiny_policy, SETTINGS, rewards, engines=2, engine_options={"num_cpus": 1})
+    service = start_rollout_service(spec)
     reference = HFGenerateEngine(tiny_policy(), SETTINGS)
     try:
         weights = {1: tiny_policy(seed=6).state_dict(), 2: tiny_policy(seed=7).state_dict()}
