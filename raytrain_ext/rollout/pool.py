@@ -171,6 +171,7 @@ class EnginePool:
         it is given anything (Ray runs an actor's calls in submission order); Ray's
         verdict on the lost one (``ray_group.death``)."""
         lost, node = self.actors[engine], self._node_of(engine)
+        ray.kill(lost, no_restart=True)  # an unreachable one that comes back stays out
         self._start(engine)
         if self._weights is not None:
             ref, version = self._weights
