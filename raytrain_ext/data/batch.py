@@ -32,12 +32,13 @@ if TYPE_CHECKING:  # the driver's data checks import this module, and need no to
 class Rollout:
     """What a batch of generated completions carries for the GRPO loss
     (``objectives.grpo``): each row's advantage ``[rows]``, and per target token the
-    log-prob under the policy that generated it and, when the loss has a KL term, under
-    the reference policy (``[rows, seq_len]``, aligned with ``Batch.targets``; only
-    completion tokens, weight 1, are read)."""
+    log-prob under the policy that generated it (None: the policy being trained, an
+    on-policy step's first update, where every ratio is 1) and, when the loss has a KL
+    term, under the reference policy (``[rows, seq_len]``, aligned with
+    ``Batch.targets``; only completion tokens, weight 1, are read)."""
 
     advantages: torch.Tensor
-    old_logps: torch.Tensor
+    old_logps: Optional[torch.Tensor] = None
     ref_logps: Optional[torch.Tensor] = None
 
 

@@ -11,7 +11,8 @@ None, a NaN here) is left out of its group's mean and deviation and gets advanta
 as in TRL; it is never counted as a reward of 0.
 
 The loss of a completion token with log-prob ``p`` now and ``p_old`` under the policy that
-generated it (``Rollout.old_logps``) is the clipped surrogate
+generated it (``Rollout.old_logps``; none given: the current policy's, detached, as TRL
+does when the step is on-policy) is the clipped surrogate
 ``-min(ratio * A, clip(ratio, 1 - epsilon, 1 + epsilon_high) * A)``, ``ratio =
 exp(p - p_old)``, plus ``beta`` times the per-token KL estimate against the reference,
 ``exp(q - p) - (q - p) - 1`` (``Rollout.ref_logps``, when ``beta > 0``).
@@ -143,7 +144,8 @@ class GRPO(Objective):
     ) -> LossTerms:
         rollout, mask = _rollout(batch), _completion_mask(batch)
         logps = -token_nll(logits, batch)
-        ratio = torch.exp(logps - rollout.old_logps.to(logps))
+        old = logps.detach() if rollout.old_logps is None else rollout.old_logps.to(logps)
+        ratio = torch.exp(logps - old)
         advantages = rollout.advantages.to(logps).unsqueeze(1)
         clipped = torch.clamp(ratio, 1 - self.epsilon_low, 1 + self.epsilon_high)
         token_loss = -torch.min(ratio * advantages, clipped * advantages)

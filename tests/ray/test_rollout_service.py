@@ -2,10 +2,13 @@
 engines: every rank asking for a step gets the one generation of that step, scored by
 reward functions that run in Ray tasks (not in the service, not in a trainer), with
 TRL's group advantages; a step waits for the previous step's weights; a SIGKILLed engine
-costs no group; a re-formed trainer asking again gets the kept result."""
+costs no group (they are issued again, whole, to the other engine, and generate the same
+tokens) and its replacement takes the current weights; a re-formed trainer asking again
+gets the kept result."""
 
 import os
 import signal
+from dataclasses import replace
 
 import pytest
 import torch
@@ -62,9 +65,9 @@ def test_one_generation_per_step_scored_in_tasks_through_a_killed_engine(ray_loc
         assert torch.equal(first.advantages, group_advantages(rewards_, 4, ScaleRewards.group))
         with pytest.raises(ray.exceptions.RayTaskError, match=r"load_weights\(2\) never came"):
             ray.get(service.rollout.remote(3, PROMPTS, wait_s=1.0))
-        (_, lost), _ = ray.get(service.engine_placements.remote())
-        os.kill(lost, signal.SIGKILL)
-        ray.get(service.load_weights.remote(weights[2], 2))  # the lost engine's place refilled
+        ray.get(service.load_weights.remote(weights[2], 2))
+        (_, lost), (_, kept) = ray.get(service.engine_placements.remote())
+        os.kill(lost, signal.SIGKILL)  # its groups go to the other engine, whole
         third = ray.get(service.rollout.remote(3, PROMPTS))
         reference.load_weights(weights[2], 2)
         assert third.groups == reference.generate(
@@ -74,7 +77,16 @@ def test_one_generation_per_step_scored_in_tasks_through_a_killed_engine(ray_loc
         assert again.groups == third.groups
         stats = ray.get(service.stats.remote())
         assert stats["generations"] == 2 and stats["version"] == 2
-        assert [r["engine"] for r in stats["recoveries"]] == [0]
+        ((engine, fate, groups),) = [
+            (r["engine"], r["fate"], r["groups_reissued"]) for r in stats["recoveries"]
+        ]
+        assert (engine, fate, groups) == (0, "process_died", 2)
+        (_, replacement), (_, still) = ray.get(service.engine_placements.remote())
+        assert still == kept and replacement not in (lost, kept)
+        reference_4 = reference.generate([GroupRequest(p.index, p.prompt_ids, 4) for p in PROMPTS])
+        ray.get(service.load_weights.remote(weights[2], 3))  # the replacement takes them too
+        fourth = ray.get(service.rollout.remote(4, PROMPTS)).groups
+        assert fourth == [replace(g, weights_version=3) for g in reference_4]
     finally:
         ray.get(service.shutdown.remote())
         ray.kill(service)

@@ -47,7 +47,8 @@ def rollout_batch(seed: int = 0):
 def rows(batch: Batch, part: slice) -> Batch:
     r = batch.rollout
     assert r is not None and batch.weights is not None and r.ref_logps is not None
-    sliced = Rollout(r.advantages[part], r.old_logps[part], r.ref_logps[part])
+    old = None if r.old_logps is None else r.old_logps[part]
+    sliced = Rollout(r.advantages[part], old, r.ref_logps[part])
     return Batch(batch.inputs[part], batch.targets[part], batch.weights[part], rollout=sliced)
 
 
@@ -103,10 +104,11 @@ def trl_loss(logits, batch: Batch, loss_type: str, beta: float, parts: int) -> t
             "completion_ids": micro.inputs[:, PROMPT:],
             "completion_mask": micro.weights[:, PROMPT:],
             "advantages": micro.rollout.advantages,
-            "old_per_token_logps": micro.rollout.old_logps[:, PROMPT:],
             "ref_per_token_logps": micro.rollout.ref_logps[:, PROMPT:],
             "num_items_in_batch": total_tokens,
         }
+        if micro.rollout.old_logps is not None:  # none: TRL takes the current ones, detached
+            inputs["old_per_token_logps"] = micro.rollout.old_logps[:, PROMPT:]
         total = total + GRPOTrainer._compute_loss(trainer, None, inputs)
     return total
 
@@ -140,6 +142,23 @@ def test_the_loss_and_its_gradients_are_trls(loss_type, beta, parts):
     torch.testing.assert_close(got_grad, expected_grad, rtol=1e-5, atol=1e-7)
     assert got_grad.abs().sum() > 0
     assert got_grad[:, :PROMPT].abs().sum() == 0  # the prompt is not trained on
+
+
+@pytest.mark.parametrize("loss_type", GRPOLossType.values())
+def test_an_on_policy_step_without_old_logps_is_trls_too(loss_type):
+    objective = KLRegularizedGRPO(
+        0.04, loss_type=loss_type, epsilon_high=0.28, max_completion_length=COMPLETION
+    )
+    logits, batch = rollout_batch()
+    assert batch.rollout is not None
+    batch.rollout = Rollout(batch.rollout.advantages, None, batch.rollout.ref_logps)
+    expected = trl_loss(logits, batch, loss_type, 0.04, parts=2)
+    (expected_grad,) = torch.autograd.grad(expected, logits)
+    got = ours(logits, batch, objective, parts=2)
+    (got_grad,) = torch.autograd.grad(got, logits)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got_grad, expected_grad, rtol=1e-5, atol=1e-7)
+    assert objective.loss(logits, batch).metrics["clip_ratio"] == 0  # every ratio is 1
 
 
 def test_some_tokens_clip_and_the_kl_is_reported_only_with_its_term():
