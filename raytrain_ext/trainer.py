@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 from omegaconf import DictConfig, OmegaConf
 
 from raytrain_ext.checkpoint.tiers.memory import start_memory_tier, stop_memory_tier
-from raytrain_ext.config import config_digest, load_config, to_yaml
+from raytrain_ext.config import config_digest, config_from_dict, load_config, to_dict, to_yaml
 from raytrain_ext.data.ray_input import materialise_dataset
 from raytrain_ext.data.row_input import start_row_readers
 from raytrain_ext.data.stream_input import is_stream, start_stream_reader, stream_config, streams
@@ -76,7 +76,7 @@ class Trainer:
                     "overrides go with a config path; for a loaded config apply "
                     "them with load_config(path, overrides) instead"
                 )
-            self.cfg = config
+            self.cfg = config_from_dict(to_dict(config))  # typed and checked, as a loaded one
         else:
             self.cfg = load_config(config, overrides)
         self.cfg = absolute_paths(self.cfg)

@@ -15,7 +15,9 @@ generated it (``Rollout.old_logps``; none given: the current policy's, detached,
 does when the step is on-policy) is the clipped surrogate
 ``-min(ratio * A, clip(ratio, 1 - epsilon, 1 + epsilon_high) * A)``, ``ratio =
 exp(p - p_old)``, plus ``beta`` times the per-token KL estimate against the reference,
-``exp(q - p) - (q - p) - 1`` (``Rollout.ref_logps``, when ``beta > 0``).
+``exp(q - p) - (q - p) - 1`` (``Rollout.ref_logps``, when ``beta > 0``).  Every log-prob
+is of ``logits / temperature``, the distribution the completions were sampled from, as
+in TRL.
 
 Invariants:
 - A rollout batch's rows are prompt + completion sequences; ``Batch.weights`` is the
@@ -115,7 +117,7 @@ class GRPO(Objective):
     name = "grpo"
     metric_names: ClassVar[Tuple[str, ...]] = (
         "clip_ratio",
-    )  # the share of completion tokens clipped, per unit
+    )  # the share of clipped completion tokens, averaged as the loss averages (module doc)
 
     def __init__(
         self,
@@ -123,8 +125,10 @@ class GRPO(Objective):
         epsilon: float = 0.2,
         epsilon_high: Optional[float] = None,
         max_completion_length: int = 512,
+        temperature: float = 1.0,
     ):
         self.loss_type = GRPOLossType(loss_type)
+        self.temperature = float(temperature)  # the sampling's: log-probs of logits / T
         self.epsilon_low = float(epsilon)
         self.epsilon_high = float(epsilon if epsilon_high is None else epsilon_high)
         self.max_completion_length = int(max_completion_length)
@@ -143,8 +147,8 @@ class GRPO(Objective):
         reference_logps: Optional[torch.Tensor] = None,
     ) -> LossTerms:
         rollout, mask = _rollout(batch), _completion_mask(batch)
-        logps = -token_nll(logits, batch)
-        old = logps.detach() if rollout.old_logps is None else rollout.old_logps.to(logps)
+        logps = -token_nll(logits.float() / self.temperature, batch)
+        old = _completions_only(rollout.old_logps, logps.detach(), mask)
         ratio = torch.exp(logps - old)
         advantages = rollout.advantages.to(logps).unsqueeze(1)
         clipped = torch.clamp(ratio, 1 - self.epsilon_low, 1 + self.epsilon_high)
@@ -153,13 +157,15 @@ class GRPO(Objective):
             (ratio > 1 + self.epsilon_high) & (advantages > 0)
         )
         metrics = {"clip_ratio": self._sum(outside.to(logps.dtype).detach(), mask)}
-        kl = self._token_kl(logps, rollout)
+        kl = self._token_kl(logps, rollout, mask)
         if kl is not None:
             token_loss = token_loss + self.beta * kl
             metrics["kl"] = self._sum(kl.detach(), mask)
         return LossTerms(self._sum(token_loss, mask), metrics)
 
-    def _token_kl(self, logps: torch.Tensor, rollout: Rollout) -> Optional[torch.Tensor]:
+    def _token_kl(
+        self, logps: torch.Tensor, rollout: Rollout, mask: torch.Tensor
+    ) -> Optional[torch.Tensor]:
         """The per-token KL estimate against the reference; None: no KL term."""
         return None
 
@@ -190,14 +196,27 @@ class KLRegularizedGRPO(GRPO):
         super().__init__(**surrogate)
         self.beta = float(beta)
 
-    def _token_kl(self, logps: torch.Tensor, rollout: Rollout) -> Optional[torch.Tensor]:
+    def _token_kl(
+        self, logps: torch.Tensor, rollout: Rollout, mask: torch.Tensor
+    ) -> Optional[torch.Tensor]:
         if rollout.ref_logps is None:
             raise InputError(
                 "a GRPO batch without reference log-probs while beta > 0: the rollout must "
                 "score its completions under the reference policy (or set beta=0)."
             )
-        delta = rollout.ref_logps.to(logps) - logps
+        delta = _completions_only(rollout.ref_logps, logps, mask) - logps
         return torch.exp(delta) - delta - 1
+
+
+def _completions_only(
+    given: Optional[torch.Tensor], fallback: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """``given`` on completion tokens, ``fallback`` elsewhere (and everywhere when none is
+    given): whatever a rollout holds at prompt or padding positions, a NaN or an -inf
+    included, never reaches the loss (NaN times a weight of 0 is NaN)."""
+    if given is None:
+        return fallback
+    return torch.where(mask > 0, given.to(fallback), fallback)
 
 
 def _rollout(batch: Batch) -> Rollout:

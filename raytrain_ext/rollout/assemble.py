@@ -53,9 +53,10 @@ def completion_rows(
 
 
 @torch.no_grad()
-def token_logps(logits_of: LogitsFn, batch: Batch) -> torch.Tensor:
-    """Each target's log-prob under the model ``logits_of`` runs, float32 ``[rows, seq]``."""
-    return -token_nll(logits_of(batch.inputs), batch)
+def token_logps(logits_of: LogitsFn, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
+    """Each target's log-prob under the model ``logits_of`` runs, sampled at
+    ``temperature`` (the loss's), float32 ``[rows, seq]``."""
+    return -token_nll(logits_of(batch.inputs).float() / temperature, batch)
 
 
 def rollout_batch(
@@ -65,15 +66,17 @@ def rollout_batch(
     pad_token_id: int,
     policy: LogitsFn,
     reference: Optional[LogitsFn] = None,
+    temperature: float = 1.0,
 ) -> Batch:
     """The GRPO batch of ``groups``: rows, advantages per row, and the generating
-    ``policy``'s (and, for the KL term, the ``reference``'s) per-token log-probs."""
+    ``policy``'s (and, for the KL term, the ``reference``'s) per-token log-probs at the
+    sampling ``temperature``."""
     batch = completion_rows(groups, prompts, pad_token_id)
     if advantages.shape != (batch.inputs.shape[0],):
         raise ValueError(
             f"{tuple(advantages.shape)} advantages for {batch.inputs.shape[0]} completions"
         )
-    old = token_logps(policy, batch)
-    ref = None if reference is None else token_logps(reference, batch)
+    old = token_logps(policy, batch, temperature)
+    ref = None if reference is None else token_logps(reference, batch, temperature)
     batch.rollout = Rollout(advantages.float(), old, ref)
     return batch

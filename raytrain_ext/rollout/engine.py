@@ -89,7 +89,13 @@ class HFGenerateEngine:
     batch shape, and a flipped last bit can flip a sampled token)."""
 
     def __init__(self, model: torch.nn.Module, settings: RolloutSettings):
+        from transformers import GenerationConfig
+
         self.model = model.eval()
+        # generate() fills every setting a call leaves unset from the model's own
+        # generation config (a repetition penalty, banned words, beams...), which would
+        # change what is sampled: the engine's model has none but the library's defaults.
+        self.model.generation_config = GenerationConfig()
         self.settings = settings
         self.weights_version = 0
 

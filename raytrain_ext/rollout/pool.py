@@ -40,7 +40,8 @@ from raytrain_ext.rollout.engine import (
 log = logging.getLogger(__name__)
 
 ModelFactory = Callable[[], torch.nn.Module]
-FATE_WAIT_S = 10.0  # Ray's verdict on a lost engine; its groups are re-issued before
+FATE_WAIT_S = 10.0  # the longest wait for Ray's verdict on a lost engine (its groups are
+# issued again before it is asked)
 
 
 class EngineActor:
@@ -117,36 +118,55 @@ class EnginePool:
         self._weights = (ref, version)
         calls = [actor.load_weights.remote(ref, version) for actor in self.actors]
         for engine, call in enumerate(calls):
+            actor = self.actors[engine]
             try:
                 ray.get(call, timeout=self.timeout_s)
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                self.recoveries.append(self._replace(engine, 0))
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
+                node = self._restart(engine)
+                hung = isinstance(e, ray.exceptions.GetTimeoutError)
+                self.recoveries.append(self._verdict(engine, actor, node, 0, hung))
 
     def generate(self, requests: Sequence[GroupRequest]) -> List[GroupCompletions]:
         """Every request's group, whole, in request order, through engine losses (an
-        engine that returns nothing within ``timeout_s`` is killed and counts as lost)."""
+        engine that returns nothing within ``timeout_s`` is killed and counts as lost;
+        more than two losses per engine in one call fail it)."""
         n = len(self.actors)
-        pending: Dict[ray.ObjectRef, Tuple[int, List[int]]] = {}
+        pending: Dict[ray.ObjectRef, Tuple[int, Any, List[int]]] = {}
         for engine in range(n):
             chunk = list(range(engine, len(requests), n))
             if chunk:
-                pending[self._submit(engine, requests, chunk)] = (engine, chunk)
+                pending[self._submit(engine, requests, chunk)] = (
+                    engine,
+                    self.actors[engine],
+                    chunk,
+                )
         done: Dict[int, GroupCompletions] = {}
         lost: List[Tuple[float, EngineRecovery]] = []
+        hung: List[Any] = []
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=self.timeout_s)
             if not ready:  # hung: killed, then lost as any other
-                for engine, _chunk in pending.values():
-                    ray.kill(self.actors[engine])
+                hung += [actor for _, actor, _ in pending.values()]
+                for actor in hung:
+                    ray.kill(actor, no_restart=True)
                 continue
-            engine, chunk = pending.pop(ready[0])
+            engine, actor, chunk = pending.pop(ready[0])
             try:
                 done.update(zip(chunk, ray.get(ready[0]), strict=True))
+                continue
             except ray.exceptions.RayActorError:
                 noticed = time.monotonic()
-                target = self._least_busy(exclude=engine, pending=pending.values())
-                lost.append((noticed, self._replace(engine, len(chunk))))
-                pending[self._submit(target, requests, chunk)] = (target, chunk)
+            if len(lost) >= 2 * n:
+                raise RuntimeError(
+                    f"rollout: {len(lost)} engine losses in one step; the engines cannot be "
+                    "kept up (placement, or their model fails to build): see the engines' logs"
+                )
+            replaced = self._restart(engine) if self.actors[engine] is actor else None
+            target = self._least_busy(engine, [(e, len(c)) for e, _, c in pending.values()])
+            pending[self._submit(target, requests, chunk)] = (target, self.actors[target], chunk)
+            if replaced is not None:  # Ray's verdict, once the groups are on their way
+                recovery = self._verdict(engine, actor, replaced, len(chunk), actor in hung)
+                lost.append((noticed, recovery))
         for noticed, recovery in lost:
             recovery.seconds = time.monotonic() - noticed
             self.recoveries.append(recovery)
@@ -157,30 +177,36 @@ class EnginePool:
     ) -> ray.ObjectRef:
         return self.actors[engine].generate.remote([requests[i] for i in chunk])
 
-    def _least_busy(self, exclude: int, pending) -> int:
+    def _least_busy(self, lost: int, in_flight: List[Tuple[int, int]]) -> int:
         """The live engine with the fewest groups in flight (the lost one's replacement
         only when it is the pool's one engine: it still has to build its model)."""
-        load = {e: 0 for e in range(len(self.actors)) if e != exclude}
-        for engine, chunk in pending:
+        load = {e: 0 for e in range(len(self.actors)) if e != lost}
+        for engine, groups in in_flight:
             if engine in load:
-                load[engine] += len(chunk)
-        return min(load, key=lambda e: (load[e], e)) if load else exclude
+                load[engine] += groups
+        return min(load, key=lambda e: (load[e], e)) if load else lost
 
-    def _replace(self, engine: int, groups: int) -> EngineRecovery:
-        """A new actor in the lost engine's place, loaded with the newest weights before
-        it is given anything (Ray runs an actor's calls in submission order); Ray's
-        verdict on the lost one (``ray_group.death``)."""
-        lost, node = self.actors[engine], self._node_of(engine)
-        ray.kill(lost, no_restart=True)  # an unreachable one that comes back stays out
+    def _restart(self, engine: int) -> str:
+        """A new actor in the lost engine's place, given the newest weights before
+        anything else (Ray runs an actor's calls in submission order); the node the lost
+        one ran on."""
+        node = self._node_of(engine)
         self._start(engine)
         if self._weights is not None:
             ref, version = self._weights
             self.actors[engine].load_weights.remote(ref, version)
-        (fate,) = fates_of([lost], [node], timeout_s=FATE_WAIT_S)
-        log.warning(
-            "rollout engine %d lost (%s); %d group(s) issued again", engine, fate.value, groups
-        )
-        return EngineRecovery(engine, fate.value, groups, 0.0)
+        return node
+
+    def _verdict(
+        self, engine: int, lost: Any, node: str, groups: int, hung: bool
+    ) -> EngineRecovery:
+        """Ray's verdict on a lost engine (``ray_group.death``), asked before it is
+        killed for good (an unreachable one that comes back stays out); ``hung`` when
+        this pool killed it for returning nothing."""
+        fate = "hung" if hung else fates_of([lost], [node], timeout_s=FATE_WAIT_S)[0].value
+        ray.kill(lost, no_restart=True)
+        log.warning("rollout engine %d lost (%s); %d group(s) issued again", engine, fate, groups)
+        return EngineRecovery(engine, fate, groups, 0.0)
 
     def _node_of(self, engine: int) -> str:
         """The node a lost engine ran on ("" when it died before it was built)."""

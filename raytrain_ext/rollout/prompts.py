@@ -1,12 +1,13 @@
-"""Prompt records -> what a rollout generates from (``PromptGroup``), TRL's way.
+"""Prompt records -> what a rollout generates from (``PromptGroup``), as TRL's
+``GRPOTrainer`` reads them.
 
-A record holds a ``prompt`` (text) or chat ``messages`` (a list of {role, content}
-ending with the turn to answer); every other column passes through to the reward
-functions unchanged (an ``answer`` to check against, test cases, a language...).  With a
-chat template, the prompt is rendered as the conversation so far plus the generation
-prompt (text as one user message), as TRL renders it; without one, text is encoded as
-it is (no special tokens) and messages are refused.  What reward functions see as the
-prompt is the record's own ``prompt`` or ``messages``, as in TRL.
+A record holds a ``prompt``: text (TRL's standard format), or a conversation, a list of
+{role, content} ending with the turn to answer (TRL's conversational format); chat
+``messages`` are taken as a conversational prompt too.  Every other column passes through
+to the reward functions unchanged (an ``answer`` to check against, test cases...).  Text
+is tokenized as TRL tokenizes it (the tokenizer's call, its special tokens included, no
+chat template); a conversation is rendered with the chat template and the generation
+prompt.  What reward functions see as the prompt is the record's own value.
 
 Invariant: a record that cannot be a prompt is refused naming its global index and the
 fix, before anything is generated from it.
@@ -40,22 +41,19 @@ def prompt_group(record: Mapping[str, Any], index: int, tokenizer: Any) -> Promp
 
 
 def _encode(column: str, value: Any, index: int, tokenizer: Any) -> List[int]:
-    templated = bool(tokenizer.chat_template)
-    if column == "prompt":
-        if not isinstance(value, str):
-            raise InputError(
-                f"prompt record {index}: 'prompt' must be text, not {type(value).__name__}"
-            )
-        if not templated:
-            return list(tokenizer.encode(value, add_special_tokens=False))
-        messages: List[Dict[str, str]] = [{"role": "user", "content": value}]
-    else:
-        messages = _messages(value, index)
-        if not templated:
-            raise InputError(
-                f"prompt record {index} holds chat 'messages' but the tokenizer has no chat "
-                "template: use a tokenizer with one (an instruct model's), or 'prompt' text"
-            )
+    if column == "prompt" and isinstance(value, str):
+        return list(tokenizer(value)["input_ids"])
+    if column == "prompt" and not isinstance(value, list):
+        raise InputError(
+            f"prompt record {index}: 'prompt' must be text or a list of {{role, content}} "
+            f"messages, not {type(value).__name__}"
+        )
+    messages = _messages(value, index, column)
+    if not tokenizer.chat_template:
+        raise InputError(
+            f"prompt record {index} is a conversation but the tokenizer has no chat "
+            "template: use a tokenizer with one (an instruct model's), or 'prompt' text"
+        )
     return list(
         tokenizer.apply_chat_template(
             messages, tokenize=True, return_dict=False, add_generation_prompt=True
@@ -63,7 +61,7 @@ def _encode(column: str, value: Any, index: int, tokenizer: Any) -> List[int]:
     )
 
 
-def _messages(value: Any, index: int) -> List[Dict[str, str]]:
+def _messages(value: Any, index: int, column: str) -> List[Dict[str, str]]:
     ok = isinstance(value, list) and bool(value)
     ok = ok and all(
         isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
@@ -71,7 +69,7 @@ def _messages(value: Any, index: int) -> List[Dict[str, str]]:
     )
     if not ok:
         raise InputError(
-            f"prompt record {index}: 'messages' must be a non-empty list of "
+            f"prompt record {index}: {column!r} must be a non-empty list of "
             "{role, content} objects with text content"
         )
     return [{"role": m["role"], "content": m["content"]} for m in value]

@@ -79,16 +79,18 @@ class PerRowGumbelNoise(LogitsProcessor):
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         if scores.shape[0] != len(self.generators):
             raise RuntimeError(f"{scores.shape[0]} rows to sample for {len(self.generators)} seeds")
-        vocab = scores.shape[1]
+        # float64 uniforms in [0, 1): -log(-log(u)) is finite and its largest value (37)
+        # truncates the Gumbel tail at a probability of 1e-16 per token; float32 would cut
+        # it at 1.2e-7, and Exp(1) draws can be exactly 0 (an infinite score)
+        tiny = torch.finfo(torch.float64).tiny
         uniform = torch.stack(
             [
-                torch.rand(vocab, generator=g, device=scores.device, dtype=torch.float32)
+                torch.rand(scores.shape[1], generator=g, device=scores.device, dtype=torch.float64)
                 for g in self.generators
             ]
         )
-        tiny = torch.finfo(torch.float32).tiny
-        gumbel = -torch.log(-torch.log(uniform.clamp(min=tiny, max=1.0 - 1e-7)))
-        return scores.float() + gumbel
+        gumbel = -torch.log(-torch.log(uniform.clamp(min=tiny)))
+        return scores.float() + gumbel.float()
 
 
 def seeded_sampling(

@@ -37,6 +37,9 @@ from raytrain_ext.rollout.pool import EnginePool, ModelFactory
 from raytrain_ext.rollout.rewards import RewardFn, ScoredGroup, load_reward_fn, score_groups
 
 KEEP_STEPS = 4  # results kept for re-formed trainers asking again
+# The weights' loads and the service's reports run on threads of their own: every rank
+# may be waiting in ``rollout`` for the very weights ``load_weights`` brings.
+CONTROL = "control"
 ROLLOUT_NAMESPACE = "raytrain_ext_rollout"
 
 
@@ -106,17 +109,23 @@ class RolloutService:
         self._results: Dict[int, "_Pending"] = {}
         self.generations = 0  # steps generated (tests: once per step)
 
+    @ray.method(concurrency_group=CONTROL)
     def load_weights(self, state: Dict[str, torch.Tensor], version: int) -> int:
+        """The engines take the policy after step ``version``.  The trainers' word is the
+        truth: a group re-formed from an earlier step sends that step's weights, and the
+        version goes back with them."""
         self.pool.load_weights(state, version)
         with self._lock:
-            self.version = max(self.version, version)
+            self.version = version
             self._lock.notify_all()
         return version
 
     def rollout(
         self, step: int, prompts: Sequence[PromptGroup], wait_s: float = 600.0
     ) -> RolloutResult:
-        """The step's result, generated once (module doc)."""
+        """The step's result, generated once (module doc), with the weights of step
+        ``step - 1`` exactly (a result kept from before a re-form was generated with the
+        same weights: the trainers redo steps to the bit)."""
         with self._lock:
             pending = self._results.get(step)
             first = pending is None
@@ -131,20 +140,20 @@ class RolloutService:
             except BaseException as e:  # every waiting rank sees the cause
                 pending.fail(e)
                 with self._lock:
-                    del self._results[step]
+                    self._results.pop(step, None)
                 raise
-        return pending.get(wait_s)
+        return pending.get(3 * wait_s)  # the first request's own waits: weights, engines, rewards
 
     def _generate(self, step: int, prompts: Sequence[PromptGroup], wait_s: float) -> RolloutResult:
         with self._lock:
-            if not self._lock.wait_for(lambda: self.version >= step - 1, timeout=wait_s):
+            if not self._lock.wait_for(lambda: self.version == step - 1, timeout=wait_s):
                 raise TimeoutError(
                     f"rollout of step {step}: the engines still have the weights of step "
                     f"{self.version} after {wait_s:.0f} s (load_weights({step - 1}) never came)"
                 )
         requests = [GroupRequest(p.index, p.prompt_ids, step) for p in prompts]
         groups = self.pool.generate(requests)
-        per_function = self._score(prompts, groups)
+        per_function = self._score(prompts, groups, wait_s)
         rewards = combined_rewards(per_function, self.weights)
         advantages = group_advantages(
             rewards, self.settings.num_generations, self.rewards.scale_rewards
@@ -153,7 +162,7 @@ class RolloutService:
         return RolloutResult(step, groups, per_function, rewards, advantages)
 
     def _score(
-        self, prompts: Sequence[PromptGroup], groups: List[GroupCompletions]
+        self, prompts: Sequence[PromptGroup], groups: List[GroupCompletions], wait_s: float
     ) -> torch.Tensor:
         """Every completion scored by every function, in Ray tasks (one per 8 groups)."""
         scored = [
@@ -162,18 +171,21 @@ class RolloutService:
         ]
         task = ray.remote(score_groups).options(**self.rewards.task_options)
         chunks = [scored[i : i + 8] for i in range(0, len(scored), 8)]
-        parts = ray.get([task.remote(self.reward_fns, chunk) for chunk in chunks])
+        parts = ray.get([task.remote(self.reward_fns, chunk) for chunk in chunks], timeout=wait_s)
         rows = [completion for part in parts for group in part for completion in group]
         return torch.tensor(rows, dtype=torch.float32).view(-1, len(self.reward_fns))
 
+    @ray.method(concurrency_group=CONTROL)
     def stats(self) -> Dict[str, Any]:
         """Steps generated, the engines' weights version, and each engine lost."""
         recoveries = [r.to_dict() for r in self.pool.recoveries]
         return {"generations": self.generations, "version": self.version, "recoveries": recoveries}
 
+    @ray.method(concurrency_group=CONTROL)
     def engine_placements(self) -> List[Tuple[str, int]]:
         return self.pool.placements()
 
+    @ray.method(concurrency_group=CONTROL)
     def shutdown(self) -> None:
         self.pool.shutdown()
 
@@ -210,7 +222,7 @@ def start_rollout_service(spec: RolloutSpec, concurrency: int = 16) -> Any:
 
     node = ray.get_runtime_context().get_node_id()
     strategy = NodeAffinitySchedulingStrategy(node, soft=True)
-    actor_class = ray.remote(RolloutService).options(
+    actor_class = ray.remote(concurrency_groups={CONTROL: 2})(RolloutService).options(
         num_cpus=0, max_concurrency=concurrency, scheduling_strategy=strategy
     )
     return actor_class.remote(spec)

@@ -3,6 +3,9 @@ are issued again whole to the engine still alive and generate the same tokens, R
 verdict is recorded as node_died, and the replacement lands on the spare node with the
 current weights."""
 
+import contextlib
+import signal
+
 import pytest
 
 from raytrain_ext.rollout.engine import GroupRequest, HFGenerateEngine, RolloutSettings
@@ -14,6 +17,19 @@ pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 SETTINGS = RolloutSettings(
     num_generations=3, max_completion_length=8, seed=17, eos_token_id=3, pad_token_id=0
 )
+
+
+def lose(cluster, node) -> None:
+    """The node's raylet and every process under it SIGKILLed at once, as a machine dies
+    (``remove_node`` alone lets the workers run on for about half a second, long enough
+    to finish a small rollout), then the node removed."""
+    import psutil
+
+    raylet = psutil.Process(node.all_processes["raylet"][0].process.pid)
+    for process in [raylet, *raylet.children(recursive=True)]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.send_signal(signal.SIGKILL)
+    cluster.remove_node(node, allow_graceful=False)
 
 
 def requests(step: int):
@@ -41,7 +57,7 @@ def test_a_lost_engine_node_costs_no_group_and_the_replacement_lands_on_a_free_n
         pool.load_weights(trained, version=2)
         (kept_node, kept_pid), (lost_node, _) = pool.placements()
         assert kept_node != lost_node
-        ray_cluster.remove_node(nodes.pop(lost_node), allow_graceful=False)
+        lose(ray_cluster, nodes.pop(lost_node))
         assert pool.generate(requests(step=3)) == reference.generate(requests(step=3))
         (recovery,) = pool.recoveries
         assert (recovery.engine, recovery.fate, recovery.groups_reissued) == (1, "node_died", 3)

@@ -161,6 +161,21 @@ def test_an_on_policy_step_without_old_logps_is_trls_too(loss_type):
     assert objective.loss(logits, batch).metrics["clip_ratio"] == 0  # every ratio is 1
 
 
+def test_the_sampling_temperature_scales_the_logits_and_padding_never_reaches_the_loss():
+    logits, batch = rollout_batch()
+    assert batch.rollout is not None and batch.weights is not None
+    hot = KLRegularizedGRPO(0.04, temperature=0.7).loss(logits, batch)
+    plain = KLRegularizedGRPO(0.04).loss(logits / 0.7, batch)
+    torch.testing.assert_close(hot.loss_sum, plain.loss_sum)
+    poisoned = batch.rollout.old_logps.clone(), batch.rollout.ref_logps.clone()
+    for tensor in poisoned:
+        tensor[batch.weights == 0] = float("nan")  # prompt and padding positions
+    batch.rollout = Rollout(batch.rollout.advantages, *poisoned)
+    again = KLRegularizedGRPO(0.04, temperature=0.7).loss(logits, batch)
+    torch.testing.assert_close(again.loss_sum, hot.loss_sum)
+    assert torch.isfinite(torch.autograd.grad(again.loss_sum, logits)[0]).all()
+
+
 def test_some_tokens_clip_and_the_kl_is_reported_only_with_its_term():
     logits, batch = rollout_batch()
     plain = GRPO(epsilon=0.2).loss(logits, batch).metrics

@@ -26,22 +26,20 @@ def words(tok, ids):
     return tok.convert_ids_to_tokens(list(ids))
 
 
-def test_text_and_messages_render_with_the_generation_prompt(tokenizers):
+def test_text_is_tokenized_as_is_and_a_conversation_with_the_generation_prompt(tokenizers):
     tok = tokenizers[True]
     text = prompt_group({"prompt": "the cat", "answer": "dog", "level": 2}, 7, tok)
-    assert words(tok, text.prompt_ids) == ["<|user|>", "the", "cat", "<|assistant|>"]
+    assert words(tok, text.prompt_ids) == ["the", "cat"]  # TRL's standard format: no template
     assert (text.index, text.prompt, text.columns) == (7, "the cat", {"answer": "dog", "level": 2})
     messages = [
         {"role": "system", "content": "the sun"},
         {"role": "user", "content": "a tree"},
     ]
-    chat = prompt_group({"messages": messages}, 8, tok)
-    assert words(tok, chat.prompt_ids) == [
-        "<|system|>", "the", "sun", "<|user|>", "a", "tree", "<|assistant|>",
-    ]  # fmt: skip
-    assert chat.prompt == messages and chat.columns == {}
-    plain = tokenizers[False]
-    assert words(plain, prompt_group({"prompt": "the cat"}, 0, plain).prompt_ids) == ["the", "cat"]
+    expected = ["<|system|>", "the", "sun", "<|user|>", "a", "tree", "<|assistant|>"]
+    for column in ("prompt", "messages"):  # TRL's conversational format, or chat messages
+        chat = prompt_group({column: messages, "answer": "x"}, 8, tok)
+        assert words(tok, chat.prompt_ids) == expected
+        assert chat.prompt == messages and chat.columns == {"answer": "x"}
 
 
 @pytest.mark.parametrize(
@@ -49,9 +47,9 @@ def test_text_and_messages_render_with_the_generation_prompt(tokenizers):
     [
         ({"answer": 1}, True, "record 3 has neither of 'prompt' and 'messages'"),
         ({"prompt": "a", "messages": []}, True, r"record 3 has \['prompt', 'messages'\]"),
-        ({"prompt": 5}, True, "record 3: 'prompt' must be text, not int"),
+        ({"prompt": 5}, True, "record 3: 'prompt' must be text or a list of"),
         ({"messages": [{"role": "user"}]}, True, "record 3: 'messages' must be a non-empty list"),
-        ({"messages": [{"role": "user", "content": "a"}]}, False, "has no chat template"),
+        ({"messages": [{"role": "user", "content": "a"}]}, False, "is a conversation but the"),
         ({"prompt": ""}, False, "record 3 renders to no tokens"),
     ],
     ids=["neither", "both", "not-text", "bad-messages", "no-template", "empty"],
