@@ -179,7 +179,6 @@ class Controller:
         self._formed()
         if self._books is not None:  # the recovery or resize under way: its re-form's time
             self._books.reform_s = self.clock() - forming
-        if self._books is not None:
             self._books.running_at = self.clock()
         self.group.start_fit(self.cfg, self.attempt)
         return (
@@ -356,8 +355,16 @@ class Controller:
         )
         self.world_size = size
         self.attempt += 1
-        resize = Resize(self._last_step(), before, size, wanted, 0.0, True, self._last_step_at())
-        resize.decided_at = self.clock()
+        resize = Resize(
+            self._last_step(),
+            before,
+            size,
+            wanted,
+            0.0,
+            True,
+            self._last_step_at(),
+            decided_at=self.clock(),
+        )
         self.result.resize_log.append(resize)
         self._books = resize
         return RunState.SCHEDULING, (

@@ -233,7 +233,7 @@ class TrainWorker:
 
         The config comes as the controller's typed object (pickled: 1 ms to load), not a
         plain dict: rebuilding it against the schema took 0.07 s on an idle core and
-        0.17-0.24 s beside training ranks, on every rank at every re-form."""
+        0.09-0.24 s beside training ranks, on every rank at every re-form."""
         try:
             result = self._train(cfg, attempt, user or UserCode())
         except BaseException as e:
