@@ -45,3 +45,15 @@ def import_named(path: Optional[str], key: str, shape: str, error: type) -> Any:
     if attr not in vars(module):
         raise error(f"{key}: {module_name} has no {attr!r}; check the name.")
     return vars(module)[attr]
+
+
+def import_function(path: Optional[str], key: str, shape: str, named: str, error: type) -> Any:
+    """:func:`import_named`, and ``error`` naming ``key`` when what it names is not
+    callable (``named``: what to name instead, e.g. "a function (logits, batch)")."""
+    fn = import_named(path, key, shape, error)
+    if not callable(fn):
+        raise error(
+            f"{key}: {path} is not callable (an object of type {type(fn).__name__!r}); "
+            f"name {named}."
+        )
+    return fn

@@ -59,6 +59,12 @@ def token_nll(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
     return nll.view(batch.targets.shape)
 
 
+def token_logps(logits: torch.Tensor, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
+    """``log p(target)`` of every target under ``softmax(logits / temperature)``, float32
+    ``[rows, seq_len]`` (the distribution completions sampled at ``temperature`` came from)."""
+    return -token_nll(logits.float() / temperature, batch)
+
+
 def weighted_token_nll(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
     """:func:`token_nll` times each target's weight (a weight-0 target adds exactly 0 and
     passes exactly 0 gradient to its logits)."""

@@ -40,7 +40,7 @@ import torch
 
 from raytrain_ext.data.batch import Batch, Rollout
 from raytrain_ext.errors import InputError
-from raytrain_ext.objectives.base import LossTerms, Objective, token_nll
+from raytrain_ext.objectives.base import LossTerms, Objective, token_logps
 from raytrain_ext.typed_config.choice import Choice
 
 SCALE_EPSILON = 1e-4  # TRL's: added to the deviation before dividing
@@ -147,7 +147,7 @@ class GRPO(Objective):
         reference_logps: Optional[torch.Tensor] = None,
     ) -> LossTerms:
         rollout, mask = _rollout(batch), _completion_mask(batch)
-        logps = -token_nll(logits.float() / self.temperature, batch)
+        logps = token_logps(logits, batch, self.temperature)
         old = _completions_only(rollout.old_logps, logps.detach(), mask)
         ratio = torch.exp(logps - old)
         advantages = rollout.advantages.to(logps).unsqueeze(1)

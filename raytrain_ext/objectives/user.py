@@ -16,26 +16,21 @@ import torch
 from raytrain_ext.data.batch import Batch
 from raytrain_ext.errors import InputError
 from raytrain_ext.objectives.base import LossTerms, Objective
-from raytrain_ext.user_code import import_named
+from raytrain_ext.user_code import import_function
 
 LossFn = Callable[[torch.Tensor, Batch], torch.Tensor]
 
 
 def load_loss_fn(path: Optional[str]) -> LossFn:
     """The function ``objective.fn`` names; an InputError naming the key when it is not there."""
-    fn = import_named(
+    return import_function(
         path,
         "objective.fn",
         "your loss function (logits, batch) -> the sum of its per-token losses "
         "(with objective.name=user)",
+        "a function (logits, batch) -> the sum of its per-token losses",
         InputError,
     )
-    if not callable(fn):
-        raise InputError(
-            f"objective.fn: {path} is not callable (an object of type {type(fn).__name__!r}); "
-            "name a function (logits, batch) -> the sum of its per-token losses."
-        )
-    return fn
 
 
 class UserObjective(Objective):

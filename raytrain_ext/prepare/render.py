@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import pyarrow as pa
@@ -133,7 +133,7 @@ def render_prompt_response(
 
 def render_messages(tok, messages: List[Dict[str, str]], record: int, where: Where) -> Example:
     """Ids of the whole conversation, mask 1 on what each assistant turn adds."""
-    full = _template_ids(tok, messages, False)
+    full = template_ids(tok, messages, False)
     mask = [0] * len(full)
     for turn, message in enumerate(messages):
         if message["role"] != "assistant":
@@ -143,9 +143,9 @@ def render_messages(tok, messages: List[Dict[str, str]], record: int, where: Whe
                 f"{PATH_KEY}: {where(record)} starts with an assistant message; a chat "
                 "example needs the turn it answers first."
             )
-        before = _template_ids(tok, messages[:turn], True)
+        before = template_ids(tok, messages[:turn], True)
         last = turn == len(messages) - 1
-        upto = full if last else _template_ids(tok, messages[: turn + 1], False)
+        upto = full if last else template_ids(tok, messages[: turn + 1], False)
         if upto[: len(before)] != before or full[: len(upto)] != upto:
             raise InputError(
                 f"{TOKENIZER_KEY}: its chat template does not render {where(record)} so that "
@@ -163,7 +163,8 @@ def render_messages(tok, messages: List[Dict[str, str]], record: int, where: Whe
     return full, mask
 
 
-def _template_ids(tok, messages: List[Dict[str, str]], generation_prompt: bool) -> List[int]:
+def template_ids(tok, messages: List[Dict[str, str]], generation_prompt: bool) -> List[int]:
+    """``messages`` rendered with the tokenizer's chat template, as token ids."""
     return list(
         tok.apply_chat_template(
             messages, tokenize=True, return_dict=False, add_generation_prompt=generation_prompt
@@ -175,7 +176,9 @@ def _pair(prompt: str, response: str) -> List[Dict[str, str]]:
     return [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
 
 
-def _messages(value: Any, record: int, where: Where) -> List[Dict[str, str]]:
+def chat_messages(value: Any) -> Optional[List[Dict[str, str]]]:
+    """``value`` as a chat conversation (a non-empty list of {role, content} with text
+    content, reduced to those two keys); None when it is not one."""
     ok = (
         isinstance(value, list)
         and value
@@ -186,12 +189,17 @@ def _messages(value: Any, record: int, where: Where) -> List[Dict[str, str]]:
             for m in value
         )
     )
-    if not ok:
+    return [{"role": m["role"], "content": m["content"]} for m in value] if ok else None
+
+
+def _messages(value: Any, record: int, where: Where) -> List[Dict[str, str]]:
+    messages = chat_messages(value)
+    if messages is None:
         raise InputError(
             f"{PATH_KEY}: {where(record)}: 'messages' must be a non-empty list of "
             f"{{role, content}} objects with text content, not {_short(value)}."
         )
-    return [{"role": m["role"], "content": m["content"]} for m in value]
+    return messages
 
 
 def _lists(examples: List[Example], part: int, dtype: pa.DataType) -> pa.Array:

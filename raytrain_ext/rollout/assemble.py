@@ -24,7 +24,7 @@ from typing import Callable, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from raytrain_ext.data.batch import Batch, Rollout
-from raytrain_ext.objectives.base import token_nll
+from raytrain_ext.objectives.base import token_logps
 from raytrain_ext.rollout.engine import GroupCompletions
 
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]  # inputs [rows, seq] -> logits [rows, seq, V]
@@ -53,10 +53,10 @@ def completion_rows(
 
 
 @torch.no_grad()
-def token_logps(logits_of: LogitsFn, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
+def model_logps(logits_of: LogitsFn, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
     """Each target's log-prob under the model ``logits_of`` runs, sampled at
     ``temperature`` (the loss's), float32 ``[rows, seq]``."""
-    return -token_nll(logits_of(batch.inputs).float() / temperature, batch)
+    return token_logps(logits_of(batch.inputs), batch, temperature)
 
 
 def rollout_batch(
@@ -76,7 +76,7 @@ def rollout_batch(
         raise ValueError(
             f"{tuple(advantages.shape)} advantages for {batch.inputs.shape[0]} completions"
         )
-    old = token_logps(policy, batch, temperature)
-    ref = None if reference is None else token_logps(reference, batch, temperature)
+    old = model_logps(policy, batch, temperature)
+    ref = None if reference is None else model_logps(reference, batch, temperature)
     batch.rollout = Rollout(advantages.float(), old, ref)
     return batch

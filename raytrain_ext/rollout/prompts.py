@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Mapping
 
 from raytrain_ext.errors import InputError
+from raytrain_ext.prepare.render import chat_messages, template_ids
 from raytrain_ext.rollout.service import PromptGroup
 
 PROMPT_COLUMNS = ("prompt", "messages")
@@ -54,22 +55,14 @@ def _encode(column: str, value: Any, index: int, tokenizer: Any) -> List[int]:
             f"prompt record {index} is a conversation but the tokenizer has no chat "
             "template: use a tokenizer with one (an instruct model's), or 'prompt' text"
         )
-    return list(
-        tokenizer.apply_chat_template(
-            messages, tokenize=True, return_dict=False, add_generation_prompt=True
-        )
-    )
+    return template_ids(tokenizer, messages, generation_prompt=True)
 
 
 def _messages(value: Any, index: int, column: str) -> List[Dict[str, str]]:
-    ok = isinstance(value, list) and bool(value)
-    ok = ok and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-        for m in value
-    )
-    if not ok:
+    messages = chat_messages(value)
+    if messages is None:
         raise InputError(
             f"prompt record {index}: {column!r} must be a non-empty list of "
             "{role, content} objects with text content"
         )
-    return [{"role": m["role"], "content": m["content"]} for m in value]
+    return messages

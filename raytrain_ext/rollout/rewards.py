@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from raytrain_ext.errors import InputError
-from raytrain_ext.user_code import import_named
+from raytrain_ext.user_code import import_function
 
 RewardFn = Callable[..., Sequence[Optional[float]]]
 
@@ -34,18 +34,13 @@ class RewardError(InputError):
 
 def load_reward_fn(path: str) -> RewardFn:
     """The function ``"pkg.module:name"`` names (``rollout.reward_fns``)."""
-    fn = import_named(
+    return import_function(
         path,
         "rollout.reward_fns",
         "a function (prompts, completions, **columns) -> list of float or None",
+        "a function (prompts, completions, **columns)",
         InputError,
     )
-    if not callable(fn):
-        raise InputError(
-            f"rollout.reward_fns: {path} is not callable (an object of type "
-            f"{type(fn).__name__!r}); name a function (prompts, completions, **columns)."
-        )
-    return fn
 
 
 @dataclass(frozen=True)

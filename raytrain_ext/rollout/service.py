@@ -102,6 +102,7 @@ class RolloutService:
         self.settings, self.rewards = spec.settings, spec.rewards
         self.decode = spec.decode or list  # what reward functions see of a completion
         self.reward_fns = spec.rewards.loaded()
+        self._score_task = ray.remote(score_groups).options(**spec.rewards.task_options)
         self.weights = spec.rewards.weights or [1.0] * len(self.reward_fns)
         self.pool = EnginePool(spec.build, spec.settings, spec.engines, spec.engine_options)
         self.version = -1  # the step whose weights the engines have
@@ -169,7 +170,7 @@ class RolloutService:
             ScoredGroup(p.index, p.prompt, [self.decode(c) for c in g.completions], dict(p.columns))
             for p, g in zip(prompts, groups, strict=True)
         ]
-        task = ray.remote(score_groups).options(**self.rewards.task_options)
+        task = self._score_task
         chunks = [scored[i : i + 8] for i in range(0, len(scored), 8)]
         parts = ray.get([task.remote(self.reward_fns, chunk) for chunk in chunks], timeout=wait_s)
         rows = [completion for part in parts for group in part for completion in group]
