@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from raytrain_ext.checkpoint.tiers.memory import start_memory_tier, stop_memory_tier
 from raytrain_ext.config import config_digest, config_from_dict, load_config, to_dict, to_yaml
+from raytrain_ext.data.config import DataFormat
 from raytrain_ext.data.ray_input import materialise_dataset
 from raytrain_ext.data.row_input import start_row_readers
 from raytrain_ext.data.stream_input import is_stream, start_stream_reader, stream_config, streams
@@ -36,6 +37,7 @@ from raytrain_ext.objectives import check_objective, objective_name
 from raytrain_ext.ray_group.cluster import RayCluster
 from raytrain_ext.ray_group.port import RayGroup
 from raytrain_ext.ray_session import connect_ray
+from raytrain_ext.rollout.config import check_rollout
 from raytrain_ext.run_dir import METRICS, SUMMARY, RunDirectory, refuse_finished_run
 from raytrain_ext.user_code import UserCode
 from raytrain_ext.worker.priority import with_niceness
@@ -52,6 +54,7 @@ class Trainer:
         loss_fn: Optional[Callable] = None,
         dataset: Any = None,
         train_loop: Any = None,
+        reward_fns: Optional[Sequence[Callable]] = None,
     ):
         """``config`` is a loaded config, a YAML path, or None for the packaged default.
 
@@ -69,6 +72,10 @@ class Trainer:
         DPO, or ``eval.fraction``) materialises it once into the run directory
         (:mod:`raytrain_ext.data.ray_input`).  It must be finite and deterministic: a resumed
         run whose dataset differs is refused.
+
+        ``reward_fns``: with ``objective.name=grpo``, the reward functions instead of
+        ``rollout.reward_fns`` (TRL's signature ``fn(prompts, completions, **columns) ->
+        list[float | None]``); they run in Ray tasks, pickled as the model is.
         """
         if isinstance(config, DictConfig):
             if overrides:
@@ -84,6 +91,15 @@ class Trainer:
         self._dataset = dataset
         _check_model_argument(self.cfg, model)
         check_objective(self.cfg, loss_fn)
+        check_rollout(self.cfg, reward_fns, loss_fn)
+        if dataset is not None and self.cfg.data.format == DataFormat.prompts:
+            raise InputError(
+                "dataset: data.format=prompts reads its prompts from data.path; a Ray "
+                "Dataset of prompts is not supported yet. Write the prompts to JSONL or "
+                "Parquet and set data.path."
+            )
+        self._reward_fns = None if reward_fns is None else list(reward_fns)
+        self._rollout_record: Optional[Dict[str, Any]] = None
         self._controller: Optional[Controller] = None
         self._stop_reason: Optional[str] = None
         self._interrupt_reason: Optional[str] = None
@@ -125,12 +141,12 @@ class Trainer:
             result = self._run(start)
         except BaseException as error:
             so_far = self._controller.result if self._controller is not None else None
-            summary = build_summary(self.cfg, so_far, start, self._marks, self._user.loss_fn)
+            summary = self._summary(so_far, start)
             if isinstance(error, KeyboardInterrupt):  # a second Ctrl-C: stopped at once
                 summary["status"] = "interrupted"
             records.finish(attempt, summary, error=error)
             raise
-        summary = build_summary(self.cfg, result, start, self._marks, self._user.loss_fn)
+        summary = self._summary(result, start)
         promoted = records.finish(attempt, summary)
         self.summary_path = (self.run_dir if promoted else attempt.directory) / SUMMARY
         return summary
@@ -141,6 +157,7 @@ class Trainer:
         started_ray = connect_ray(self.cfg.scaling.ray_address)
         self._marks["ray_connected_at"] = time.time()
         run_actors: list = []  # the memory tier's and the dataset readers: this fit's
+        rollout = None  # GRPO: the run's rollout service (it owns the engines)
         sink = FanOut([])
         try:
             self.cfg = resolve_cluster_defaults(self.cfg)
@@ -154,6 +171,11 @@ class Trainer:
                 readers, refs = start_row_readers(loop.experiment_name, loop.datasets)
                 run_actors += readers
                 self._pinned += refs
+            if self.cfg.data.format == DataFormat.prompts:
+                from raytrain_ext.rollout.run_service import start_run_rollout
+
+                rollout = start_run_rollout(self.cfg, self._reward_fns)
+                run_actors.append(rollout)
             sink = FanOut(self._sinks())
             self._controller = Controller(
                 self.cfg,
@@ -167,6 +189,10 @@ class Trainer:
                 self._controller.interrupt(self._interrupt_reason)
             return self._controller.run()
         finally:
+            if rollout is not None:
+                from raytrain_ext.rollout.run_service import rollout_record
+
+                self._rollout_record = rollout_record(rollout)
             sink.close()
             stop_memory_tier(run_actors)
             self._pinned = []
@@ -174,6 +200,14 @@ class Trainer:
                 import ray
 
                 ray.shutdown()
+
+    def _summary(self, result: Optional[ControllerResult], start: float) -> Dict[str, Any]:
+        summary = build_summary(self.cfg, result, start, self._marks, self._user.loss_fn)
+        if self._rollout_record is not None:  # GRPO: the rollout service's record
+            record = dict(self._rollout_record)
+            summary["rollout_recoveries"] = record.pop("recoveries", [])
+            summary["rollout"] = record
+        return summary
 
     def _sinks(self) -> List[MetricsSink]:
         sinks: List[MetricsSink] = [

@@ -20,6 +20,7 @@ from raytrain_ext.faults import ChaosConfig
 from raytrain_ext.models.config import ModelConfig
 from raytrain_ext.objectives.config import ObjectiveConfig
 from raytrain_ext.parallel.config import ParallelConfig
+from raytrain_ext.rollout.config import RolloutConfig
 from raytrain_ext.train.config import EvalConfig, GuardsConfig, OptimConfig, ProfileConfig
 from raytrain_ext.typed_config.choice import Choice
 from raytrain_ext.typed_config.fields import at_least, positive
@@ -54,6 +55,7 @@ class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     scaling: ScalingConfig = field(default_factory=ScalingConfig)

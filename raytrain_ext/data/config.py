@@ -15,12 +15,14 @@ from raytrain_ext.typed_config.fields import at_least, positive
 class DataFormat(Choice):
     """``data.format``: pre-tokenized ids (a ``tokens`` column), plain text documents packed into
     ``seq_len`` windows, chat or prompt/response examples (loss on responses only), or (prompt,
-    chosen, rejected) preference records."""
+    chosen, rejected) preference records, or prompts to generate completions from (GRPO: a
+    ``prompt`` or chat ``messages`` column, every other column passed to the rewards)."""
 
     tokens = "tokens"
     text = "text"
     chat = "chat"
     preference = "preference"
+    prompts = "prompts"
 
 
 class RayDatasetInput(Choice):

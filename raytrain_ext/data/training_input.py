@@ -1,11 +1,12 @@
 """A rank's training input: the dataset, its evaluation split and the global order over it,
-from ``data.path`` (files, a prepared directory) or from the run's stream
-(``Trainer(cfg, dataset=...)`` streamed, :mod:`raytrain_ext.data.stream_client`)."""
+from ``data.path`` (files, a prepared directory), from the run's stream
+(``Trainer(cfg, dataset=...)`` streamed, :mod:`raytrain_ext.data.stream_client`); GRPO's
+comes from the run's rollout service (:mod:`raytrain_ext.rollout.step_input`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Tuple
+from typing import Any, Optional, Tuple
 
 from raytrain_ext.data.eval_split import EvalSplit, split_eval
 from raytrain_ext.data.open import open_dataset
@@ -19,6 +20,7 @@ class TrainingInput:
     dataset: Any  # batch(indices), target_weights(indices), max_token(), num_samples
     eval_split: EvalSplit
     order: GlobalOrder
+    rollout: Optional[Any] = None  # GRPO: the dataset, a RolloutInput (the policy's way out)
 
 
 def open_training_input(cfg, part: Tuple[int, int]) -> TrainingInput:

@@ -16,6 +16,7 @@ from pathlib import Path
 from raytrain_ext.checkpoint.resolve import newest_usable
 from raytrain_ext.checkpoint.tiers.base import TierError
 from raytrain_ext.config.validate import schedule_warnings
+from raytrain_ext.data.config import DataFormat
 from raytrain_ext.data.stream_input import is_stream
 from raytrain_ext.errors import InputError
 from raytrain_ext.inputs.data_check import check_token_data
@@ -42,7 +43,11 @@ def preflight(cfg) -> None:
     check_document_mask(cfg)
     if is_stream(cfg.data.path):  # the reader checks the stream's records as it reads them
         return
-    if uses_records(cfg):
+    if cfg.data.format == DataFormat.prompts:
+        from raytrain_ext.rollout.prompt_records import check_prompt_data
+
+        check_prompt_data(cfg)
+    elif uses_records(cfg):
         check_record_data(cfg)
     else:
         check_token_data(cfg)

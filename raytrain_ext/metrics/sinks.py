@@ -61,6 +61,7 @@ def format_progress(record: Mapping[str, Any], max_steps: int) -> str:
         f"lr {record['lr']:.2e}  grad_norm {record['grad_norm']:.3f}  "
         f"tokens/s {record['tokens_per_s']:>9.0f}  step_time {record['step_time_s'] * 1e3:.1f} ms  "
         f"world {record['world_size']}"
+        + (f"  reward {record['reward']:.4f}" if "reward" in record else "")
     )
 
 

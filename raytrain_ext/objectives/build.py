@@ -9,6 +9,7 @@ from raytrain_ext.objectives.causal_lm import CausalLM
 from raytrain_ext.objectives.choice import objective_name
 from raytrain_ext.objectives.config import ObjectiveName
 from raytrain_ext.objectives.dpo import DPO
+from raytrain_ext.objectives.grpo import GRPO, KLRegularizedGRPO
 from raytrain_ext.objectives.sft import SFT
 from raytrain_ext.objectives.user import UserObjective, load_loss_fn
 
@@ -27,4 +28,20 @@ def build_objective(
         return SFT()
     if name == ObjectiveName.dpo:
         return DPO(objective_cfg.dpo.beta, objective_cfg.dpo.label_smoothing)
+    if name == ObjectiveName.grpo:
+        return grpo_objective(objective_cfg.grpo)
     return CausalLM()
+
+
+def grpo_objective(grpo_cfg) -> GRPO:
+    """``objective.grpo.*`` as the loss: with a KL term when ``beta > 0``."""
+    surrogate = dict(
+        loss_type=grpo_cfg.loss_type,
+        epsilon=grpo_cfg.epsilon,
+        epsilon_high=grpo_cfg.epsilon_high,
+        max_completion_length=grpo_cfg.max_completion_length,
+        temperature=grpo_cfg.temperature,
+    )
+    if grpo_cfg.beta > 0:
+        return KLRegularizedGRPO(grpo_cfg.beta, **surrogate)
+    return GRPO(**surrogate)

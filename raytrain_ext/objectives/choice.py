@@ -21,11 +21,24 @@ FORMATS: Dict[str, Tuple[str, ...]] = {
     ObjectiveName.causal_lm: (DataFormat.tokens, DataFormat.text),
     ObjectiveName.sft: (DataFormat.chat,),
     ObjectiveName.dpo: (DataFormat.preference,),
+    ObjectiveName.grpo: (DataFormat.prompts,),
+}
+# what each format-bound objective trains on, and what its data must hold
+TRAINS_ON: Dict[str, str] = {
+    ObjectiveName.sft: "the loss on response tokens",
+    ObjectiveName.dpo: "preference pairs",
+    ObjectiveName.grpo: "completions generated from the prompts",
+}
+NEEDS: Dict[str, str] = {
+    ObjectiveName.sft: "prompt/response examples whose prompt tokens are masked out of the loss",
+    ObjectiveName.dpo: "(prompt, chosen, rejected) records",
+    ObjectiveName.grpo: "records with a 'prompt' or chat 'messages' to generate from",
 }
 # the objective each non-packed data format needs
 OBJECTIVE_OF_FORMAT: Dict[str, str] = {
     DataFormat.chat: ObjectiveName.sft,
     DataFormat.preference: ObjectiveName.dpo,
+    DataFormat.prompts: ObjectiveName.grpo,
 }
 
 
@@ -69,7 +82,7 @@ def objective_name(objective_cfg, data_format: str, loss_fn: Optional[Callable] 
 
 def check_objective(cfg, loss_fn: Optional[Callable] = None) -> None:
     """Before Ray: the objective fits ``data.format`` and ``parallel.pp``, and its function
-    (``objective.fn``) imports."""
+    (``objective.fn``) imports (GRPO's rollout: ``rollout.config.check_rollout``)."""
     name = objective_name(cfg.objective, cfg.data.format, loss_fn)
     data_format = cfg.data.format
     if name in FORMATS and data_format not in FORMATS[name]:
@@ -101,18 +114,14 @@ def default_objective(data_format: str) -> str:
 def _format_mismatch(name: str, data_format: str) -> str:
     if data_format in OBJECTIVE_OF_FORMAT:
         wanted = OBJECTIVE_OF_FORMAT[data_format]
-        what = "the loss on response tokens" if wanted == ObjectiveName.sft else "preference pairs"
+        what = TRAINS_ON[wanted]
         return (
             f"objective.name={name} does not train on data.format={data_format}: that format "
             f"needs objective.name={wanted} ({what}). objective.name={name} trains on "
             f"data.format={' or '.join(FORMATS[name])}."
         )
     needed = FORMATS[name][0]
-    described: Dict[str, str] = {
-        ObjectiveName.sft: "prompt/response examples whose prompt tokens are masked out of the loss",
-        ObjectiveName.dpo: "(prompt, chosen, rejected) records",
-    }
-    what = described[name]
+    what = NEEDS[name]
     return (
         f"objective.name={name} needs data.format={needed} ({what}); got "
         f"data.format={data_format}. Set data.format={needed}, or train every token with "

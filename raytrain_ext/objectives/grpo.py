@@ -41,26 +41,9 @@ import torch
 from raytrain_ext.data.batch import Batch, Rollout
 from raytrain_ext.errors import InputError
 from raytrain_ext.objectives.base import LossTerms, Objective, token_logps
-from raytrain_ext.typed_config.choice import Choice
+from raytrain_ext.objectives.config import GRPOLossType, ScaleRewards
 
 SCALE_EPSILON = 1e-4  # TRL's: added to the deviation before dividing
-
-
-class GRPOLossType(Choice):
-    """``loss_type``: how token losses are averaged (module doc); TRL's default is dapo."""
-
-    grpo = "grpo"
-    dapo = "dapo"
-    dr_grpo = "dr_grpo"
-    bnpo = "bnpo"
-
-
-class ScaleRewards(Choice):
-    """``scale_rewards``: what an advantage is divided by (module doc)."""
-
-    group = "group"
-    batch = "batch"
-    none = "none"
 
 
 def combined_rewards(per_function: torch.Tensor, weights: Sequence[float]) -> torch.Tensor:

@@ -101,7 +101,16 @@ class HFGenerateEngine:
 
     @torch.no_grad()
     def load_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
-        self.model.load_state_dict(dict(state), strict=True)
+        """Every parameter by name (a tied weight, named once, fills both of its uses)."""
+        params = dict(self.model.named_parameters())
+        if set(params) != set(state):
+            missing, extra = sorted(set(params) - set(state)), sorted(set(state) - set(params))
+            raise InputError(
+                f"the policy's weights do not fit the engine's model: missing {missing[:5]}, "
+                f"unexpected {extra[:5]} (the trainers and the engines build model.hf alike)"
+            )
+        for name, param in params.items():
+            param.copy_(state[name])
         self.weights_version = version
 
     @torch.no_grad()

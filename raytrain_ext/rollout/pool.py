@@ -218,7 +218,7 @@ class EnginePool:
 
     def placements(self) -> List[Tuple[str, int]]:
         """(node id, pid) of each engine, waiting for any still starting."""
-        return ray.get(self._placements)
+        return ray.get(self._placements, timeout=self.timeout_s)
 
     def shutdown(self) -> None:
         for actor in self.actors:

@@ -15,18 +15,29 @@ fix, before anything is generated from it.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Tuple
 
 from raytrain_ext.errors import InputError
 from raytrain_ext.prepare.render import chat_messages, template_ids
-from raytrain_ext.rollout.service import PromptGroup
 
 PROMPT_COLUMNS = ("prompt", "messages")
 
 
+@dataclass(frozen=True)
+class PromptGroup:
+    """What a rank asks to be generated for one prompt: its global index, token ids, the
+    text (or messages) the reward functions see, and the record's other columns."""
+
+    index: int
+    prompt_ids: Tuple[int, ...]
+    prompt: Any
+    columns: Dict[str, Any] = field(default_factory=dict)
+
+
 def prompt_group(record: Mapping[str, Any], index: int, tokenizer: Any) -> PromptGroup:
     """The prompt group of record ``index`` (module doc)."""
-    present = [c for c in PROMPT_COLUMNS if c in record]
+    present = [c for c in PROMPT_COLUMNS if record.get(c) is not None]
     if len(present) != 1:
         raise InputError(
             f"prompt record {index} has {present or 'neither'} of 'prompt' and 'messages': "
@@ -34,7 +45,7 @@ def prompt_group(record: Mapping[str, Any], index: int, tokenizer: Any) -> Promp
         )
     (column,) = present
     value = record[column]
-    columns = {k: v for k, v in record.items() if k != column}
+    columns = {k: v for k, v in record.items() if k not in PROMPT_COLUMNS}
     ids = _encode(column, value, index, tokenizer)
     if not ids:
         raise InputError(f"prompt record {index} renders to no tokens: nothing to continue")

@@ -34,24 +34,20 @@ import torch
 from raytrain_ext.objectives.grpo import ScaleRewards, combined_rewards, group_advantages
 from raytrain_ext.rollout.engine import GroupCompletions, GroupRequest, RolloutSettings
 from raytrain_ext.rollout.pool import EnginePool, ModelFactory
-from raytrain_ext.rollout.rewards import RewardFn, ScoredGroup, load_reward_fn, score_groups
+from raytrain_ext.rollout.prompts import PromptGroup
+from raytrain_ext.rollout.rewards import (
+    RewardFn,
+    ScoredGroup,
+    function_name,
+    load_reward_fn,
+    score_groups,
+)
 
 KEEP_STEPS = 4  # results kept for re-formed trainers asking again
 # The weights' loads and the service's reports run on threads of their own: every rank
 # may be waiting in ``rollout`` for the very weights ``load_weights`` brings.
 CONTROL = "control"
 ROLLOUT_NAMESPACE = "raytrain_ext_rollout"
-
-
-@dataclass(frozen=True)
-class PromptGroup:
-    """What a rank asks to be generated for one prompt: its global index, token ids, the
-    text (or messages) the reward functions see, and the record's other columns."""
-
-    index: int
-    prompt_ids: Tuple[int, ...]
-    prompt: Any
-    columns: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -65,6 +61,7 @@ class RolloutResult:
     rewards_per_function: torch.Tensor
     rewards: torch.Tensor
     advantages: torch.Tensor
+    function_names: Tuple[str, ...] = ()  # the reward functions', in column order
 
 
 @dataclass
@@ -75,7 +72,8 @@ class RewardSpec:
     functions: Sequence[Union[str, RewardFn]]
     weights: Optional[Sequence[float]] = None
     scale_rewards: ScaleRewards = ScaleRewards.group
-    task_options: Dict[str, Any] = field(default_factory=lambda: {"num_cpus": 0.25})
+    # no CPU reserved: a reward task never waits for a slot the trainers and engines hold
+    task_options: Dict[str, Any] = field(default_factory=lambda: {"num_cpus": 0})
 
     def loaded(self) -> List[RewardFn]:
         return [load_reward_fn(f) if isinstance(f, str) else f for f in self.functions]
@@ -93,6 +91,7 @@ class RolloutSpec:
     engines: int
     engine_options: Optional[Dict[str, Any]] = None
     decode: Optional[Callable[[Sequence[int]], Any]] = None
+    timeout_s: float = 600.0  # every wait on an engine
 
 
 class RolloutService:
@@ -104,7 +103,9 @@ class RolloutService:
         self.reward_fns = spec.rewards.loaded()
         self._score_task = ray.remote(score_groups).options(**spec.rewards.task_options)
         self.weights = spec.rewards.weights or [1.0] * len(self.reward_fns)
-        self.pool = EnginePool(spec.build, spec.settings, spec.engines, spec.engine_options)
+        self.pool = EnginePool(
+            spec.build, spec.settings, spec.engines, spec.engine_options, spec.timeout_s
+        )
         self.version = -1  # the step whose weights the engines have
         self._lock = threading.Condition()
         self._results: Dict[int, "_Pending"] = {}
@@ -160,7 +161,8 @@ class RolloutService:
             rewards, self.settings.num_generations, self.rewards.scale_rewards
         )
         self.generations += 1
-        return RolloutResult(step, groups, per_function, rewards, advantages)
+        names = tuple(function_name(fn) for fn in self.reward_fns)
+        return RolloutResult(step, groups, per_function, rewards, advantages, names)
 
     def _score(
         self, prompts: Sequence[PromptGroup], groups: List[GroupCompletions], wait_s: float
@@ -178,9 +180,14 @@ class RolloutService:
 
     @ray.method(concurrency_group=CONTROL)
     def stats(self) -> Dict[str, Any]:
-        """Steps generated, the engines' weights version, and each engine lost."""
-        recoveries = [r.to_dict() for r in self.pool.recoveries]
-        return {"generations": self.generations, "version": self.version, "recoveries": recoveries}
+        """Steps generated, the engines' weights version and (node id, pid) each, and each
+        engine lost."""
+        return {
+            "generations": self.generations,
+            "version": self.version,
+            "engines": [list(p) for p in self.pool.placements()],
+            "recoveries": [r.to_dict() for r in self.pool.recoveries],
+        }
 
     @ray.method(concurrency_group=CONTROL)
     def engine_placements(self) -> List[Tuple[str, int]]:
@@ -216,14 +223,18 @@ class _Pending:
         return self._value
 
 
-def start_rollout_service(spec: RolloutSpec, concurrency: int = 16) -> Any:
+def start_rollout_service(
+    spec: RolloutSpec, concurrency: int = 16, name: Optional[str] = None
+) -> Any:
     """The service actor (threaded: every rank's request and the weights' loads at once),
-    on the calling process's node, owned by it."""
+    on the calling process's node, owned by it; ``name``: found by it in
+    ``ROLLOUT_NAMESPACE``."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     node = ray.get_runtime_context().get_node_id()
     strategy = NodeAffinitySchedulingStrategy(node, soft=True)
+    named = {} if name is None else {"name": name, "namespace": ROLLOUT_NAMESPACE}
     actor_class = ray.remote(concurrency_groups={CONTROL: 2})(RolloutService).options(
-        num_cpus=0, max_concurrency=concurrency, scheduling_strategy=strategy
+        num_cpus=0, max_concurrency=concurrency, scheduling_strategy=strategy, **named
     )
     return actor_class.remote(spec)

@@ -34,7 +34,6 @@ from raytrain_ext.checkpoint.manager import REQUEST_EMERGENCY, CheckpointManager
 from raytrain_ext.checkpoint.train_state import Progress, TrainState
 from raytrain_ext.data import rank_slice
 from raytrain_ext.data.prefetch import BatchPrefetcher
-from raytrain_ext.data.training_input import open_training_input
 from raytrain_ext.errors.text import is_peer_loss
 from raytrain_ext.faults import FaultInjector
 from raytrain_ext.messages import FitResult, StepReport
@@ -58,6 +57,7 @@ from raytrain_ext.train.nonfinite import NonFiniteGuard
 from raytrain_ext.train.optim import build_optimizer, build_scheduler
 from raytrain_ext.train.profiler import StepProfiler
 from raytrain_ext.train.reference import ReferenceLogps, compute_logps
+from raytrain_ext.train.run_input import open_run_input
 from raytrain_ext.train.seeding import seed_everything, step_seed
 from raytrain_ext.train.step_clock import StepClock
 from raytrain_ext.typed_config.serialize import config_digest
@@ -188,6 +188,7 @@ class TrainLoop:
         if self.restored is None and self.ckpt is not None:
             self.restored = self.ckpt.restore(self.state, held=held)
         self.build_marks["restored_at"] = time.time()
+        self._push_policy()
         self.nonfinite = NonFiniteGuard(cfg.guards, self.state, self.ckpt)
         if self.reference is not None and not self.reference.ready:
             self._compute_reference(self.reference)
@@ -205,8 +206,9 @@ class TrainLoop:
     def _open_data(self, cfg) -> None:
         """The dataset, the evaluation split, and the global order over the training
         samples (:mod:`raytrain_ext.data.training_input`); the batch prefetcher."""
-        data = open_training_input(cfg, (self.ctx.dp_rank, self.ctx.dp_size))
+        data = open_run_input(cfg, (self.ctx.dp_rank, self.ctx.dp_size))
         self.dataset, self.eval_split, self.sampler = data.dataset, data.eval_split, data.order
+        self.rollout = data.rollout  # GRPO: where the policy goes after each update
         self.prefetch = BatchPrefetcher(self.dataset.batch, cfg.data.prefetch)
 
     def _compute_reference(self, reference: ReferenceLogps) -> None:
@@ -306,6 +308,7 @@ class TrainLoop:
         self.mark("compute")
         global_batch, local = self._take_batch(step)
         units = max(float(self.dataset.target_weights(global_batch).sum()), 1e-12)
+        clock.lap("data")  # the sampler and the dataset (GRPO: the step's rollout)
         self.compute.begin()
         lr = self.scheduler.get_last_lr()[0]
         skip_batch = step in self.progress.skip_steps  # rolled back past it: consume, do not train
@@ -318,6 +321,7 @@ class TrainLoop:
         self._update(step, not skipped, exchanged.consumed, clock)
         rolled_back = decision.action == StepAction.ROLLBACK and self.nonfinite.rollback(step)
         self.handover.at_boundary()
+        self._push_policy()
         if rolled_back:
             return loss
         stall = self._checkpoint(exchanged, clock)
@@ -326,6 +330,11 @@ class TrainLoop:
         report.skipped = skipped
         self._report_step(report, clock)
         return loss
+
+    def _push_policy(self) -> None:
+        """GRPO: the rollout engines take the weights of this step boundary."""
+        if self.rollout is not None:
+            self.rollout.push_policy(self.strategy, self.model, self.progress.step, self.ctx.rank)
 
     def _take_batch(self, step: int) -> Tuple[np.ndarray, np.ndarray]:
         """The step's global batch and this rank's slice; the next step's slice is
@@ -427,6 +436,8 @@ class TrainLoop:
             evaluated_s = time.perf_counter()
             report.metrics.update(self.evaluator.run(self.model, self.compute.autocast))
             evaluated_s = time.perf_counter() - evaluated_s
+        if self.rollout is not None:
+            report.metrics.update(self.rollout.metrics(self.progress.step))
         if self._first_report:  # tells the controller where this group resumed from
             report.first_of_group, report.restored = True, self.restored
             self._first_report = False

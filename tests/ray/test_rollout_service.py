@@ -15,12 +15,8 @@ import torch
 
 from raytrain_ext.objectives.grpo import ScaleRewards, combined_rewards, group_advantages
 from raytrain_ext.rollout.engine import GroupRequest, HFGenerateEngine, RolloutSettings
-from raytrain_ext.rollout.service import (
-    PromptGroup,
-    RewardSpec,
-    RolloutSpec,
-    start_rollout_service,
-)
+from raytrain_ext.rollout.prompts import PromptGroup
+from raytrain_ext.rollout.service import RewardSpec, RolloutSpec, start_rollout_service
 from tests.helpers.hf_models import tiny_policy
 from tests.helpers.leaks import assert_nothing_left
 

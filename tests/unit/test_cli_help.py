@@ -52,7 +52,7 @@ def test_config_show_lists_values_defaults_and_choices(capsys, tmp_path):
     )
     assert lines["checkpoint.every_seconds"].startswith("checkpoint.every_seconds: 30.0 ")
     assert lines["objective.name"].startswith("objective.name: null ")  # follows data.format
-    assert "one of causal_lm, sft, dpo, user" in lines["objective.name"]
+    assert "one of causal_lm, sft, dpo, grpo, user" in lines["objective.name"]
     assert not any(key.startswith("data.") for key in lines)
 
 

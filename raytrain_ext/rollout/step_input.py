@@ -1,0 +1,176 @@
+"""A GRPO rank's training input: each step's rollout, served to the loop as a dataset.
+
+The loop asks every dataset the same things: the global batch's loss units before any
+forward (``target_weights``), and micro-batches by sample id (``batch``, from the
+prefetcher's thread too).  Here a sample is a prompt group at a step
+(:class:`raytrain_ext.rollout.order.RolloutOrder`); the first question about a step asks
+the run's rollout service for it with the step's prompt groups in global-batch order,
+and every rank gets the same generation, scores and advantages.  The policy reaches the
+engines through :meth:`RolloutInput.push_weights`, which rank 0 calls with the full
+parameters after each update and when a group starts (a restore or a re-form sets the
+engines' version back to the group's step).
+
+Why on-policy is an order, not a flag: the service generates step ``s`` only with the
+weights of step ``s - 1``, so the prefetcher asking for step ``s + 1`` during step ``s``
+waits there until step ``s``'s update is pushed.  Each completion's log-probs under the
+generating policy are then the current ones (``Rollout.old_logps`` None, every ratio 1,
+as TRL's ``num_iterations=1``).
+
+Invariants:
+- A step's rollout is fetched at most once per rank, whichever thread asks first, and
+  no lock is held while waiting for it (the main thread may need step ``s`` while the
+  prefetcher waits for ``s + 1``).
+- A batch's rows are its groups' completions, ``num_generations`` each, in the order of
+  its ids; each row's advantage is its completion's in the step's result.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Dict
+
+import numpy as np
+import torch
+
+from raytrain_ext.data.batch import Batch, Rollout
+from raytrain_ext.data.eval_split import split_eval
+from raytrain_ext.data.sampler import GlobalSampler
+from raytrain_ext.data.training_input import TrainingInput
+from raytrain_ext.objectives.config import GRPOLossType
+from raytrain_ext.parallel.strategy import Strategy
+from raytrain_ext.rollout.assemble import completion_rows
+from raytrain_ext.rollout.order import KEPT_STEPS, RolloutOrder
+from raytrain_ext.rollout.prompt_records import PromptRecords
+from raytrain_ext.rollout.service import RolloutResult
+
+EXTRA_WAIT_S = 60.0  # beyond the service's own waits (weights, engines, rewards)
+
+
+class StepRollout:
+    """One step's result, and where each prompt's group sits in it."""
+
+    def __init__(self, result: RolloutResult, prompts: np.ndarray, generations: int):
+        self.result = result
+        self.generations = generations
+        self.position: Dict[int, int] = {}
+        for k, prompt in enumerate(prompts.tolist()):
+            self.position.setdefault(prompt, k)  # a prompt twice in a step: the same group
+
+    def group(self, prompt: int):
+        return self.result.groups[self.position[prompt]]
+
+    def advantages(self, prompt: int) -> torch.Tensor:
+        k = self.position[prompt] * self.generations
+        return self.result.advantages[k : k + self.generations]
+
+
+class RolloutInput:
+    """The loop's dataset for ``objective.name=grpo`` (module doc)."""
+
+    def __init__(self, cfg, records: PromptRecords, order: RolloutOrder, service: Any):
+        g = cfg.objective.grpo
+        self.records, self.order, self.service = records, order, service
+        self.num_samples = records.num_samples
+        self.generations = g.num_generations
+        self.units_are_tokens = g.loss_type == GRPOLossType.dapo
+        tokenizer = records.tokenizer
+        self.pad_id = (
+            tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        )
+        self.wait_s = cfg.rollout.timeout_s
+        self._lock = threading.Lock()
+        self._refs: Dict[int, Any] = {}  # step -> the service call's result
+        self._steps: Dict[int, StepRollout] = {}
+
+    def step_rollout(self, step: int) -> StepRollout:
+        """Step ``step``'s rollout, asked of the service once (module doc)."""
+        import ray
+
+        with self._lock:
+            done = self._steps.get(step)
+            if done is not None:
+                return done
+            ref = self._refs.get(step)
+            if ref is None:
+                prompts = [self.records.group(i) for i in self.order.prompts_of(step).tolist()]
+                ref = self._refs[step] = self.service.rollout.remote(step, prompts, self.wait_s)
+        result = ray.get(ref, timeout=3 * self.wait_s + EXTRA_WAIT_S)
+        with self._lock:
+            done = self._steps[step] = StepRollout(
+                result, self.order.prompts_of(step), self.generations
+            )
+            for old in [s for s in self._steps if s <= step - KEPT_STEPS]:
+                self._steps.pop(old)
+                self._refs.pop(old, None)
+        return done
+
+    def target_weights(self, ids: np.ndarray) -> np.ndarray:
+        """Each group's loss units: its completion tokens (``loss_type=dapo``) or its
+        completions."""
+        step, prompts = self.order.split(ids)
+        rollout = self.step_rollout(step)
+        if not self.units_are_tokens:
+            return np.full(len(ids), float(self.generations))
+        return np.array(
+            [sum(len(c) for c in rollout.group(p).completions) for p in prompts.tolist()],
+            dtype=np.float64,
+        )
+
+    def batch(self, ids: np.ndarray) -> Batch:
+        """The rows of the groups ``ids`` name (module doc), with their advantages."""
+        step, prompts = self.order.split(ids)
+        rollout = self.step_rollout(step)
+        groups = [rollout.group(p) for p in prompts.tolist()]
+        prompt_ids = {p: self.records.group(p).prompt_ids for p in set(prompts.tolist())}
+        batch = completion_rows(groups, prompt_ids, self.pad_id)
+        advantages = torch.cat([rollout.advantages(p) for p in prompts.tolist()])
+        batch.rollout = Rollout(advantages.float())
+        batch.indices = np.asarray(ids)
+        return batch
+
+    def max_token(self) -> int:
+        return 0  # prompts are checked against the vocabulary before Ray (check_prompt_data)
+
+    def metrics(self, step: int) -> Dict[str, float]:
+        """The step's rollout in the step's record: the mean reward (and per function),
+        its spread, the completions' mean length and the share cut at the limit."""
+        result = self.step_rollout(step).result
+        lengths = [len(c) for g in result.groups for c in g.completions]
+        cut = [t for g in result.groups for t in g.truncated]
+        fields = {
+            "reward": float(torch.nanmean(result.rewards)),
+            "reward_std": float(_nanstd(result.rewards)),
+            "completion_length": float(np.mean(lengths)),
+            "completion_clipped": float(np.mean(cut)),
+        }
+        if len(result.function_names) > 1:
+            for k, name in enumerate(result.function_names):
+                fields[f"reward/{name}"] = float(torch.nanmean(result.rewards_per_function[:, k]))
+        return fields
+
+    def push_policy(self, strategy: Strategy, model: torch.nn.Module, version: int, rank: int):
+        """The engines take the policy after step ``version``: every rank gathers (a sharded
+        model's full parameters are a collective), rank 0 sends CPU copies; the service
+        waits for them before generating step ``version + 1``."""
+        params = strategy.full_parameters(model)
+        if rank == 0:
+            state = {name: t.detach().to("cpu") for name, t in params.items()}
+            self.service.load_weights.remote(state, version)
+
+
+def _nanstd(values: torch.Tensor) -> torch.Tensor:
+    kept = values[~torch.isnan(values)]
+    return kept.std() if kept.numel() > 1 else torch.zeros(())
+
+
+def open_rollout_input(cfg) -> TrainingInput:
+    """A GRPO rank's :class:`TrainingInput`: the prompts' global order by step, and the
+    run's rollout service behind it."""
+    from raytrain_ext.rollout.prompt_records import open_prompt_records
+    from raytrain_ext.rollout.run_service import find_run_rollout
+
+    records = open_prompt_records(cfg)
+    d = cfg.data
+    order = RolloutOrder(GlobalSampler(records.num_samples, d.global_batch_size, d.seed, d.shuffle))
+    dataset = RolloutInput(cfg, records, order, find_run_rollout(cfg.run.name))
+    return TrainingInput(dataset, split_eval(cfg, dataset), order, rollout=dataset)
