@@ -44,6 +44,9 @@ class RolloutConfig:
     reward_weights: Optional[List[float]] = None
     sync_every: int = positive(1)
     overlap: bool = False
+    # prompt groups an engine generates in one call (fixed, so a re-issued call generates
+    # the same tokens: batch shapes change a kernel's rounding); more use the hardware fuller
+    groups_per_call: int = positive(8)
     # the longest a step waits for its completions and rewards (a hung engine or reward)
     timeout_s: float = positive(600.0)
 

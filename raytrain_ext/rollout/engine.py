@@ -8,9 +8,12 @@ CPU or GPU) here; vLLM, an optional GPU extra, behind the same two calls.
 Invariants:
 - A group is generated whole, in one call, or not at all: a caller re-issues a lost
   engine's unfinished groups whole to another.
+- ``generate`` cuts its requests into calls of ``groups_per_call`` consecutive groups
+  (the last one shorter), and a call's completions depend on that call's groups alone.
 - Completion ``g`` of prompt ``i`` at step ``s`` is drawn from
   ``completion_seed(run seed, i, g, s)`` alone (``rollout.sampling``): the same weights
-  give the same tokens on any engine, in any order of requests.
+  give the same tokens for the same call on any engine (with ``groups_per_call=1``, in
+  any order of requests).
 - ``generate`` reports the weights version it generated with, so the trainer can tell
   on-policy completions from ones a step behind.
 """
@@ -59,12 +62,14 @@ class RolloutSettings:
     eos_token_id: int
     pad_token_id: int
     sampling: SamplingParams = SamplingParams()
+    groups_per_call: int = 1  # prompt groups per generate call (module doc)
 
     def __post_init__(self) -> None:
-        if self.num_generations < 1 or self.max_completion_length < 1:
+        if min(self.num_generations, self.max_completion_length, self.groups_per_call) < 1:
             raise InputError(
-                "num_generations and max_completion_length must be >= 1; got "
-                f"{self.num_generations} and {self.max_completion_length}"
+                "num_generations, max_completion_length and groups_per_call must be >= 1; "
+                f"got {self.num_generations}, {self.max_completion_length} and "
+                f"{self.groups_per_call}"
             )
 
 
@@ -83,10 +88,13 @@ class RolloutEngine(Protocol):
 class HFGenerateEngine:
     """Hugging Face ``generate`` over a causal LM this engine owns.
 
-    Each group is one ``generate`` call of ``num_generations`` copies of its prompt: the
-    rows share a length, so none is padded, and a group's batch is the same whichever
-    other groups were asked for with it (CPU kernels may round differently for another
-    batch shape, and a flipped last bit can flip a sampled token)."""
+    Each call is one ``generate`` of ``num_generations`` copies of each of its prompts,
+    left-padded to the longest.  Why calls of fixed groups, not whatever an engine holds:
+    CPU and GPU kernels may round a row differently in another batch shape, and a flipped
+    last bit can flip a sampled token, so a group re-issued to another engine is
+    generated in the same call it was in (the pool re-issues whole calls).  One group per
+    call never pads and is exact in any order; more groups per call run the engine's
+    hardware fuller (TRL generates a whole batch at once)."""
 
     def __init__(self, model: torch.nn.Module, settings: RolloutSettings):
         from transformers import GenerationConfig
@@ -115,18 +123,39 @@ class HFGenerateEngine:
 
     @torch.no_grad()
     def generate(self, requests: Sequence[GroupRequest]) -> List[GroupCompletions]:
-        return [self._group(request) for request in requests]
+        per_call = self.settings.groups_per_call
+        return [
+            group
+            for first in range(0, len(requests), per_call)
+            for group in self._call(requests[first : first + per_call])
+        ]
 
-    def _group(self, request: GroupRequest) -> GroupCompletions:
+    def _call(self, requests: Sequence[GroupRequest]) -> List[GroupCompletions]:
+        """One ``generate`` over every completion of ``requests``, prompts left-padded to
+        the longest (an attention mask keeps the padding out)."""
         from transformers import GenerationConfig
 
         s = self.settings
-        if not request.prompt_ids:
-            raise InputError(f"prompt {request.prompt_index} has no tokens: nothing to continue")
+        for request in requests:
+            if not request.prompt_ids:
+                raise InputError(
+                    f"prompt {request.prompt_index} has no tokens: nothing to continue"
+                )
         device = next(self.model.parameters()).device
-        prompt = torch.tensor([request.prompt_ids] * s.num_generations, device=device)
+        width = max(len(r.prompt_ids) for r in requests)
+        rows = [
+            [s.pad_token_id] * (width - len(r.prompt_ids)) + list(r.prompt_ids)
+            for r in requests
+            for _ in range(s.num_generations)
+        ]
+        prompt = torch.tensor(rows, device=device)
+        mask = torch.tensor(
+            [[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in requests],
+            device=device,
+        ).repeat_interleave(s.num_generations, dim=0)
         seeds = [
-            completion_seed(s.seed, request.prompt_index, g, request.step)
+            completion_seed(s.seed, r.prompt_index, g, r.step)
+            for r in requests
             for g in range(s.num_generations)
         ]
         config = GenerationConfig(
@@ -137,18 +166,22 @@ class HFGenerateEngine:
         )
         out = self.model.generate(
             prompt,
-            attention_mask=torch.ones_like(prompt),
+            attention_mask=mask,
             generation_config=config,
             logits_processor=seeded_sampling(s.sampling, seeds, device),
         )
-        rows = [self._cut(row) for row in out[:, prompt.shape[1] :].tolist()]
-        return GroupCompletions(
-            request.prompt_index,
-            request.step,
-            tuple(tokens for tokens, _ in rows),
-            tuple(cut for _, cut in rows),
-            self.weights_version,
-        )
+        cut = [self._cut(row) for row in out[:, width:].tolist()]
+        n = s.num_generations
+        return [
+            GroupCompletions(
+                r.prompt_index,
+                r.step,
+                tuple(tokens for tokens, _ in cut[k * n : (k + 1) * n]),
+                tuple(truncated for _, truncated in cut[k * n : (k + 1) * n]),
+                self.weights_version,
+            )
+            for k, r in enumerate(requests)
+        ]
 
     def _cut(self, row: List[int]) -> Tuple[Tuple[int, ...], bool]:
         """A generated row up to and including its first end-of-sequence token; whether

@@ -1,7 +1,8 @@
 """Rollout engines as Ray actors, and what happens when one dies.
 
-:class:`EnginePool` spreads a step's prompt groups over its engines (whole groups, never a
-part of one) and gathers their completions in request order.  When an engine dies (its
+:class:`EnginePool` spreads a step's prompt groups over its engines in whole generate calls
+(``RolloutSettings.groups_per_call`` consecutive groups each, never a part of one) and
+gathers their completions in request order.  When an engine dies (its
 process killed, its node lost), the groups it had not returned are issued again, whole,
 to the engines still alive, and a replacement engine starts and takes the weights the
 others have: the pool keeps the newest weights in Ray's object store, the trainers' own
@@ -132,8 +133,13 @@ class EnginePool:
         more than two losses per engine in one call fail it)."""
         n = len(self.actors)
         pending: Dict[ray.ObjectRef, Tuple[int, Any, List[int]]] = {}
+        per_call = self._settings.groups_per_call
+        calls = [
+            list(range(k, min(k + per_call, len(requests))))
+            for k in range(0, len(requests), per_call)
+        ]
         for engine in range(n):
-            chunk = list(range(engine, len(requests), n))
+            chunk = [i for call in calls[engine::n] for i in call]  # whole calls, in order
             if chunk:
                 pending[self._submit(engine, requests, chunk)] = (
                     engine,

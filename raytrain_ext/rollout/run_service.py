@@ -81,6 +81,7 @@ def rollout_settings(cfg, eos_token_id: int, pad_token_id: int) -> RolloutSettin
         eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,
         sampling=SamplingParams(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k),
+        groups_per_call=cfg.rollout.groups_per_call,
     )
 
 

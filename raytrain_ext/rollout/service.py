@@ -25,6 +25,7 @@ Invariants:
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -62,6 +63,7 @@ class RolloutResult:
     rewards: torch.Tensor
     advantages: torch.Tensor
     function_names: Tuple[str, ...] = ()  # the reward functions', in column order
+    phases_s: Dict[str, float] = field(default_factory=dict)  # wait_weights, generate, reward
 
 
 @dataclass
@@ -147,22 +149,30 @@ class RolloutService:
         return pending.get(3 * wait_s)  # the first request's own waits: weights, engines, rewards
 
     def _generate(self, step: int, prompts: Sequence[PromptGroup], wait_s: float) -> RolloutResult:
+        started = time.perf_counter()
         with self._lock:
             if not self._lock.wait_for(lambda: self.version == step - 1, timeout=wait_s):
                 raise TimeoutError(
                     f"rollout of step {step}: the engines still have the weights of step "
                     f"{self.version} after {wait_s:.0f} s (load_weights({step - 1}) never came)"
                 )
+        weights_in = time.perf_counter()
         requests = [GroupRequest(p.index, p.prompt_ids, step) for p in prompts]
         groups = self.pool.generate(requests)
+        generated = time.perf_counter()
         per_function = self._score(prompts, groups, wait_s)
+        phases = {
+            "wait_weights": weights_in - started,
+            "generate": generated - weights_in,
+            "reward": time.perf_counter() - generated,
+        }
         rewards = combined_rewards(per_function, self.weights)
         advantages = group_advantages(
             rewards, self.settings.num_generations, self.rewards.scale_rewards
         )
         self.generations += 1
         names = tuple(function_name(fn) for fn in self.reward_fns)
-        return RolloutResult(step, groups, per_function, rewards, advantages, names)
+        return RolloutResult(step, groups, per_function, rewards, advantages, names, phases)
 
     def _score(
         self, prompts: Sequence[PromptGroup], groups: List[GroupCompletions], wait_s: float

@@ -133,7 +133,8 @@ class RolloutInput:
 
     def metrics(self, step: int) -> Dict[str, float]:
         """The step's rollout in the step's record: the mean reward (and per function),
-        its spread, the completions' mean length and the share cut at the limit."""
+        its spread, the completions' mean length, the share cut at the limit, and the
+        service's time waiting for the weights, generating and scoring."""
         result = self.step_rollout(step).result
         lengths = [len(c) for g in result.groups for c in g.completions]
         cut = [t for g in result.groups for t in g.truncated]
@@ -142,6 +143,7 @@ class RolloutInput:
             "reward_std": float(_nanstd(result.rewards)),
             "completion_length": float(np.mean(lengths)),
             "completion_clipped": float(np.mean(cut)),
+            **{f"rollout_{phase}_s": seconds for phase, seconds in result.phases_s.items()},
         }
         if len(result.function_names) > 1:
             for k, name in enumerate(result.function_names):

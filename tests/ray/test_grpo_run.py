@@ -58,7 +58,9 @@ def test_grpo_learns_and_a_lost_engine_and_trainer_change_nothing(ray_local, tmp
     assert clean["status"] == "finished" and clean["objective"] == "grpo"
     assert clean["rollout"]["generations"] == STEPS and clean["rollout_recoveries"] == []
     assert clean["samples_consumed"] == STEPS * GROUPS
-    rewards = [r["reward"] for r in step_records(tmp_path, "clean")]
+    records = step_records(tmp_path, "clean")
+    rewards = [r["reward"] for r in records]
+    assert all(r["rollout_generate_s"] > 0 and r["rollout_reward_s"] > 0 for r in records)
     assert rewards[0] < 0.2 and sum(rewards[-3:]) / 3 > 0.8, rewards
 
     config = grpo_config(tmp_path, "faulted", "chaos.kill_rank=1", "chaos.kill_at_step=6")
@@ -73,6 +75,7 @@ def test_grpo_learns_and_a_lost_engine_and_trainer_change_nothing(ray_local, tmp
     (lost,) = faulted["rollout_recoveries"]
     assert lost["engine"] == 0 and lost["fate"], lost
     assert len(faulted["recoveries"]) == 1  # the trainer rank, re-formed in place
+    assert faulted["rollout"]["generations"] == STEPS  # nothing generated again after it
     final_engines = faulted["rollout"]["engines"]
     assert final_engines[1] == list(engines[1])  # kept through the trainer's loss
     assert final_engines[0][1] != engines[0][1]  # the killed engine's replacement
