@@ -238,11 +238,13 @@ def start_rollout_service(
 ) -> Any:
     """The service actor (threaded: every rank's request and the weights' loads at once),
     on the calling process's node, owned by it; ``name``: found by it in
-    ``ROLLOUT_NAMESPACE``."""
+    ``ROLLOUT_NAMESPACE``.  Pinned there (not a soft preference: Ray places a soft one on
+    any node with room, and a trainer's or an engine's node may be lost), so that it
+    shares the driver's fate and no other."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     node = ray.get_runtime_context().get_node_id()
-    strategy = NodeAffinitySchedulingStrategy(node, soft=True)
+    strategy = NodeAffinitySchedulingStrategy(node, soft=False)
     named = {} if name is None else {"name": name, "namespace": ROLLOUT_NAMESPACE}
     actor_class = ray.remote(concurrency_groups={CONTROL: 2})(RolloutService).options(
         num_cpus=0, max_concurrency=concurrency, scheduling_strategy=strategy, **named
