@@ -26,6 +26,7 @@ PEER_LOSS_MARKERS = (
     "Connection reset by peer",
     "Broken pipe",
     "DistNetworkError",
+    "AbandonedWait",  # rollout.waits: a wait on the rollout service, given up by a re-form
 )
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -65,8 +66,9 @@ class EngineActor:
 
 @dataclass
 class EngineRecovery:
-    """One engine lost: which, Ray's verdict, the groups issued again and the seconds
-    from noticing the loss to the step's last completion."""
+    """One engine lost: which, Ray's verdict ("pending" until Ray gives it, off the step's
+    path), the groups issued again and the seconds from noticing the loss to the step's
+    last completion."""
 
     engine: int
     fate: str
@@ -113,19 +115,15 @@ class EnginePool:
             self.actors[engine], self._placements[engine] = actor, placement
 
     def load_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
-        """Every engine takes ``state`` (put in the object store once, read by each); an
-        engine lost meanwhile is replaced by one that takes it."""
+        """Every engine takes ``state`` (put in the object store once, read by each) before
+        its next ``generate``: Ray runs an actor's calls in the order they were submitted,
+        so nothing here waits for an engine (a replacement still building its model, a
+        lost one whose verdict takes seconds).  A lost engine is found, replaced and
+        recorded by the next ``generate``."""
         ref = ray.put({k: v.detach().cpu() for k, v in state.items()})
         self._weights = (ref, version)
-        calls = [actor.load_weights.remote(ref, version) for actor in self.actors]
-        for engine, call in enumerate(calls):
-            actor = self.actors[engine]
-            try:
-                ray.get(call, timeout=self.timeout_s)
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
-                node = self._restart(engine)
-                hung = isinstance(e, ray.exceptions.GetTimeoutError)
-                self.recoveries.append(self._verdict(engine, actor, node, 0, hung))
+        for actor in self.actors:
+            actor.load_weights.remote(ref, version)
 
     def generate(self, requests: Sequence[GroupRequest]) -> List[GroupCompletions]:
         """Every request's group, whole, in request order, through engine losses (an
@@ -170,12 +168,19 @@ class EnginePool:
             replaced = self._restart(engine) if self.actors[engine] is actor else None
             target = self._least_busy(engine, [(e, len(c)) for e, _, c in pending.values()])
             pending[self._submit(target, requests, chunk)] = (target, self.actors[target], chunk)
-            if replaced is not None:  # Ray's verdict, once the groups are on their way
-                recovery = self._verdict(engine, actor, replaced, len(chunk), actor in hung)
+            if replaced is not None:  # Ray's verdict, off this path: the groups go on
+                recovery = EngineRecovery(engine, "pending", len(chunk), 0.0)
+                self.recoveries.append(recovery)
                 lost.append((noticed, recovery))
+                threading.Thread(
+                    target=self._verdict,
+                    args=(recovery, actor, replaced, actor in hung),
+                    name="engine-verdict",
+                    daemon=True,
+                ).start()
+        finished = time.monotonic()
         for noticed, recovery in lost:
-            recovery.seconds = time.monotonic() - noticed
-            self.recoveries.append(recovery)
+            recovery.seconds = finished - noticed
         return [done[i] for i in range(len(requests))]
 
     def _submit(
@@ -203,16 +208,20 @@ class EnginePool:
             self.actors[engine].load_weights.remote(ref, version)
         return node
 
-    def _verdict(
-        self, engine: int, lost: Any, node: str, groups: int, hung: bool
-    ) -> EngineRecovery:
-        """Ray's verdict on a lost engine (``ray_group.death``), asked before it is
-        killed for good (an unreachable one that comes back stays out); ``hung`` when
-        this pool killed it for returning nothing."""
+    def _verdict(self, recovery: EngineRecovery, lost: Any, node: str, hung: bool) -> None:
+        """Ray's verdict on a lost engine (``ray_group.death``) into its record, asked
+        before it is killed for good (an unreachable one that comes back stays out);
+        ``hung`` when this pool killed it for returning nothing.  On a thread of its own:
+        the verdict may take seconds, and the step does not wait for it."""
         fate = "hung" if hung else fates_of([lost], [node], timeout_s=FATE_WAIT_S)[0].value
         ray.kill(lost, no_restart=True)
-        log.warning("rollout engine %d lost (%s); %d group(s) issued again", engine, fate, groups)
-        return EngineRecovery(engine, fate, groups, 0.0)
+        recovery.fate = fate
+        log.warning(
+            "rollout engine %d lost (%s); %d group(s) issued again",
+            recovery.engine,
+            fate,
+            recovery.groups_reissued,
+        )
 
     def _node_of(self, engine: int) -> str:
         """The node a lost engine ran on ("" when it died before it was built)."""

@@ -19,7 +19,7 @@ as TRL's ``num_iterations=1``).
 Invariants:
 - A step's rollout is fetched at most once per rank, whichever thread asks first, and
   no lock is held while waiting for it (the main thread may need step ``s`` while the
-  prefetcher waits for ``s + 1``).
+  prefetcher waits for ``s + 1``); a re-form cuts the wait short (``rollout.waits``).
 - A batch's rows are its groups' completions, ``num_generations`` each, in the order of
   its ids; each row's advantage is its completion's in the step's result.
 """
@@ -42,6 +42,7 @@ from raytrain_ext.rollout.assemble import completion_rows
 from raytrain_ext.rollout.order import KEPT_STEPS, RolloutOrder
 from raytrain_ext.rollout.prompt_records import PromptRecords
 from raytrain_ext.rollout.service import RolloutResult
+from raytrain_ext.rollout.waits import arm, wait_for
 
 EXTRA_WAIT_S = 60.0  # beyond the service's own waits (weights, engines, rewards)
 
@@ -81,11 +82,10 @@ class RolloutInput:
         self._lock = threading.Lock()
         self._refs: Dict[int, Any] = {}  # step -> the service call's result
         self._steps: Dict[int, StepRollout] = {}
+        arm()  # this group's waits (rollout.waits)
 
     def step_rollout(self, step: int) -> StepRollout:
         """Step ``step``'s rollout, asked of the service once (module doc)."""
-        import ray
-
         with self._lock:
             done = self._steps.get(step)
             if done is not None:
@@ -94,7 +94,7 @@ class RolloutInput:
             if ref is None:
                 prompts = [self.records.group(i) for i in self.order.prompts_of(step).tolist()]
                 ref = self._refs[step] = self.service.rollout.remote(step, prompts, self.wait_s)
-        result = ray.get(ref, timeout=3 * self.wait_s + EXTRA_WAIT_S)
+        result = wait_for(ref, 3 * self.wait_s + EXTRA_WAIT_S, f"the rollout of step {step}")
         with self._lock:
             done = self._steps[step] = StepRollout(
                 result, self.order.prompts_of(step), self.generations

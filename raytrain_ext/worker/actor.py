@@ -156,12 +156,15 @@ class TrainWorker:
 
     def abort_collectives(self, master_port: int) -> bool:
         """Release the training thread from a collective of the group rendezvoused at
-        ``master_port`` (NCCL: abort its communicators), when that is still this
-        worker's group: a late call must not abort the next group."""
+        ``master_port`` (NCCL: abort its communicators) or from a wait on the rollout
+        service, when that is still this worker's group: a late call must not abort the
+        next group."""
+        from raytrain_ext.rollout.waits import abandon_waits
         from raytrain_ext.worker.dist_env import abort_collectives
 
         if self.env is None or self.env.master_port != master_port:
             return False
+        abandon_waits()  # GRPO: a wait on the rollout service is no collective
         return abort_collectives()
 
     def pause(self) -> None:

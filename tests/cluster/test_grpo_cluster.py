@@ -8,32 +8,18 @@ from __future__ import annotations
 
 import os
 import signal
-from pathlib import Path
 
 import pytest
 
 from raytrain_ext import Trainer
 from raytrain_ext.config import load_config
-from raytrain_ext.data.sampler import GlobalSampler
-from raytrain_ext.rollout.order import RolloutOrder
 from raytrain_ext.rollout.run_service import find_run_rollout
-from raytrain_ext.train.ledger import SampleLedger
+from tests.helpers.grpo import CONFIG, expected_samples_digest
 from tests.helpers.runs import FitThread, last_step, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 
-CONFIG = Path(__file__).resolve().parents[2] / "configs" / "grpo_tiny.yaml"
-PROMPTS = Path(__file__).resolve().parents[2] / "configs" / "data" / "dpo_tiny.jsonl"
 STEPS, GROUPS = 16, 4
-
-
-def expected_samples_digest(seed: int) -> str:
-    """The ledger of a run that consumed the global order's prompt groups, step by step."""
-    prompts = len(PROMPTS.read_text().splitlines())
-    order, ledger = RolloutOrder(GlobalSampler(prompts, GROUPS, seed)), SampleLedger()
-    for step in range(STEPS):
-        ledger.record(step, order.next_global_batch())
-    return ledger.digest
 
 
 def test_grpo_through_a_killed_engine_and_a_lost_trainer_node(ray_cluster, tmp_path):
@@ -81,4 +67,4 @@ def test_grpo_through_a_killed_engine_and_a_lost_trainer_node(ray_cluster, tmp_p
     assert final[1] == list(engines[1]) and final[0][1] != engines[0][1]
     assert summary["rollout"]["generations"] == STEPS  # none generated again
     assert summary["samples_consumed"] == STEPS * GROUPS
-    assert summary["samples_digest"] == expected_samples_digest(cfg.data.seed)
+    assert summary["samples_digest"] == expected_samples_digest(STEPS, GROUPS, cfg.data.seed)

@@ -11,6 +11,7 @@ import pytest
 from raytrain_ext.rollout.engine import GroupRequest, HFGenerateEngine, RolloutSettings
 from tests.helpers.hf_models import tiny_policy
 from tests.helpers.leaks import assert_nothing_left
+from tests.helpers.runs import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 
@@ -60,6 +61,7 @@ def test_a_lost_engine_node_costs_no_group_and_the_replacement_lands_on_a_free_n
         lose(ray_cluster, nodes.pop(lost_node))
         assert pool.generate(requests(step=3)) == reference.generate(requests(step=3))
         (recovery,) = pool.recoveries
+        wait_until(lambda: recovery.fate != "pending", "Ray's verdict (asked off the step's path)")
         assert (recovery.engine, recovery.fate, recovery.groups_reissued) == (1, "node_died", 3)
         (node_0, pid_0), (node_1, _) = pool.placements()
         (spare,) = set(nodes) - {kept_node}

@@ -5,7 +5,9 @@ column passed through to the reward).  The mean reward rises from below 0.2 to a
 0.8; every step's prompt groups are generated once and consumed once; and a run that
 loses a rollout engine (its process SIGKILLed from outside) and then a trainer rank
 (chaos) keeps going, keeps the other engine's process through the trainer's loss, and
-ends with the very weights and samples of the run that lost nothing."""
+ends with the very weights and samples of the run that lost nothing.  An interrupted run
+resumes from its checkpoint on another number of trainers and engines and consumes exactly
+the global order's prompt groups."""
 
 from __future__ import annotations
 
@@ -17,9 +19,9 @@ from pathlib import Path
 from raytrain_ext import Trainer
 from raytrain_ext.config import load_config
 from raytrain_ext.rollout.run_service import find_run_rollout
+from tests.helpers.grpo import CONFIG, expected_samples_digest
 from tests.helpers.runs import FitThread, last_step, wait_until
 
-CONFIG = Path(__file__).resolve().parents[2] / "configs" / "grpo_tiny.yaml"
 STEPS, GROUPS = 12, 4
 
 
@@ -58,6 +60,7 @@ def test_grpo_learns_and_a_lost_engine_and_trainer_change_nothing(ray_local, tmp
     assert clean["status"] == "finished" and clean["objective"] == "grpo"
     assert clean["rollout"]["generations"] == STEPS and clean["rollout_recoveries"] == []
     assert clean["samples_consumed"] == STEPS * GROUPS
+    assert clean["samples_digest"] == expected_samples_digest(STEPS, GROUPS, 1234)  # run.seed
     records = step_records(tmp_path, "clean")
     rewards = [r["reward"] for r in records]
     assert all(r["rollout_generate_s"] > 0 and r["rollout_reward_s"] > 0 for r in records)
@@ -82,3 +85,21 @@ def test_grpo_learns_and_a_lost_engine_and_trainer_change_nothing(ray_local, tmp
     assert faulted["params_sha256"] == clean["params_sha256"]
     assert faulted["samples_digest"] == clean["samples_digest"]
     assert step_records(tmp_path, "faulted")[-1]["reward"] == rewards[-1]
+
+
+def test_an_interrupted_grpo_run_resumes_on_other_trainers_and_engines(ray_local, tmp_path):
+    slowed = grpo_config(tmp_path, "resumed", "chaos.slow_rank=0", "chaos.slow_s=0.3")
+    trainer = Trainer(slowed, reward_fns=[says_chosen])  # slowed: the interrupt lands mid-run
+    with FitThread(trainer) as run:
+        wait_until(lambda: last_step(trainer) >= 4, "step 4", timeout_s=120)
+        trainer.interrupt("the test")
+        first = run.summary(timeout_s=120)
+    assert first["status"] == "interrupted" and 4 <= first["steps_completed"] < STEPS
+    smaller = grpo_config(tmp_path, "resumed", "scaling.num_workers=1", "rollout.engines=1")
+    resumed = Trainer(smaller, reward_fns=[says_chosen]).fit()
+    assert (
+        resumed["status"] == "finished" and resumed["restored"]["step"] == first["steps_completed"]
+    )
+    assert resumed["rollout"]["generations"] == STEPS - first["steps_completed"]
+    expected = expected_samples_digest(STEPS, GROUPS, smaller.data.seed)
+    assert resumed["samples_digest"] == expected

@@ -19,6 +19,7 @@ from raytrain_ext.rollout.prompts import PromptGroup
 from raytrain_ext.rollout.service import RewardSpec, RolloutSpec, start_rollout_service
 from tests.helpers.hf_models import tiny_policy
 from tests.helpers.leaks import assert_nothing_left
+from tests.helpers.runs import wait_until
 
 SETTINGS = RolloutSettings(
     num_generations=4, max_completion_length=6, seed=13, eos_token_id=3, pad_token_id=0
@@ -71,7 +72,12 @@ def test_one_generation_per_step_scored_in_tasks_through_a_killed_engine(ray_loc
         )
         again = ray.get(service.rollout.remote(3, PROMPTS))  # a re-formed trainer asks again
         assert again.groups == third.groups
-        stats = ray.get(service.stats.remote())
+        stats = wait_until(  # Ray's verdict is asked off the step's path
+            lambda: (
+                (st := ray.get(service.stats.remote()))["recoveries"][0]["fate"] != "pending" and st
+            ),
+            "the lost engine's verdict",
+        )
         assert stats["generations"] == 2 and stats["version"] == 2
         ((engine, fate, groups),) = [
             (r["engine"], r["fate"], r["groups_reissued"]) for r in stats["recoveries"]
