@@ -15,8 +15,11 @@ generated before step 1), completions per second, and raytrain-ext's split of a 
 service's wait for the weights, generation, reward) beside it; then the ratio of the
 throughputs.  CPU only; both get the whole machine.
 
+``--kill-engine-at N`` SIGKILLs one of our engines once step N is recorded and prints the
+slowest step against the median (every anchor stops or restarts at such a loss).
+
 Usage: python jobs/bench/grpo.py [--size tiny|small] [--steps 15] [--repeats 2]
-       [--engines 1] [--completion 32]
+       [--engines 1] [--completion 32] [--kill-engine-at 6]
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -57,6 +61,28 @@ def architecture(size: str) -> Dict:
     }
 
 
+def engine_pids() -> List[int]:
+    """The rollout engines' processes on this machine (Ray titles them by actor class)."""
+    import psutil
+
+    found = []
+    for process in psutil.process_iter(["pid", "cmdline"]):
+        if any("EngineActor" in part for part in process.info["cmdline"] or []):
+            found.append(process.info["pid"])
+    return found
+
+
+def kill_an_engine(metrics: Path, at_step: int, run: subprocess.Popen) -> float:
+    """SIGKILL one engine once the run has recorded ``at_step``; when (time.time())."""
+    while run.poll() is None:
+        lines = metrics.read_text().splitlines() if metrics.exists() else []
+        if len(lines) >= at_step and engine_pids():
+            os.kill(engine_pids()[0], signal.SIGKILL)
+            return time.time()
+        time.sleep(0.05)
+    raise RuntimeError("the run ended before an engine could be killed")
+
+
 def run_ours(args, out: Path) -> Dict:
     inline = json.dumps(architecture(args.size)).replace('"', "")
     command = [
@@ -71,18 +97,24 @@ def run_ours(args, out: Path) -> Dict:
         "checkpoint.enabled=false",
     ]  # fmt: skip
     started = time.time()
-    subprocess.run(command, env=ENV, check=True, cwd=REPO, capture_output=True)
-    lines = (out / "ours" / "metrics.jsonl").read_text().splitlines()
-    records = [json.loads(line) for line in lines][SKIP:]
+    metrics = out / "ours" / "metrics.jsonl"
+    run = subprocess.Popen(command, env=ENV, cwd=REPO, stdout=subprocess.DEVNULL)
+    if args.kill_engine_at:
+        kill_an_engine(metrics, args.kill_engine_at, run)
+    if run.wait() != 0:
+        raise RuntimeError(f"raytrain-ext exited with {run.returncode}")
+    records = [json.loads(line) for line in metrics.read_text().splitlines()][SKIP:]
     phases = {
         p: statistics.median(r[f"rollout_{p}_s"] for r in records)
         for p in ("wait_weights", "generate", "reward")
     }
+    summary = json.loads((out / "ours" / "summary.json").read_text())
     return {
         "step_s": statistics.median(r["step_time_s"] for r in records),
+        "slowest_s": max(r["step_time_s"] for r in records),
         "wall_s": time.time() - started,
         "phases": phases,
-        "reward": records[-1]["reward"],
+        "engines_lost": summary.get("rollout_recoveries", []),
     }
 
 
@@ -149,6 +181,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--engines", type=int, default=1)
     parser.add_argument("--completion", type=int, default=32)
+    parser.add_argument(
+        "--kill-engine-at",
+        type=int,
+        default=0,
+        help="SIGKILL one of our engines once this step is recorded; prints the slowest step",
+    )
     parser.add_argument("--trl-child", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.trl_child is not None:
@@ -172,7 +210,14 @@ def main() -> None:
                 f"{completions / r['step_s']:7.1f} completions/s  wall {r['wall_s']:5.1f} s  "
                 f"{split}"
             )
-        ratios.append(runs["TRL GRPOTrainer"]["step_s"] / runs["raytrain-ext"]["step_s"])
+        ours = runs["raytrain-ext"]
+        if args.kill_engine_at:
+            print(
+                f"    engine killed after step {args.kill_engine_at}: slowest step "
+                f"{ours['slowest_s'] * 1e3:.0f} ms = {ours['slowest_s'] / ours['step_s']:.2f}x "
+                f"the median; recorded {ours['engines_lost']}"
+            )
+        ratios.append(runs["TRL GRPOTrainer"]["step_s"] / ours["step_s"])
     print(f"throughput ours / TRL: {min(ratios):.2f}-{max(ratios):.2f}")
 
 
