@@ -92,12 +92,7 @@ class Trainer:
         _check_model_argument(self.cfg, model)
         check_objective(self.cfg, loss_fn)
         check_rollout(self.cfg, reward_fns, loss_fn)
-        if dataset is not None and self.cfg.data.format == DataFormat.prompts:
-            raise InputError(
-                "dataset: data.format=prompts reads its prompts from data.path; a Ray "
-                "Dataset of prompts is not supported yet. Write the prompts to JSONL or "
-                "Parquet and set data.path."
-            )
+        _check_dataset_argument(self.cfg, dataset)
         self._reward_fns = None if reward_fns is None else list(reward_fns)
         self._rollout_record: Optional[Dict[str, Any]] = None
         self._controller: Optional[Controller] = None
@@ -124,6 +119,7 @@ class Trainer:
         directory's history (:class:`RunDirectory`).
         """
         start = time.time()
+        self._rollout_record = None  # this fit's, when it has a rollout service
         refuse_finished_run(self.run_dir, self.cfg.run.max_steps, self.cfg.checkpoint.resume)
         if self._dataset is None and is_stream(self.cfg.data.path):
             raise InputError(
@@ -384,6 +380,15 @@ def _start_phases(start: float, marks: Dict[str, float], result: ControllerResul
     group's and rank 0's (``ControllerResult.start_marks``), and its first step's end."""
     first = result.records[0]
     return start_phases(start, {**marks, **result.start_marks, "first_step_at": first["time"]})
+
+
+def _check_dataset_argument(cfg, dataset: Any) -> None:
+    if dataset is not None and cfg.data.format == DataFormat.prompts:
+        raise InputError(
+            "dataset: data.format=prompts reads its prompts from data.path; a Ray Dataset of "
+            "prompts is not supported yet. Write the prompts to JSONL or Parquet and set "
+            "data.path."
+        )
 
 
 def _check_model_argument(cfg, model: Any) -> None:

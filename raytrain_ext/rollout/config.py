@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence
 
+from raytrain_ext.data.config import DataFormat
 from raytrain_ext.errors import InputError
 from raytrain_ext.models.sources import model_source
 from raytrain_ext.objectives.choice import objective_name
@@ -72,6 +73,11 @@ NOT_YET = {
         "generating step t+1 during step t's update is one step off-policy; set "
         "rollout.overlap=false",
     ),
+    "guards.nan_policy": (
+        lambda cfg: cfg.guards.nan_policy == "rollback",
+        "rolling back re-generates steps whose rollouts were asked for with the weights "
+        "rolled back from; set guards.nan_policy=skip_step or fail",
+    ),
     "rollout.backend": (
         lambda cfg: cfg.rollout.backend == RolloutBackend.vllm,
         "the vllm engine is not in this version; set rollout.backend=hf (transformers "
@@ -88,6 +94,12 @@ def check_rollout(
     Hugging Face causal LM (the engines ``generate`` with it), the reward functions import
     and their weights match, and no evaluation split is asked for."""
     name = objective_name(cfg.objective, cfg.data.format, loss_fn)
+    if name != ObjectiveName.grpo and cfg.data.format == DataFormat.prompts:
+        raise InputError(
+            f"objective.name: data.format=prompts is generated from and trained by "
+            f"objective.name=grpo; this run trains {name} (objective.name or a loss_fn). "
+            "Remove objective.name/objective.fn/loss_fn, or give data in another format."
+        )
     if name != ObjectiveName.grpo:
         if reward_fns is not None or cfg.rollout.reward_fns:
             raise InputError(

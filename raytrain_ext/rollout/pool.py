@@ -231,6 +231,17 @@ class EnginePool:
             return ""
         return node
 
+    def known_placements(self) -> List[Tuple[str, int]]:
+        """(node id, pid) of each engine built so far, waiting for none (("", 0): not yet)."""
+        ready = set(ray.wait(self._placements, num_returns=len(self._placements), timeout=0)[0])
+        known: List[Tuple[str, int]] = []
+        for ref in self._placements:
+            try:
+                known.append(ray.get(ref) if ref in ready else ("", 0))
+            except ray.exceptions.RayError:  # an engine that died before it was built
+                known.append(("", 0))
+        return known
+
     def placements(self) -> List[Tuple[str, int]]:
         """(node id, pid) of each engine, waiting for any still starting."""
         return ray.get(self._placements, timeout=self.timeout_s)

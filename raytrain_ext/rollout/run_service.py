@@ -122,7 +122,9 @@ def start_run_rollout(cfg, reward_fns: Optional[Sequence[Callable]] = None) -> A
         timeout_s=r.timeout_s,
     )
     check_room(cfg)
-    service = start_rollout_service(rollout, name=service_name(cfg.run.name))
+    # every rank of a group, and of a group that re-formed mid-wait, may wait in it at once
+    threads = max(16, 4 * cfg.scaling.max_workers + 4)
+    service = start_rollout_service(rollout, threads, name=service_name(cfg.run.name))
     await_engines(service, cfg)
     return service
 

@@ -48,6 +48,7 @@ KEEP_STEPS = 4  # results kept for re-formed trainers asking again
 # The weights' loads and the service's reports run on threads of their own: every rank
 # may be waiting in ``rollout`` for the very weights ``load_weights`` brings.
 CONTROL = "control"
+WEIGHTS = "weights"  # one thread: the trainers' pushes are taken in the order they come
 ROLLOUT_NAMESPACE = "raytrain_ext_rollout"
 
 
@@ -110,10 +111,11 @@ class RolloutService:
         )
         self.version = -1  # the step whose weights the engines have
         self._lock = threading.Condition()
+        self._generating = threading.Lock()
         self._results: Dict[int, "_Pending"] = {}
         self.generations = 0  # steps generated (tests: once per step)
 
-    @ray.method(concurrency_group=CONTROL)
+    @ray.method(concurrency_group=WEIGHTS)
     def load_weights(self, state: Dict[str, torch.Tensor], version: int) -> int:
         """The engines take the policy after step ``version``.  The trainers' word is the
         truth: a group re-formed from an earlier step sends that step's weights, and the
@@ -158,8 +160,16 @@ class RolloutService:
                 )
         weights_in = time.perf_counter()
         requests = [GroupRequest(p.index, p.prompt_ids, step) for p in prompts]
-        groups = self.pool.generate(requests)
+        with self._generating:  # one generation at a time (a re-formed group may overlap)
+            groups = self.pool.generate(requests)
         generated = time.perf_counter()
+        stale = sorted({g.weights_version for g in groups} - {step - 1})
+        if stale:
+            raise RuntimeError(
+                f"rollout of step {step}: engines generated with the weights of step(s) "
+                f"{stale}, not {step - 1} (an engine's load_weights failed, or the trainers "
+                "set the version back meanwhile): see the engines' logs"
+            )
         per_function = self._score(prompts, groups, wait_s)
         phases = {
             "wait_weights": weights_in - started,
@@ -195,7 +205,7 @@ class RolloutService:
         return {
             "generations": self.generations,
             "version": self.version,
-            "engines": [list(p) for p in self.pool.placements()],
+            "engines": [list(p) for p in self.pool.known_placements()],
             "recoveries": [r.to_dict() for r in self.pool.recoveries],
         }
 
@@ -246,7 +256,8 @@ def start_rollout_service(
     node = ray.get_runtime_context().get_node_id()
     strategy = NodeAffinitySchedulingStrategy(node, soft=False)
     named = {} if name is None else {"name": name, "namespace": ROLLOUT_NAMESPACE}
-    actor_class = ray.remote(concurrency_groups={CONTROL: 2})(RolloutService).options(
+    groups = {CONTROL: 2, WEIGHTS: 1}
+    actor_class = ray.remote(concurrency_groups=groups)(RolloutService).options(
         num_cpus=0, max_concurrency=concurrency, scheduling_strategy=strategy, **named
     )
     return actor_class.remote(spec)

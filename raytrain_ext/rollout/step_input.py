@@ -48,7 +48,11 @@ EXTRA_WAIT_S = 60.0  # beyond the service's own waits (weights, engines, rewards
 
 
 class StepRollout:
-    """One step's result, and where each prompt's group sits in it."""
+    """One step's result, and where each prompt's group sits in it.
+
+    Invariant: ``result.groups[k]`` is the group of the step's ``k``-th prompt in
+    global-batch order; a prompt twice in one step (a batch across an epoch's end) maps
+    to its first group, which the second would equal (same prompt, seeds and weights)."""
 
     def __init__(self, result: RolloutResult, prompts: np.ndarray, generations: int):
         self.result = result
@@ -94,7 +98,18 @@ class RolloutInput:
             if ref is None:
                 prompts = [self.records.group(i) for i in self.order.prompts_of(step).tolist()]
                 ref = self._refs[step] = self.service.rollout.remote(step, prompts, self.wait_s)
-        result = wait_for(ref, 3 * self.wait_s + EXTRA_WAIT_S, f"the rollout of step {step}")
+        try:
+            result = wait_for(ref, 3 * self.wait_s + EXTRA_WAIT_S, f"the rollout of step {step}")
+        except BaseException:
+            with self._lock:  # never a failed call kept: the next ask asks again
+                if self._refs.get(step) is ref:
+                    del self._refs[step]
+            raise
+        if result.step != step or len(result.groups) != len(self.order.prompts_of(step)):
+            raise RuntimeError(
+                f"the rollout service answered step {step} with step {result.step}'s "
+                f"{len(result.groups)} groups"
+            )
         with self._lock:
             done = self._steps[step] = StepRollout(
                 result, self.order.prompts_of(step), self.generations

@@ -306,8 +306,7 @@ class TrainLoop:
         self._reported_s = 0.0
         step = self.progress.step
         self.mark("compute")
-        global_batch, local = self._take_batch(step)
-        units = max(float(self.dataset.target_weights(global_batch).sum()), 1e-12)
+        global_batch, local, units = self._take_batch(step)
         clock.lap("data")  # the sampler and the dataset (GRPO: the step's rollout)
         self.compute.begin()
         lr = self.scheduler.get_last_lr()[0]
@@ -336,20 +335,23 @@ class TrainLoop:
         if self.rollout is not None:
             self.rollout.push_policy(self.strategy, self.model, self.progress.step, self.ctx.rank)
 
-    def _take_batch(self, step: int) -> Tuple[np.ndarray, np.ndarray]:
-        """The step's global batch and this rank's slice; the next step's slice is
-        prefetched meanwhile."""
+    def _take_batch(self, step: int) -> Tuple[np.ndarray, np.ndarray, float]:
+        """The step's global batch, this rank's slice and the batch's loss units; the
+        next step's slice, if the run has one, is prefetched meanwhile."""
         ctx = self.ctx
         seed_everything(step_seed(self.cfg.run.seed, step, ctx.rank), ctx.device)
         self.handover.batch_taken(self.sampler)
-        self.mark("data")  # a stream's reader may be reading again to the position
+        self.mark("data")  # a stream's reader, GRPO's rollout: waiting, not hung
         global_batch = self.sampler.next_global_batch()
-        self.mark("compute")
         local = rank_slice(global_batch, ctx.dp_rank, ctx.dp_size)
-        upcoming = rank_slice(self.sampler.peek_global_batch(), ctx.dp_rank, ctx.dp_size)
-        compute = self.compute
-        self.prefetch.ahead(compute.micro_batches(local) + compute.micro_batches(upcoming))
-        return global_batch, local
+        chunks = self.compute.micro_batches(local)
+        if step + 1 < self.cfg.run.max_steps:
+            upcoming = rank_slice(self.sampler.peek_global_batch(), ctx.dp_rank, ctx.dp_size)
+            chunks += self.compute.micro_batches(upcoming)
+        self.prefetch.ahead(chunks)
+        units = max(float(self.dataset.target_weights(global_batch).sum()), 1e-12)
+        self.mark("compute")
+        return global_batch, local, units
 
     def _forward_backward(
         self, step: int, local: np.ndarray, units: float, skip_batch: bool, clock: StepClock

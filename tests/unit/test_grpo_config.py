@@ -86,6 +86,14 @@ def test_the_grpo_keys_are_trls_with_trls_defaults():
         (["eval.fraction=0.1"], r"eval.fraction: evaluating GRPO .* is not built yet"),
         (["data.format=chat", "objective.name=grpo"], r"objective.name=grpo does not train on"),
         (["objective.name=sft"], r"objective.name=sft does not train on data.format=prompts"),
+        (
+            ["guards.nan_policy=rollback"],
+            r"guards.nan_policy: not supported .* set guards.nan_policy=skip_step or fail",
+        ),
+        (
+            ["objective.name=user", f"objective.fn={REWARD}"],
+            r"objective.name: data.format=prompts is generated from and trained by",
+        ),
     ],
 )
 def test_what_cannot_run_is_refused_naming_the_key(overrides, message):
