@@ -10,7 +10,7 @@ machine with a fake.  Ranks are the group's current ranks: every ``start`` and
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Protocol, Sequence, Set, Tuple
 
@@ -25,10 +25,12 @@ from raytrain_ext.worker.form_options import FormOptions
 @dataclass(frozen=True)
 class FitStatus:
     """One wait on the ranks' ``fit`` calls.  ``error``: (rank, error) where a failure
-    started, when a rank raised; ``finished``: every rank has returned."""
+    started, when a rank raised; ``finished``: every rank has returned; ``returned``
+    (given with an error): the results of the ranks whose ``fit`` returned, by rank."""
 
     finished: bool
     error: Optional[Tuple[int, BaseException]] = None
+    returned: Dict[int, FitResult] = field(default_factory=dict)
 
 
 class GroupPort(Protocol):

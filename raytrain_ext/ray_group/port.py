@@ -100,7 +100,20 @@ class RayGroup:
             also, self._pending = ray.wait(self._pending, num_returns=len(self._pending), timeout=0)
             done += also
         failed = first_error(self._fit_refs, done, self._clock)
-        return FitStatus(finished=not self._pending, error=failed)
+        returned = {} if failed is None else self._returned()
+        return FitStatus(finished=not self._pending, error=failed, returned=returned)
+
+    def _returned(self) -> Dict[int, FitResult]:
+        """The results of the ranks whose ``fit`` has returned (not raised)."""
+        results = {}
+        for rank, ref in enumerate(self._fit_refs):
+            if ref in self._pending:
+                continue
+            try:
+                results[rank] = ray.get(ref, timeout=0)
+            except Exception:
+                continue
+        return results
 
     def fit_results(self) -> List[FitResult]:
         return ray.get(self._fit_refs)

@@ -58,11 +58,6 @@ NOT_YET = {
         "several updates per generation need the generating policy's log-probs; set "
         "objective.grpo.num_iterations=1",
     ),
-    "objective.grpo.beta": (
-        lambda cfg: cfg.objective.grpo.beta != 0,
-        "the KL term needs reference log-probs from the rollout; set objective.grpo.beta=0 "
-        "(TRL's default)",
-    ),
     "rollout.sync_every": (
         lambda cfg: cfg.rollout.sync_every != 1,
         "engines a step behind need importance weights against their policy; set "

@@ -20,12 +20,13 @@ Invariants:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import List, Mapping, Protocol, Sequence, Tuple
+from dataclasses import dataclass, replace
+from typing import List, Mapping, Optional, Protocol, Sequence, Tuple
 
 import torch
 
 from raytrain_ext.errors import InputError
+from raytrain_ext.rollout.reference import CompletionLogps, reference_logps
 from raytrain_ext.rollout.sampling import SamplingParams, completion_seed, seeded_sampling
 
 
@@ -43,13 +44,15 @@ class GroupRequest:
 class GroupCompletions:
     """A prompt group's completions, in generation order: each completion's token ids (up
     to and including the end-of-sequence token, no padding) and whether it was cut at
-    ``max_completion_length`` instead."""
+    ``max_completion_length`` instead; with a reference policy (``beta > 0``), each
+    completion token's log-prob under it (``rollout.reference``)."""
 
     prompt_index: int
     step: int
     completions: Tuple[Tuple[int, ...], ...]
     truncated: Tuple[bool, ...]
     weights_version: int
+    ref_logps: Optional[CompletionLogps] = None
 
 
 @dataclass(frozen=True)
@@ -96,10 +99,16 @@ class HFGenerateEngine:
     call never pads and is exact in any order; more groups per call run the engine's
     hardware fuller (TRL generates a whole batch at once)."""
 
-    def __init__(self, model: torch.nn.Module, settings: RolloutSettings):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        settings: RolloutSettings,
+        reference: Optional[torch.nn.Module] = None,
+    ):
         from transformers import GenerationConfig
 
         self.model = model.eval()
+        self.reference = reference  # scores each call's completions (rollout.reference)
         # generate() fills every setting a call leaves unset from the model's own
         # generation config (a repetition penalty, banned words, beams...), which would
         # change what is sampled: the engine's model has none but the library's defaults.
@@ -172,7 +181,7 @@ class HFGenerateEngine:
         )
         cut = [self._cut(row) for row in out[:, width:].tolist()]
         n = s.num_generations
-        return [
+        groups = [
             GroupCompletions(
                 r.prompt_index,
                 r.step,
@@ -182,6 +191,21 @@ class HFGenerateEngine:
             )
             for k, r in enumerate(requests)
         ]
+        return groups if self.reference is None else self._scored(requests, groups)
+
+    def _scored(
+        self, requests: Sequence[GroupRequest], groups: List[GroupCompletions]
+    ) -> List[GroupCompletions]:
+        """``groups`` with their reference log-probs, the call's rows scored together."""
+        assert self.reference is not None
+        logps = reference_logps(
+            self.reference,
+            [r.prompt_ids for r in requests],
+            [g.completions for g in groups],
+            self.settings.pad_token_id,
+            self.settings.sampling.temperature,
+        )
+        return [replace(g, ref_logps=lp) for g, lp in zip(groups, logps, strict=True)]
 
     def _cut(self, row: List[int]) -> Tuple[Tuple[int, ...], bool]:
         """A generated row up to and including its first end-of-sequence token; whether

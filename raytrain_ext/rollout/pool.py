@@ -47,10 +47,18 @@ FATE_WAIT_S = 10.0  # the longest wait for Ray's verdict on a lost engine (its g
 
 
 class EngineActor:
-    """One engine in a Ray actor (``HFGenerateEngine`` over the model ``build`` makes)."""
+    """One engine in a Ray actor (``HFGenerateEngine`` over the model ``build`` makes,
+    scoring its completions under the model ``reference`` makes, when given)."""
 
-    def __init__(self, build: ModelFactory, settings: RolloutSettings):
-        self.engine = HFGenerateEngine(build(), settings)
+    def __init__(
+        self,
+        build: ModelFactory,
+        settings: RolloutSettings,
+        reference: Optional[ModelFactory] = None,
+    ):
+        self.engine = HFGenerateEngine(
+            build(), settings, None if reference is None else reference()
+        )
 
     def load_weights(self, state: Mapping[str, torch.Tensor], version: int) -> int:
         self.engine.load_weights(state, version)
@@ -81,8 +89,8 @@ class EngineRecovery:
 
 class EnginePool:
     """``engines`` rollout engines, each an actor of ``actor_options`` (resources,
-    scheduling) building its model with ``build``; ``timeout_s`` bounds every wait on
-    one."""
+    scheduling) building its model with ``build`` (and the reference policy with
+    ``reference``, for GRPO's KL term); ``timeout_s`` bounds every wait on one."""
 
     def __init__(
         self,
@@ -91,11 +99,13 @@ class EnginePool:
         engines: int,
         actor_options: Optional[Dict[str, Any]] = None,
         timeout_s: float = 600.0,
+        reference: Optional[ModelFactory] = None,
     ):
         if engines < 1:
             raise ValueError(f"a rollout needs at least one engine; got {engines}")
         self._remote = ray.remote(EngineActor).options(max_restarts=0, **(actor_options or {}))
         self._build, self._settings, self.timeout_s = build, settings, timeout_s
+        self._reference = reference
         self.actors: List[Any] = []
         self._placements: List[ray.ObjectRef] = []  # each engine's (node id, pid), once built
         for _ in range(engines):
@@ -106,7 +116,7 @@ class EnginePool:
 
     def _start(self, engine: Optional[int] = None) -> None:
         """A new engine actor, appended, or in ``engine``'s place."""
-        actor = self._remote.remote(self._build, self._settings)
+        actor = self._remote.remote(self._build, self._settings, self._reference)
         placement = actor.placement.remote()
         if engine is None:
             self.actors.append(actor)

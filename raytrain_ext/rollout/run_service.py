@@ -16,6 +16,7 @@ from typing import Any, Callable, Dict, Optional, Sequence
 
 from raytrain_ext.errors import InputError
 from raytrain_ext.rollout.engine import RolloutSettings
+from raytrain_ext.rollout.reference import HFReferenceBuilder
 from raytrain_ext.rollout.sampling import SamplingParams
 from raytrain_ext.rollout.service import (
     ROLLOUT_NAMESPACE,
@@ -120,6 +121,7 @@ def start_run_rollout(cfg, reward_fns: Optional[Sequence[Callable]] = None) -> A
         engine_options=engine_options(dict(r.resources_per_engine)),
         decode=TokenizerDecode(spec, cfg.data.eos_token),
         timeout_s=r.timeout_s,
+        reference=HFReferenceBuilder(cfg.model, cfg.run.seed) if cfg.objective.grpo.beta else None,
     )
     check_room(cfg)
     # every rank of a group, and of a group that re-formed mid-wait, may wait in it at once

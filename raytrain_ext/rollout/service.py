@@ -84,9 +84,11 @@ class RewardSpec:
 
 @dataclass
 class RolloutSpec:
-    """What a run's rollout is made of: ``build`` makes an engine's model; ``engines``
-    engines of ``engine_options`` each; ``decode`` turns a completion's token ids into
-    what the reward functions see (a tokenizer's decode; by default the ids as a list)."""
+    """What a run's rollout is made of: ``build`` makes an engine's model (and
+    ``reference``, when given, the reference policy each engine scores its completions
+    under); ``engines`` engines of ``engine_options`` each; ``decode`` turns a
+    completion's token ids into what the reward functions see (a tokenizer's decode; by
+    default the ids as a list)."""
 
     build: ModelFactory
     settings: RolloutSettings
@@ -95,6 +97,7 @@ class RolloutSpec:
     engine_options: Optional[Dict[str, Any]] = None
     decode: Optional[Callable[[Sequence[int]], Any]] = None
     timeout_s: float = 600.0  # every wait on an engine
+    reference: Optional[ModelFactory] = None
 
 
 class RolloutService:
@@ -107,13 +110,18 @@ class RolloutService:
         self._score_task = ray.remote(score_groups).options(**spec.rewards.task_options)
         self.weights = spec.rewards.weights or [1.0] * len(self.reward_fns)
         self.pool = EnginePool(
-            spec.build, spec.settings, spec.engines, spec.engine_options, spec.timeout_s
+            spec.build,
+            spec.settings,
+            spec.engines,
+            spec.engine_options,
+            spec.timeout_s,
+            spec.reference,
         )
         self.version = -1  # the step whose weights the engines have
         self._lock = threading.Condition()
         self._generating = threading.Lock()
         self._results: Dict[int, "_Pending"] = {}
-        self.generations = 0  # steps generated (tests: once per step)
+        self.generated_steps: List[int] = []  # in the order generated (tests: each once)
 
     @ray.method(concurrency_group=WEIGHTS)
     def load_weights(self, state: Dict[str, torch.Tensor], version: int) -> int:
@@ -180,7 +188,7 @@ class RolloutService:
         advantages = group_advantages(
             rewards, self.settings.num_generations, self.rewards.scale_rewards
         )
-        self.generations += 1
+        self.generated_steps.append(step)
         names = tuple(function_name(fn) for fn in self.reward_fns)
         return RolloutResult(step, groups, per_function, rewards, advantages, names, phases)
 
@@ -203,7 +211,8 @@ class RolloutService:
         """Steps generated, the engines' weights version and (node id, pid) each, and each
         engine lost."""
         return {
-            "generations": self.generations,
+            "generations": len(self.generated_steps),
+            "generated_steps": list(self.generated_steps),
             "version": self.version,
             "engines": [list(p) for p in self.pool.known_placements()],
             "recoveries": [r.to_dict() for r in self.pool.recoveries],

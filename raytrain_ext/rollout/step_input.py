@@ -6,7 +6,7 @@ prefetcher's thread too).  Here a sample is a prompt group at a step
 (:class:`raytrain_ext.rollout.order.RolloutOrder`); the first question about a step asks
 the run's rollout service for it with the step's prompt groups in global-batch order,
 and every rank gets the same generation, scores and advantages.  The policy reaches the
-engines through :meth:`RolloutInput.push_weights`, which rank 0 calls with the full
+engines through :meth:`RolloutInput.push_policy`, which rank 0 calls with the full
 parameters after each update and when a group starts (a restore or a re-form sets the
 engines' version back to the group's step).
 
@@ -21,7 +21,9 @@ Invariants:
   no lock is held while waiting for it (the main thread may need step ``s`` while the
   prefetcher waits for ``s + 1``); a re-form cuts the wait short (``rollout.waits``).
 - A batch's rows are its groups' completions, ``num_generations`` each, in the order of
-  its ids; each row's advantage is its completion's in the step's result.
+  its ids; each row's advantage is its completion's in the step's result, and with
+  ``objective.grpo.beta > 0`` its reference log-probs are the ones the engine computed
+  when it generated the completion (``rollout.reference``).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from raytrain_ext.parallel.strategy import Strategy
 from raytrain_ext.rollout.assemble import completion_rows
 from raytrain_ext.rollout.order import KEPT_STEPS, RolloutOrder
 from raytrain_ext.rollout.prompt_records import PromptRecords
+from raytrain_ext.rollout.reference import reference_rows
 from raytrain_ext.rollout.service import RolloutResult
 from raytrain_ext.rollout.waits import arm, wait_for
 
@@ -78,6 +81,7 @@ class RolloutInput:
         self.num_samples = records.num_samples
         self.generations = g.num_generations
         self.units_are_tokens = g.loss_type == GRPOLossType.dapo
+        self.kl = g.beta > 0  # batches carry the reference's log-probs (rollout.reference)
         tokenizer = records.tokenizer
         self.pad_id = (
             tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -139,9 +143,23 @@ class RolloutInput:
         prompt_ids = {p: self.records.group(p).prompt_ids for p in set(prompts.tolist())}
         batch = completion_rows(groups, prompt_ids, self.pad_id)
         advantages = torch.cat([rollout.advantages(p) for p in prompts.tolist()])
-        batch.rollout = Rollout(advantages.float())
+        reference = self._reference_rows(groups, prompts, prompt_ids, batch) if self.kl else None
+        batch.rollout = Rollout(advantages.float(), ref_logps=reference)
         batch.indices = np.asarray(ids)
         return batch
+
+    def _reference_rows(
+        self, groups, prompts: np.ndarray, prompt_ids, batch: Batch
+    ) -> torch.Tensor:
+        """The groups' reference log-probs, laid out as ``batch``'s targets (``beta > 0``)."""
+        logps = [g.ref_logps for g in groups]
+        if any(lp is None for lp in logps):
+            raise RuntimeError(
+                "objective.grpo.beta > 0 but the rollout service returned completions without "
+                "reference log-probs: its engines were started without the reference policy"
+            )
+        lengths = [len(prompt_ids[p]) for p in prompts.tolist()]
+        return reference_rows(logps, lengths, (batch.targets.shape[0], batch.targets.shape[1]))
 
     def max_token(self) -> int:
         return 0  # prompts are checked against the vocabulary before Ray (check_prompt_data)

@@ -29,6 +29,10 @@ from tests.helpers.runs import FitThread, last_step, recovered, tiny_overrides, 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 
 THREE_WAY = ["data.global_batch_size=12", "data.micro_batch_size=2"]  # splits over 3 and 2
+# Every step lasts at least 0.1 s (one rank sleeps, in every group of the run: a sleep
+# changes no number), so that on a fast machine the run still outlasts what a test waits
+# for mid-run (a spare's imports, a re-form) instead of finishing first.
+STEP_FLOOR = ["chaos.slow_rank=1", "chaos.slow_s=0.1", "chaos.attempts=5"]
 
 
 def add_nodes(cluster, count: int):
@@ -85,6 +89,7 @@ def test_node_loss_shrinks_in_place_from_peers_then_grows_back_in_place(ray_clus
         "scaling.num_workers=3",
         "scaling.min_workers=1",
         "checkpoint.every_steps=5",
+        *STEP_FLOOR,
     )
     reference = uninterrupted(steps, *THREE_WAY)
     trainer = Trainer(cfg)
@@ -160,6 +165,7 @@ def test_killed_rank_0_then_last_rank_are_replaced_in_place_bit_identical(ray_cl
         "scaling.num_workers=3",
         "elastic.max_failures=2",
         "checkpoint.every_steps=100",  # only the final one
+        *STEP_FLOOR,
     )
     reference = uninterrupted(steps, *THREE_WAY, world=3)["result"]
     trainer = Trainer(cfg)

@@ -1,8 +1,9 @@
 """GRPO end to end on Ray, with the tiny config users start from (``configs/grpo_tiny.yaml``:
 a tiny Llama, DDP on 2 ranks; here 2 rollout engines, Ray actors of the run) and a
 verifiable reward given from Python: the completion says the record's ``chosen`` word (a
-column passed through to the reward).  The mean reward rises from below 0.2 to above
-0.8; every step's prompt groups are generated once and consumed once; and a run that
+column passed through to the reward), with the KL term against the reference policy
+(``beta > 0``: the engines score every completion under it).  The mean reward rises from
+below 0.2 to above 0.8; every step's prompt groups are generated once and consumed once; and a run that
 loses a rollout engine (its process SIGKILLed from outside) and then a trainer rank
 (chaos) keeps going, keeps the other engine's process through the trainer's loss, and
 ends with the very weights and samples of the run that lost nothing.  An interrupted run
@@ -23,6 +24,7 @@ from tests.helpers.grpo import CONFIG, expected_samples_digest
 from tests.helpers.runs import FitThread, last_step, wait_until
 
 STEPS, GROUPS = 12, 4
+KL = "objective.grpo.beta=0.04"
 
 
 def says_chosen(prompts, completions, chosen, **columns):
@@ -56,7 +58,7 @@ def step_records(tmp_path, name):
 def test_grpo_learns_and_a_lost_engine_and_trainer_change_nothing(ray_local, tmp_path):
     import ray
 
-    clean = Trainer(grpo_config(tmp_path, "clean"), reward_fns=[says_chosen]).fit()
+    clean = Trainer(grpo_config(tmp_path, "clean", KL), reward_fns=[says_chosen]).fit()
     assert clean["status"] == "finished" and clean["objective"] == "grpo"
     assert clean["rollout"]["generations"] == STEPS and clean["rollout_recoveries"] == []
     assert clean["samples_consumed"] == STEPS * GROUPS
@@ -64,9 +66,10 @@ def test_grpo_learns_and_a_lost_engine_and_trainer_change_nothing(ray_local, tmp
     records = step_records(tmp_path, "clean")
     rewards = [r["reward"] for r in records]
     assert all(r["rollout_generate_s"] > 0 and r["rollout_reward_s"] > 0 for r in records)
+    assert records[0]["kl"] == 0 and all(r["kl"] > 0 for r in records[1:])  # moved off it
     assert rewards[0] < 0.2 and sum(rewards[-3:]) / 3 > 0.8, rewards
 
-    config = grpo_config(tmp_path, "faulted", "chaos.kill_rank=1", "chaos.kill_at_step=6")
+    config = grpo_config(tmp_path, "faulted", KL, "chaos.kill_rank=1", "chaos.kill_at_step=6")
     trainer = Trainer(config, reward_fns=[says_chosen])
     with FitThread(trainer) as run:
         wait_until(lambda: last_step(trainer) >= 2, "step 2", timeout_s=120)

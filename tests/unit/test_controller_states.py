@@ -174,6 +174,9 @@ class FakeGroup:
             self.paused_at = self.step
             return FitStatus(True)
         self._train_step(timeout_s)
+        if fault is not None and self.step >= fault.after_step >= self.max_steps:
+            # lost after the last step: rank 0 has returned from the run meanwhile
+            return FitStatus(False, (fault.rank, fault.error), {0: FitResult(0, self.step)})
         return FitStatus(self.step >= self.max_steps)
 
     def _train_step(self, seconds: float) -> None:
@@ -362,6 +365,21 @@ def test_worker_failure_recovers_at_the_same_size():
         {"step": 0, "world_size": 2},
         {"step": 5, "world_size": 2},
     ]
+
+
+def test_a_rank_lost_after_the_last_step_ends_the_run_finished_not_recovered():
+    """Rank 0 returned from the last step (and the final checkpoint) when rank 1's node
+    went: nothing is left to train, and the finished ranks let their state go, so a
+    re-formed group would start over from step 0."""
+    died = WorkerDied("rank 1's node was removed")
+    run = make_run({"n1": 1, "n2": 1}, max_steps=4, faults=[Fault(0, 4, rank=1, error=died)])
+    result = run.controller.run()
+    assert run.states() == ["SCHEDULING", "RUNNING", "FINISHED"]
+    assert result.transitions[-1].reason == (
+        "4 steps completed; rank 1 (WorkerDied) was lost after the last step"
+    )
+    assert result.recoveries == [] and run.steps() == [1, 2, 3, 4]
+    assert [r.rank for r in result.worker_results] == [0]
 
 
 def test_failure_with_survivors_reforms_in_place():

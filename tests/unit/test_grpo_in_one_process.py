@@ -5,7 +5,14 @@ group advantages and the rollout batch (raytrain_ext.rollout.assemble) feed the 
 
 import torch
 
-from raytrain_ext.objectives.grpo import GRPO, ScaleRewards, combined_rewards, group_advantages
+from raytrain_ext.data.batch import Rollout
+from raytrain_ext.objectives.grpo import (
+    GRPO,
+    KLRegularizedGRPO,
+    ScaleRewards,
+    combined_rewards,
+    group_advantages,
+)
 from raytrain_ext.rollout.assemble import completion_rows, rollout_batch
 from raytrain_ext.rollout.engine import (
     GroupCompletions,
@@ -13,7 +20,9 @@ from raytrain_ext.rollout.engine import (
     HFGenerateEngine,
     RolloutSettings,
 )
+from raytrain_ext.rollout.reference import reference_rows
 from raytrain_ext.rollout.rewards import ScoredGroup, score_groups
+from raytrain_ext.rollout.sampling import SamplingParams
 from tests.helpers.hf_models import TINY, tiny_policy
 
 GENERATIONS, PROMPTS, STEPS = 8, 4, 12
@@ -63,3 +72,49 @@ def test_a_grpo_loop_in_one_process_raises_its_reward():
         mean_rewards.append(rewards.mean().item())
     first, last = sum(mean_rewards[:3]) / 3, sum(mean_rewards[-3:]) / 3
     assert last > first + 0.15, mean_rewards
+
+
+def test_the_engines_reference_log_probs_are_the_trainers_and_feed_the_kl_term():
+    """``beta > 0``: an engine scores each call's completions under the reference policy
+    (``rollout.reference``); laid out as the batch's rows, they are what the trainer would
+    compute from the same reference, and the KL term reads them."""
+    settings = RolloutSettings(
+        num_generations=3, max_completion_length=5, seed=3, eos_token_id=2, pad_token_id=0,
+        sampling=SamplingParams(temperature=0.7), groups_per_call=2,
+    )  # fmt: skip
+    reference, policy = tiny_policy(seed=7), tiny_policy(seed=5)
+    engine = HFGenerateEngine(tiny_policy(seed=9), settings, reference=reference)
+    prompts = {i: tuple(range(1 + i, 4 + 2 * i)) for i in range(3)}  # lengths differ
+    groups = engine.generate([GroupRequest(i, prompts[i], step=1) for i in range(3)])
+    assert all(
+        [len(lp) for lp in g.ref_logps] == [len(c) for c in g.completions]
+        for g in groups
+        if g.ref_logps is not None
+    ) and all(g.ref_logps is not None for g in groups)
+    advantages = torch.linspace(-1, 1, 9)
+    trainers = rollout_batch(
+        groups,
+        prompts,
+        advantages,
+        0,
+        lambda x: policy(x).logits,
+        lambda x: reference(x).logits,
+        0.7,
+    )
+    assert trainers.rollout is not None and trainers.weights is not None
+    engines = reference_rows(
+        [g.ref_logps for g in groups if g.ref_logps is not None],
+        [len(prompts[g.prompt_index]) for g in groups],
+        tuple(trainers.targets.shape),
+    )
+    mask = trainers.weights > 0
+    assert torch.allclose(engines[mask], trainers.rollout.ref_logps[mask], atol=1e-5)
+    assert (engines[~mask] == 0).all()
+    objective = KLRegularizedGRPO(0.04, temperature=0.7)
+    logits = policy(trainers.inputs).logits
+    expected = objective.loss(logits, trainers)
+    trainers.rollout = Rollout(advantages, ref_logps=engines)
+    got = objective.loss(logits, trainers)
+    assert got.metrics["kl"] > 0
+    assert torch.allclose(got.loss_sum, expected.loss_sum, rtol=1e-5)
+    assert torch.allclose(got.metrics["kl"], expected.metrics["kl"], rtol=1e-5)
