@@ -58,11 +58,6 @@ NOT_YET = {
         "several updates per generation need the generating policy's log-probs; set "
         "objective.grpo.num_iterations=1",
     ),
-    "rollout.sync_every": (
-        lambda cfg: cfg.rollout.sync_every != 1,
-        "engines a step behind need importance weights against their policy; set "
-        "rollout.sync_every=1",
-    ),
     "rollout.overlap": (
         lambda cfg: cfg.rollout.overlap,
         "generating step t+1 during step t's update is one step off-policy; set "

@@ -26,7 +26,7 @@ from typing import List, Mapping, Optional, Protocol, Sequence, Tuple
 import torch
 
 from raytrain_ext.errors import InputError
-from raytrain_ext.rollout.reference import CompletionLogps, reference_logps
+from raytrain_ext.rollout.reference import CompletionLogps, completion_logps
 from raytrain_ext.rollout.sampling import SamplingParams, completion_seed, seeded_sampling
 
 
@@ -45,7 +45,9 @@ class GroupCompletions:
     """A prompt group's completions, in generation order: each completion's token ids (up
     to and including the end-of-sequence token, no padding) and whether it was cut at
     ``max_completion_length`` instead; with a reference policy (``beta > 0``), each
-    completion token's log-prob under it (``rollout.reference``)."""
+    completion token's log-prob under it (``rollout.reference``), and when the engines
+    may run behind the trainers (``RolloutSettings.score_policy``), under the weights
+    that generated it."""
 
     prompt_index: int
     step: int
@@ -53,6 +55,7 @@ class GroupCompletions:
     truncated: Tuple[bool, ...]
     weights_version: int
     ref_logps: Optional[CompletionLogps] = None
+    policy_logps: Optional[CompletionLogps] = None
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,9 @@ class RolloutSettings:
     pad_token_id: int
     sampling: SamplingParams = SamplingParams()
     groups_per_call: int = 1  # prompt groups per generate call (module doc)
+    # each completion scored under the generating weights too (the loss's importance
+    # ratio when the engines run behind the trainers: rollout.schedule)
+    score_policy: bool = False
 
     def __post_init__(self) -> None:
         if min(self.num_generations, self.max_completion_length, self.groups_per_call) < 1:
@@ -191,21 +197,28 @@ class HFGenerateEngine:
             )
             for k, r in enumerate(requests)
         ]
-        return groups if self.reference is None else self._scored(requests, groups)
+        if self.reference is not None:
+            logps = self._score(self.reference, requests, groups)
+            groups = [replace(g, ref_logps=lp) for g, lp in zip(groups, logps, strict=True)]
+        if s.score_policy:
+            logps = self._score(self.model, requests, groups)
+            groups = [replace(g, policy_logps=lp) for g, lp in zip(groups, logps, strict=True)]
+        return groups
 
-    def _scored(
-        self, requests: Sequence[GroupRequest], groups: List[GroupCompletions]
-    ) -> List[GroupCompletions]:
-        """``groups`` with their reference log-probs, the call's rows scored together."""
-        assert self.reference is not None
-        logps = reference_logps(
-            self.reference,
+    def _score(
+        self,
+        model: torch.nn.Module,
+        requests: Sequence[GroupRequest],
+        groups: List[GroupCompletions],
+    ) -> List[CompletionLogps]:
+        """Each completion token's log-prob under ``model``, the call's rows together."""
+        return completion_logps(
+            model,
             [r.prompt_ids for r in requests],
             [g.completions for g in groups],
             self.settings.pad_token_id,
             self.settings.sampling.temperature,
         )
-        return [replace(g, ref_logps=lp) for g, lp in zip(groups, logps, strict=True)]
 
     def _cut(self, row: List[int]) -> Tuple[Tuple[int, ...], bool]:
         """A generated row up to and including its first end-of-sequence token; whether

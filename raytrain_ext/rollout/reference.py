@@ -50,7 +50,7 @@ class HFReferenceBuilder:
 
 
 @torch.no_grad()
-def reference_logps(
+def completion_logps(
     model: torch.nn.Module,
     prompts: Sequence[Tuple[int, ...]],
     completions: Sequence[Sequence[Tuple[int, ...]]],
@@ -84,7 +84,7 @@ def reference_logps(
     return out
 
 
-def reference_rows(
+def logp_rows(
     groups_logps: Sequence[CompletionLogps],
     prompt_lengths: Sequence[int],
     shape: Tuple[int, int],

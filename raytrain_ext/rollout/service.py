@@ -13,8 +13,9 @@ scores (the reward functions, in Ray tasks: a slow reward holds no trainer) and 
 the group advantages; every request for that step gets the same result, and the last
 few steps' results are kept, so a trainer group re-formed mid-step takes what was already
 generated instead of generating it again.  ``load_weights`` after each update gives the
-engines the new policy; ``rollout(step)`` generates only once the weights of ``step - 1``
-are in (on-policy).
+engines the new policy at each sync point; ``rollout(step)`` generates only once the
+weights the schedule names are in (``rollout.schedule``: with ``sync_every=1``, those of
+``step - 1``, on-policy).
 
 Invariants:
 - One generation per step, whatever the number of ranks or re-forms asking for it.
@@ -43,6 +44,7 @@ from raytrain_ext.rollout.rewards import (
     load_reward_fn,
     score_groups,
 )
+from raytrain_ext.rollout.schedule import WeightsSchedule
 
 KEEP_STEPS = 4  # results kept for re-formed trainers asking again
 # The weights' loads and the service's reports run on threads of their own: every rank
@@ -65,6 +67,7 @@ class RolloutResult:
     advantages: torch.Tensor
     function_names: Tuple[str, ...] = ()  # the reward functions', in column order
     phases_s: Dict[str, float] = field(default_factory=dict)  # wait_weights, generate, reward
+    weights_version: int = -1  # the step whose weights generated it (rollout.schedule)
 
 
 @dataclass
@@ -98,6 +101,7 @@ class RolloutSpec:
     decode: Optional[Callable[[Sequence[int]], Any]] = None
     timeout_s: float = 600.0  # every wait on an engine
     reference: Optional[ModelFactory] = None
+    schedule: WeightsSchedule = WeightsSchedule()
 
 
 class RolloutService:
@@ -118,19 +122,34 @@ class RolloutService:
             spec.reference,
         )
         self.version = -1  # the step whose weights the engines have
+        self.schedule = spec.schedule
+        self.anchor = 0  # a trainer group's start off the schedule (rollout.schedule)
         self._lock = threading.Condition()
         self._generating = threading.Lock()
         self._results: Dict[int, "_Pending"] = {}
         self.generated_steps: List[int] = []  # in the order generated (tests: each once)
 
     @ray.method(concurrency_group=WEIGHTS)
-    def load_weights(self, state: Dict[str, torch.Tensor], version: int) -> int:
-        """The engines take the policy after step ``version``.  The trainers' word is the
-        truth: a group re-formed from an earlier step sends that step's weights, and the
-        version goes back with them."""
+    def load_weights(
+        self, state: Dict[str, torch.Tensor], version: int, start: bool = False
+    ) -> int:
+        """The engines take the policy after step ``version`` (a sync point, or a trainer
+        group's ``start``).  At a start the schedule decides whether the engines keep
+        what they hold (``WeightsSchedule.start``); otherwise the trainers' word is the
+        truth: a group set back to an earlier step sends that step's weights, and the
+        version goes back with them.  Returns the version the engines have."""
+        with self._lock:
+            held, anchor = self.version, self.anchor
+        if start:
+            keep, anchor = self.schedule.start(held, version, anchor)
+            if keep:
+                with self._lock:
+                    self.anchor = anchor
+                    self._lock.notify_all()
+                return held
         self.pool.load_weights(state, version)
         with self._lock:
-            self.version = version
+            self.version, self.anchor = version, anchor
             self._lock.notify_all()
         return version
 
@@ -161,21 +180,26 @@ class RolloutService:
     def _generate(self, step: int, prompts: Sequence[PromptGroup], wait_s: float) -> RolloutResult:
         started = time.perf_counter()
         with self._lock:
-            if not self._lock.wait_for(lambda: self.version == step - 1, timeout=wait_s):
+
+            def due() -> int:
+                return self.schedule.required(step, self.anchor)
+
+            if not self._lock.wait_for(lambda: self.version == due(), timeout=wait_s):
                 raise TimeoutError(
                     f"rollout of step {step}: the engines still have the weights of step "
-                    f"{self.version} after {wait_s:.0f} s (load_weights({step - 1}) never came)"
+                    f"{self.version} after {wait_s:.0f} s (load_weights({due()}) never came)"
                 )
+            version = due()
         weights_in = time.perf_counter()
         requests = [GroupRequest(p.index, p.prompt_ids, step) for p in prompts]
         with self._generating:  # one generation at a time (a re-formed group may overlap)
             groups = self.pool.generate(requests)
         generated = time.perf_counter()
-        stale = sorted({g.weights_version for g in groups} - {step - 1})
+        stale = sorted({g.weights_version for g in groups} - {version})
         if stale:
             raise RuntimeError(
                 f"rollout of step {step}: engines generated with the weights of step(s) "
-                f"{stale}, not {step - 1} (an engine's load_weights failed, or the trainers "
+                f"{stale}, not {version} (an engine's load_weights failed, or the trainers "
                 "set the version back meanwhile): see the engines' logs"
             )
         per_function = self._score(prompts, groups, wait_s)
@@ -190,7 +214,9 @@ class RolloutService:
         )
         self.generated_steps.append(step)
         names = tuple(function_name(fn) for fn in self.reward_fns)
-        return RolloutResult(step, groups, per_function, rewards, advantages, names, phases)
+        return RolloutResult(
+            step, groups, per_function, rewards, advantages, names, phases, version
+        )
 
     def _score(
         self, prompts: Sequence[PromptGroup], groups: List[GroupCompletions], wait_s: float

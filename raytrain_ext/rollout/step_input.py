@@ -29,7 +29,7 @@ Invariants:
 from __future__ import annotations
 
 import threading
-from typing import Any, Dict
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 import torch
@@ -43,7 +43,8 @@ from raytrain_ext.parallel.strategy import Strategy
 from raytrain_ext.rollout.assemble import completion_rows
 from raytrain_ext.rollout.order import KEPT_STEPS, RolloutOrder
 from raytrain_ext.rollout.prompt_records import PromptRecords
-from raytrain_ext.rollout.reference import reference_rows
+from raytrain_ext.rollout.reference import CompletionLogps, logp_rows
+from raytrain_ext.rollout.schedule import WeightsSchedule
 from raytrain_ext.rollout.service import RolloutResult
 from raytrain_ext.rollout.waits import arm, wait_for
 
@@ -82,6 +83,7 @@ class RolloutInput:
         self.generations = g.num_generations
         self.units_are_tokens = g.loss_type == GRPOLossType.dapo
         self.kl = g.beta > 0  # batches carry the reference's log-probs (rollout.reference)
+        self.schedule = WeightsSchedule(cfg.rollout.sync_every)
         tokenizer = records.tokenizer
         self.pad_id = (
             tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -143,23 +145,24 @@ class RolloutInput:
         prompt_ids = {p: self.records.group(p).prompt_ids for p in set(prompts.tolist())}
         batch = completion_rows(groups, prompt_ids, self.pad_id)
         advantages = torch.cat([rollout.advantages(p) for p in prompts.tolist()])
-        reference = self._reference_rows(groups, prompts, prompt_ids, batch) if self.kl else None
-        batch.rollout = Rollout(advantages.float(), ref_logps=reference)
+        lengths = [len(prompt_ids[p]) for p in prompts.tolist()]
+        shape = (batch.targets.shape[0], batch.targets.shape[1])
+        reference = old = None
+        if self.kl:
+            reference = logp_rows(
+                _present([g.ref_logps for g in groups], "reference", "objective.grpo.beta > 0"),
+                lengths,
+                shape,
+            )
+        if self.schedule.off_policy:
+            old = logp_rows(
+                _present([g.policy_logps for g in groups], "generating", "rollout.sync_every > 1"),
+                lengths,
+                shape,
+            )
+        batch.rollout = Rollout(advantages.float(), old_logps=old, ref_logps=reference)
         batch.indices = np.asarray(ids)
         return batch
-
-    def _reference_rows(
-        self, groups, prompts: np.ndarray, prompt_ids, batch: Batch
-    ) -> torch.Tensor:
-        """The groups' reference log-probs, laid out as ``batch``'s targets (``beta > 0``)."""
-        logps = [g.ref_logps for g in groups]
-        if any(lp is None for lp in logps):
-            raise RuntimeError(
-                "objective.grpo.beta > 0 but the rollout service returned completions without "
-                "reference log-probs: its engines were started without the reference policy"
-            )
-        lengths = [len(prompt_ids[p]) for p in prompts.tolist()]
-        return reference_rows(logps, lengths, (batch.targets.shape[0], batch.targets.shape[1]))
 
     def max_token(self) -> int:
         return 0  # prompts are checked against the vocabulary before Ray (check_prompt_data)
@@ -176,6 +179,7 @@ class RolloutInput:
             "reward_std": float(_nanstd(result.rewards)),
             "completion_length": float(np.mean(lengths)),
             "completion_clipped": float(np.mean(cut)),
+            "weights_version": float(result.weights_version),
             **{f"rollout_{phase}_s": seconds for phase, seconds in result.phases_s.items()},
         }
         if len(result.function_names) > 1:
@@ -183,14 +187,33 @@ class RolloutInput:
                 fields[f"reward/{name}"] = float(torch.nanmean(result.rewards_per_function[:, k]))
         return fields
 
-    def push_policy(self, strategy: Strategy, model: torch.nn.Module, version: int, rank: int):
-        """The engines take the policy after step ``version``: every rank gathers (a sharded
-        model's full parameters are a collective), rank 0 sends CPU copies; the service
-        waits for them before generating step ``version + 1``."""
+    def push_policy(
+        self, strategy: Strategy, model: torch.nn.Module, version: int, rank: int, start: bool
+    ) -> None:
+        """The engines take the policy after step ``version``, at a sync point or at the
+        group's ``start`` (``rollout.schedule``: the service then decides whether they
+        keep what they hold): every rank gathers (a sharded model's full parameters are a
+        collective), rank 0 sends CPU copies; the service waits for the schedule's weights
+        before generating a step."""
+        if not (start or self.schedule.is_sync_point(version)):
+            return
         params = strategy.full_parameters(model)
         if rank == 0:
             state = {name: t.detach().to("cpu") for name, t in params.items()}
-            self.service.load_weights.remote(state, version)
+            self.service.load_weights.remote(state, version, start)
+
+
+def _present(
+    logps: List[Optional[CompletionLogps]], policy: str, key: str
+) -> List[CompletionLogps]:
+    """Each group's per-token log-probs under the ``policy`` policy, which the engines add
+    when ``key``."""
+    if any(lp is None for lp in logps):
+        raise RuntimeError(
+            f"{key} but the rollout service returned completions without their {policy} "
+            "policy's log-probs: its engines were started for another configuration"
+        )
+    return [lp for lp in logps if lp is not None]
 
 
 def _nanstd(values: torch.Tensor) -> torch.Tensor:

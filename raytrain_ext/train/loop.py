@@ -188,7 +188,7 @@ class TrainLoop:
         if self.restored is None and self.ckpt is not None:
             self.restored = self.ckpt.restore(self.state, held=held)
         self.build_marks["restored_at"] = time.time()
-        self._push_policy()
+        self._push_policy(start=True)
         self.nonfinite = NonFiniteGuard(cfg.guards, self.state, self.ckpt)
         if self.reference is not None and not self.reference.ready:
             self._compute_reference(self.reference)
@@ -320,7 +320,7 @@ class TrainLoop:
         self._update(step, not skipped, exchanged.consumed, clock)
         rolled_back = decision.action == StepAction.ROLLBACK and self.nonfinite.rollback(step)
         self.handover.at_boundary()
-        self._push_policy()
+        self._push_policy(start=False)
         if rolled_back:
             return loss
         stall = self._checkpoint(exchanged, clock)
@@ -330,10 +330,12 @@ class TrainLoop:
         self._report_step(report, clock)
         return loss
 
-    def _push_policy(self) -> None:
-        """GRPO: the rollout engines take the weights of this step boundary."""
+    def _push_policy(self, start: bool) -> None:
+        """GRPO: the rollout engines take the weights of this step boundary (the group's
+        ``start``, or after an update at a sync point)."""
         if self.rollout is not None:
-            self.rollout.push_policy(self.strategy, self.model, self.progress.step, self.ctx.rank)
+            step, rank = self.progress.step, self.ctx.rank
+            self.rollout.push_policy(self.strategy, self.model, step, rank, start)
 
     def _take_batch(self, step: int) -> Tuple[np.ndarray, np.ndarray, float]:
         """The step's global batch, this rank's slice and the batch's loss units; the

@@ -2,9 +2,11 @@
 a tiny Llama, DDP on 2 ranks; here 2 rollout engines, Ray actors of the run) and a
 verifiable reward given from Python: the completion says the record's ``chosen`` word (a
 column passed through to the reward), with the KL term against the reference policy
-(``beta > 0``: the engines score every completion under it).  The mean reward rises from
-below 0.2 to above 0.8; every step's prompt groups are generated once and consumed once; and a run that
-loses a rollout engine (its process SIGKILLed from outside) and then a trainer rank
+(``beta > 0``: the engines score every completion under it) and the engines a step
+behind every other step (``rollout.sync_every=2``: the loss's ratio is against the
+weights that generated).  The mean reward rises from below 0.2 to above 0.8; every step's
+prompt groups are generated once and consumed once; and a run that loses a rollout
+engine (its process SIGKILLed from outside) and then a trainer rank between sync points
 (chaos) keeps going, keeps the other engine's process through the trainer's loss, and
 ends with the very weights and samples of the run that lost nothing.  An interrupted run
 resumes from its checkpoint on another number of trainers and engines and consumes exactly
@@ -25,6 +27,8 @@ from tests.helpers.runs import FitThread, last_step, wait_until
 
 STEPS, GROUPS = 12, 4
 KL = "objective.grpo.beta=0.04"
+BEHIND = "rollout.sync_every=2"  # the engines take the weights every second update
+FAULTED = [KL, BEHIND, "run.max_steps=6"]  # the pair of runs compared bit for bit
 
 
 def says_chosen(prompts, completions, chosen, **columns):
@@ -67,12 +71,17 @@ def test_grpo_learns_and_a_lost_engine_and_trainer_change_nothing(ray_local, tmp
     rewards = [r["reward"] for r in records]
     assert all(r["rollout_generate_s"] > 0 and r["rollout_reward_s"] > 0 for r in records)
     assert records[0]["kl"] == 0 and all(r["kl"] > 0 for r in records[1:])  # moved off it
+    assert [r["weights_version"] for r in records] == list(range(STEPS))  # on-policy
     assert rewards[0] < 0.2 and sum(rewards[-3:]) / 3 > 0.8, rewards
 
-    config = grpo_config(tmp_path, "faulted", KL, "chaos.kill_rank=1", "chaos.kill_at_step=6")
+    behind = Trainer(grpo_config(tmp_path, "behind", *FAULTED), reward_fns=[says_chosen]).fit()
+    assert [r["weights_version"] for r in step_records(tmp_path, "behind")] == [0, 0, 2, 2, 4, 4]
+    # rank 1 dies after step 3, between sync points: the re-formed group keeps the
+    # engines' weights of step 2 for step 4, as the run that lost nothing generated it
+    config = grpo_config(tmp_path, "faulted", *FAULTED, "chaos.kill_rank=1", "chaos.kill_at_step=3")
     trainer = Trainer(config, reward_fns=[says_chosen])
     with FitThread(trainer) as run:
-        wait_until(lambda: last_step(trainer) >= 2, "step 2", timeout_s=120)
+        wait_until(lambda: last_step(trainer) >= 1, "step 1", timeout_s=120)
         service = find_run_rollout("faulted")
         engines = ray.get(service.engine_placements.remote(), timeout=30)
         os.kill(engines[0][1], signal.SIGKILL)
@@ -80,29 +89,36 @@ def test_grpo_learns_and_a_lost_engine_and_trainer_change_nothing(ray_local, tmp
     assert faulted["status"] == "finished"
     (lost,) = faulted["rollout_recoveries"]
     assert lost["engine"] == 0 and lost["fate"], lost
-    assert len(faulted["recoveries"]) == 1  # the trainer rank, re-formed in place
-    assert faulted["rollout"]["generations"] == STEPS  # nothing generated again after it
+    (recovery,) = faulted["recoveries"]  # the trainer rank, re-formed in place
+    assert recovery["restored_from"] == "peers" and recovery["restored_step"] == 3
+    assert faulted["rollout"]["generated_steps"] == list(range(1, 7))  # none again
     final_engines = faulted["rollout"]["engines"]
     assert final_engines[1] == list(engines[1])  # kept through the trainer's loss
     assert final_engines[0][1] != engines[0][1]  # the killed engine's replacement
-    assert faulted["params_sha256"] == clean["params_sha256"]
-    assert faulted["samples_digest"] == clean["samples_digest"]
-    assert step_records(tmp_path, "faulted")[-1]["reward"] == rewards[-1]
+    assert faulted["params_sha256"] == behind["params_sha256"]
+    assert faulted["samples_digest"] == behind["samples_digest"]
+    faulted_records = step_records(tmp_path, "faulted")
+    assert [r["weights_version"] for r in faulted_records] == [0, 0, 2, 2, 4, 4]
+    assert faulted_records[-1]["reward"] == step_records(tmp_path, "behind")[-1]["reward"]
 
 
 def test_an_interrupted_grpo_run_resumes_on_other_trainers_and_engines(ray_local, tmp_path):
-    slowed = grpo_config(tmp_path, "resumed", "chaos.slow_rank=0", "chaos.slow_s=0.3")
+    slowed = grpo_config(tmp_path, "resumed", BEHIND, "chaos.slow_rank=0", "chaos.slow_s=0.3")
     trainer = Trainer(slowed, reward_fns=[says_chosen])  # slowed: the interrupt lands mid-run
     with FitThread(trainer) as run:
         wait_until(lambda: last_step(trainer) >= 4, "step 4", timeout_s=120)
         trainer.interrupt("the test")
         first = run.summary(timeout_s=120)
     assert first["status"] == "interrupted" and 4 <= first["steps_completed"] < STEPS
-    smaller = grpo_config(tmp_path, "resumed", "scaling.num_workers=1", "rollout.engines=1")
+    smaller = grpo_config(tmp_path, "resumed", BEHIND, "scaling.num_workers=1", "rollout.engines=1")
     resumed = Trainer(smaller, reward_fns=[says_chosen]).fit()
     assert (
         resumed["status"] == "finished" and resumed["restored"]["step"] == first["steps_completed"]
     )
     assert resumed["rollout"]["generations"] == STEPS - first["steps_completed"]
+    # new engines: the resumed group's own start anchors the steps up to the next sync point
+    resumed_at = first["steps_completed"]
+    after = [r for r in step_records(tmp_path, "resumed") if r["step"] == resumed_at + 1]
+    assert after[-1]["weights_version"] == resumed_at
     expected = expected_samples_digest(STEPS, GROUPS, smaller.data.seed)
     assert resumed["samples_digest"] == expected

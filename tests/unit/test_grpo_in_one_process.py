@@ -20,7 +20,7 @@ from raytrain_ext.rollout.engine import (
     HFGenerateEngine,
     RolloutSettings,
 )
-from raytrain_ext.rollout.reference import reference_rows
+from raytrain_ext.rollout.reference import logp_rows
 from raytrain_ext.rollout.rewards import ScoredGroup, score_groups
 from raytrain_ext.rollout.sampling import SamplingParams
 from tests.helpers.hf_models import TINY, tiny_policy
@@ -74,47 +74,48 @@ def test_a_grpo_loop_in_one_process_raises_its_reward():
     assert last > first + 0.15, mean_rewards
 
 
-def test_the_engines_reference_log_probs_are_the_trainers_and_feed_the_kl_term():
-    """``beta > 0``: an engine scores each call's completions under the reference policy
-    (``rollout.reference``); laid out as the batch's rows, they are what the trainer would
-    compute from the same reference, and the KL term reads them."""
+def test_the_engines_log_probs_are_the_trainers_and_feed_the_loss():
+    """An engine scores each call's completions under the reference policy (``beta > 0``,
+    ``rollout.reference``) and under the weights that generated them (engines behind the
+    trainers, ``rollout.sync_every > 1``); laid out as the batch's rows, they are what the
+    trainer would compute from the same models, and the loss (its KL term and its
+    importance ratio) reads them."""
     settings = RolloutSettings(
         num_generations=3, max_completion_length=5, seed=3, eos_token_id=2, pad_token_id=0,
-        sampling=SamplingParams(temperature=0.7), groups_per_call=2,
+        sampling=SamplingParams(temperature=0.7), groups_per_call=2, score_policy=True,
     )  # fmt: skip
     reference, policy = tiny_policy(seed=7), tiny_policy(seed=5)
     engine = HFGenerateEngine(tiny_policy(seed=9), settings, reference=reference)
     prompts = {i: tuple(range(1 + i, 4 + 2 * i)) for i in range(3)}  # lengths differ
     groups = engine.generate([GroupRequest(i, prompts[i], step=1) for i in range(3)])
-    assert all(
-        [len(lp) for lp in g.ref_logps] == [len(c) for c in g.completions]
-        for g in groups
-        if g.ref_logps is not None
-    ) and all(g.ref_logps is not None for g in groups)
+    for g in groups:
+        assert g.ref_logps is not None and g.policy_logps is not None
+        assert [len(lp) for lp in g.ref_logps] == [len(c) for c in g.completions]
     advantages = torch.linspace(-1, 1, 9)
     trainers = rollout_batch(
         groups,
         prompts,
         advantages,
         0,
-        lambda x: policy(x).logits,
+        lambda x: engine.model(x).logits,
         lambda x: reference(x).logits,
         0.7,
     )
     assert trainers.rollout is not None and trainers.weights is not None
-    engines = reference_rows(
-        [g.ref_logps for g in groups if g.ref_logps is not None],
-        [len(prompts[g.prompt_index]) for g in groups],
-        tuple(trainers.targets.shape),
-    )
+    assert trainers.rollout.ref_logps is not None and trainers.rollout.old_logps is not None
+    lengths = [len(prompts[g.prompt_index]) for g in groups]
+    shape = (trainers.targets.shape[0], trainers.targets.shape[1])
+    engines_ref = logp_rows([g.ref_logps for g in groups if g.ref_logps], lengths, shape)
+    engines_old = logp_rows([g.policy_logps for g in groups if g.policy_logps], lengths, shape)
     mask = trainers.weights > 0
-    assert torch.allclose(engines[mask], trainers.rollout.ref_logps[mask], atol=1e-5)
-    assert (engines[~mask] == 0).all()
+    assert torch.allclose(engines_ref[mask], trainers.rollout.ref_logps[mask], atol=1e-5)
+    assert torch.allclose(engines_old[mask], trainers.rollout.old_logps[mask], atol=1e-5)
+    assert (engines_ref[~mask] == 0).all() and (engines_old[~mask] == 0).all()
     objective = KLRegularizedGRPO(0.04, temperature=0.7)
     logits = policy(trainers.inputs).logits
     expected = objective.loss(logits, trainers)
-    trainers.rollout = Rollout(advantages, ref_logps=engines)
+    trainers.rollout = Rollout(advantages, old_logps=engines_old, ref_logps=engines_ref)
     got = objective.loss(logits, trainers)
-    assert got.metrics["kl"] > 0
+    assert got.metrics["kl"] > 0 and got.metrics["clip_ratio"] > 0  # another policy made them
     assert torch.allclose(got.loss_sum, expected.loss_sum, rtol=1e-5)
     assert torch.allclose(got.metrics["kl"], expected.metrics["kl"], rtol=1e-5)
