@@ -58,11 +58,6 @@ NOT_YET = {
         "several updates per generation need the generating policy's log-probs; set "
         "objective.grpo.num_iterations=1",
     ),
-    "rollout.overlap": (
-        lambda cfg: cfg.rollout.overlap,
-        "generating step t+1 during step t's update is one step off-policy; set "
-        "rollout.overlap=false",
-    ),
     "guards.nan_policy": (
         lambda cfg: cfg.guards.nan_policy == "rollback",
         "rolling back re-generates steps whose rollouts were asked for with the weights "

@@ -84,7 +84,7 @@ def rollout_settings(cfg, eos_token_id: int, pad_token_id: int) -> RolloutSettin
         pad_token_id=pad_token_id,
         sampling=SamplingParams(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k),
         groups_per_call=cfg.rollout.groups_per_call,
-        score_policy=WeightsSchedule(cfg.rollout.sync_every).off_policy,
+        score_policy=WeightsSchedule.of(cfg.rollout).off_policy,
     )
 
 
@@ -124,7 +124,7 @@ def start_run_rollout(cfg, reward_fns: Optional[Sequence[Callable]] = None) -> A
         decode=TokenizerDecode(spec, cfg.data.eos_token),
         timeout_s=r.timeout_s,
         reference=HFReferenceBuilder(cfg.model, cfg.run.seed) if cfg.objective.grpo.beta else None,
-        schedule=WeightsSchedule(r.sync_every),
+        schedule=WeightsSchedule.of(r),
     )
     check_room(cfg)
     # every rank of a group, and of a group that re-formed mid-wait, may wait in it at once

@@ -47,6 +47,7 @@ from raytrain_ext.rollout.rewards import (
 from raytrain_ext.rollout.schedule import WeightsSchedule
 
 KEEP_STEPS = 4  # results kept for re-formed trainers asking again
+KEEP_VERSIONS = 3  # pushed weights kept: the next steps need one of the newest two
 # The weights' loads and the service's reports run on threads of their own: every rank
 # may be waiting in ``rollout`` for the very weights ``load_weights`` brings.
 CONTROL = "control"
@@ -124,6 +125,7 @@ class RolloutService:
         self.version = -1  # the step whose weights the engines have
         self.schedule = spec.schedule
         self.anchor = 0  # a trainer group's start off the schedule (rollout.schedule)
+        self._pushed: Dict[int, Dict[str, torch.Tensor]] = {}  # version -> the trainers' weights
         self._lock = threading.Condition()
         self._generating = threading.Lock()
         self._results: Dict[int, "_Pending"] = {}
@@ -133,25 +135,30 @@ class RolloutService:
     def load_weights(
         self, state: Dict[str, torch.Tensor], version: int, start: bool = False
     ) -> int:
-        """The engines take the policy after step ``version`` (a sync point, or a trainer
-        group's ``start``).  At a start the schedule decides whether the engines keep
-        what they hold (``WeightsSchedule.start``); otherwise the trainers' word is the
-        truth: a group set back to an earlier step sends that step's weights, and the
-        version goes back with them.  Returns the version the engines have."""
+        """The trainers' weights after step ``version`` (a sync point, or a trainer group's
+        ``start``), kept until the schedule names them for a step (``_generate`` loads
+        them then, so a push never overtakes a generation that needs older weights).  A
+        group's start drops what a branch it left pushed, and decides the anchor
+        (``WeightsSchedule.start``).  Returns the anchor."""
         with self._lock:
-            held, anchor = self.version, self.anchor
-        if start:
-            keep, anchor = self.schedule.start(held, version, anchor)
-            if keep:
-                with self._lock:
-                    self.anchor = anchor
-                    self._lock.notify_all()
-                return held
-        self.pool.load_weights(state, version)
-        with self._lock:
-            self.version, self.anchor = version, anchor
+            if start:
+                for newer in [v for v in self._pushed if v > version]:
+                    del self._pushed[newer]
+            self._pushed[version] = state
+            if start:
+                held = set(self._pushed)
+                self.anchor = self.schedule.start(version, self.anchor, self._next(version), held)
+            for old in sorted(self._pushed)[:-KEEP_VERSIONS]:
+                del self._pushed[old]
             self._lock.notify_all()
-        return version
+            return self.anchor
+
+    def _next(self, start: int) -> int:
+        """The first step after ``start`` with no result kept (generated or under way)."""
+        step = start + 1
+        while step in self._results:
+            step += 1
+        return step
 
     def rollout(
         self, step: int, prompts: Sequence[PromptGroup], wait_s: float = 600.0
@@ -184,15 +191,19 @@ class RolloutService:
             def due() -> int:
                 return self.schedule.required(step, self.anchor)
 
-            if not self._lock.wait_for(lambda: self.version == due(), timeout=wait_s):
+            if not self._lock.wait_for(lambda: due() in self._pushed, timeout=wait_s):
                 raise TimeoutError(
-                    f"rollout of step {step}: the engines still have the weights of step "
-                    f"{self.version} after {wait_s:.0f} s (load_weights({due()}) never came)"
+                    f"rollout of step {step}: no weights of step {due()} after {wait_s:.0f} s "
+                    f"(load_weights({due()}) never came; the service holds "
+                    f"{sorted(self._pushed)})"
                 )
-            version = due()
+            version, state = due(), self._pushed[due()]
         weights_in = time.perf_counter()
         requests = [GroupRequest(p.index, p.prompt_ids, step) for p in prompts]
         with self._generating:  # one generation at a time (a re-formed group may overlap)
+            if self.version != version:  # the engines take them before this call
+                self.pool.load_weights(state, version)
+                self.version = version
             groups = self.pool.generate(requests)
         generated = time.perf_counter()
         stale = sorted({g.weights_version for g in groups} - {version})

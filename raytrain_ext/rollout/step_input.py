@@ -11,10 +11,13 @@ parameters after each update and when a group starts (a restore or a re-form set
 engines' version back to the group's step).
 
 Why on-policy is an order, not a flag: the service generates step ``s`` only with the
-weights of step ``s - 1``, so the prefetcher asking for step ``s + 1`` during step ``s``
-waits there until step ``s``'s update is pushed.  Each completion's log-probs under the
-generating policy are then the current ones (``Rollout.old_logps`` None, every ratio 1,
-as TRL's ``num_iterations=1``).
+weights the schedule names (``rollout.schedule``; on-policy, those of step ``s - 1``), so
+the prefetcher asking for step ``s + 1`` during step ``s`` waits there until step ``s``'s
+update is pushed.  Each completion's log-probs under the generating policy are then the
+current ones (``Rollout.old_logps`` None, every ratio 1, as TRL's ``num_iterations=1``).
+With ``rollout.sync_every > 1`` or ``rollout.overlap`` the prefetched step is generated
+with older weights at once (overlapping the update), and the engines' own log-probs of
+the completions are the ratio's denominator.
 
 Invariants:
 - A step's rollout is fetched at most once per rank, whichever thread asks first, and
@@ -83,7 +86,7 @@ class RolloutInput:
         self.generations = g.num_generations
         self.units_are_tokens = g.loss_type == GRPOLossType.dapo
         self.kl = g.beta > 0  # batches carry the reference's log-probs (rollout.reference)
-        self.schedule = WeightsSchedule(cfg.rollout.sync_every)
+        self.schedule = WeightsSchedule.of(cfg.rollout)
         tokenizer = records.tokenizer
         self.pad_id = (
             tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

@@ -28,7 +28,10 @@ from tests.helpers.runs import FitThread, last_step, wait_until
 STEPS, GROUPS = 12, 4
 KL = "objective.grpo.beta=0.04"
 BEHIND = "rollout.sync_every=2"  # the engines take the weights every second update
-FAULTED = [KL, BEHIND, "run.max_steps=6"]  # the pair of runs compared bit for bit
+# the pair of runs compared bit for bit: engines behind, and each step generated while the
+# one before it updates (rollout.overlap)
+FAULTED = [KL, BEHIND, "rollout.overlap=true", "run.max_steps=6"]
+VERSIONS = [0, 0, 0, 2, 2, 4]  # WeightsSchedule(2, lag=1)
 
 
 def says_chosen(prompts, completions, chosen, **columns):
@@ -75,9 +78,9 @@ def test_grpo_learns_and_a_lost_engine_and_trainer_change_nothing(ray_local, tmp
     assert rewards[0] < 0.2 and sum(rewards[-3:]) / 3 > 0.8, rewards
 
     behind = Trainer(grpo_config(tmp_path, "behind", *FAULTED), reward_fns=[says_chosen]).fit()
-    assert [r["weights_version"] for r in step_records(tmp_path, "behind")] == [0, 0, 2, 2, 4, 4]
+    assert [r["weights_version"] for r in step_records(tmp_path, "behind")] == VERSIONS
     # rank 1 dies after step 3, between sync points: the re-formed group keeps the
-    # engines' weights of step 2 for step 4, as the run that lost nothing generated it
+    # weights of step 2 for step 4 (or step 4's result), as the run that lost nothing
     config = grpo_config(tmp_path, "faulted", *FAULTED, "chaos.kill_rank=1", "chaos.kill_at_step=3")
     trainer = Trainer(config, reward_fns=[says_chosen])
     with FitThread(trainer) as run:
@@ -98,7 +101,7 @@ def test_grpo_learns_and_a_lost_engine_and_trainer_change_nothing(ray_local, tmp
     assert faulted["params_sha256"] == behind["params_sha256"]
     assert faulted["samples_digest"] == behind["samples_digest"]
     faulted_records = step_records(tmp_path, "faulted")
-    assert [r["weights_version"] for r in faulted_records] == [0, 0, 2, 2, 4, 4]
+    assert [r["weights_version"] for r in faulted_records] == VERSIONS
     assert faulted_records[-1]["reward"] == step_records(tmp_path, "behind")[-1]["reward"]
 
 

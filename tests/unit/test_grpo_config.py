@@ -77,7 +77,6 @@ def test_the_grpo_keys_are_trls_with_trls_defaults():
         (["rollout.reward_fns=[nowhere.at_all:fn]"], r"rollout.reward_fns: cannot import nowhere"),
         (["rollout.reward_weights=[1.0,2.0]"], r"rollout.reward_weights: 2 weights for 1 reward"),
         (["objective.grpo.num_iterations=2"], r"objective.grpo.num_iterations: not supported"),
-        (["rollout.overlap=true"], r"rollout.overlap: not supported"),
         (["rollout.backend=vllm"], r"rollout.backend: not supported .* set rollout.backend=hf"),
         (["objective.grpo.top_p=0"], r"objective.grpo.top_p: must be in \(0, 1\]"),
         (["model.source=gpt"], r"model.source: objective.name=grpo generates with Hugging Face"),

@@ -1,7 +1,8 @@
 """Which weights generate each GRPO step (raytrain_ext.rollout.schedule): the newest sync
-point before it, or a trainer group's start off the schedule; a group re-formed between
-sync points keeps the engines' weights when they are the schedule's, so it generates what
-the uninterrupted run generated."""
+point at or before ``s - 1 - lag`` (``lag`` 1 with ``rollout.overlap``), or a trainer
+group's start off the schedule; a group that starts keeps the schedule when the service
+still holds the weights its next ungenerated step needs, so it generates what the
+uninterrupted run generated."""
 
 import pytest
 
@@ -20,19 +21,29 @@ def test_every_step_is_generated_with_the_newest_sync_point_before_it():
         WeightsSchedule(0)
 
 
+def test_overlap_generates_each_step_with_the_weights_from_before_the_previous_update():
+    overlap = WeightsSchedule(1, lag=1)
+    assert overlap.off_policy
+    assert [overlap.required(s) for s in range(1, 6)] == [0, 0, 1, 2, 3]
+    assert [WeightsSchedule(2, lag=1).required(s) for s in range(1, 8)] == [0, 0, 0, 2, 2, 4, 4]
+    # a resumed run's first step: the weights before its previous update are gone
+    assert overlap.required(5, anchor=4) == 4 and overlap.required(6, anchor=4) == 4
+
+
 @pytest.mark.parametrize(
-    ("held", "start", "anchor", "expected"),
+    ("schedule", "start", "anchor", "next_step", "held", "expected"),
     [
-        (3, 4, 0, (True, 0)),  # re-formed in place between sync points: keep step 3's
-        (3, 3, 0, (True, 0)),  # at a sync point whose weights the engines have
-        (-1, 4, 0, (False, 4)),  # a resumed run's new engines: anchor at the start
-        (6, 4, 0, (False, 4)),  # set back past the engines' weights
-        (4, 5, 4, (True, 4)),  # re-formed again after an anchor: it still holds
-        (6, 4, 5, (False, 4)),  # an anchor on a branch the group has left counts for nothing
-        (0, 2, 0, (True, 0)),
+        (WeightsSchedule(3), 4, 0, 5, {3, 4}, 0),  # re-formed in place: step 3's still held
+        (WeightsSchedule(3), 3, 0, 4, {3}, 0),  # at a sync point
+        (WeightsSchedule(3), 4, 0, 5, {4}, 4),  # a resumed run's new service: anchor
+        (WeightsSchedule(3), 4, 5, 5, {3, 4}, 0),  # an anchor on a branch the group has left
+        (WeightsSchedule(3), 5, 4, 6, {4, 5}, 4),  # re-formed again after an anchor
+        (WeightsSchedule(1, lag=1), 4, 0, 5, {2, 3, 4}, 0),  # overlap, in place
+        (WeightsSchedule(1, lag=1), 4, 0, 6, {4}, 0),  # step 5 already generated
+        (WeightsSchedule(1, lag=1), 4, 0, 5, {4}, 4),  # overlap, resumed
     ],
 )
-def test_a_group_start_keeps_the_engines_weights_only_when_they_are_the_schedules(
-    held, start, anchor, expected
+def test_a_group_start_keeps_the_schedule_only_when_its_weights_are_held(
+    schedule, start, anchor, next_step, held, expected
 ):
-    assert WeightsSchedule(3).start(held, start, anchor) == expected
+    assert schedule.start(start, anchor, next_step, held) == expected
