@@ -15,11 +15,13 @@ generated before step 1), completions per second, and raytrain-ext's split of a 
 service's wait for the weights, generation, reward) beside it; then the ratio of the
 throughputs.  CPU only; both get the whole machine.
 
-``--kill-engine-at N`` SIGKILLs one of our engines once step N is recorded and prints the
-slowest step against the median (every anchor stops or restarts at such a loss).
+``--overlap`` runs ours with ``rollout.overlap=true`` (step t+1 generated while step t
+updates, one step off-policy).  ``--kill-engine-at N`` SIGKILLs one of our engines once step
+N is recorded and prints the slowest step against the median (every anchor stops or
+restarts at such a loss).
 
 Usage: python jobs/bench/grpo.py [--size tiny|small] [--steps 15] [--repeats 2]
-       [--engines 1] [--completion 32] [--kill-engine-at 6]
+       [--engines 1] [--completion 32] [--kill-engine-at 6] [--overlap]
 """
 
 from __future__ import annotations
@@ -94,7 +96,7 @@ def run_ours(args, out: Path) -> Dict:
         f"objective.grpo.max_completion_length={args.completion}", f"optim.lr={LR}",
         "optim.warmup_steps=0", "scaling.num_workers=1", f"rollout.engines={args.engines}",
         f"rollout.groups_per_call={GROUPS // args.engines}",
-        "checkpoint.enabled=false",
+        "checkpoint.enabled=false", f"rollout.overlap={str(args.overlap).lower()}",
     ]  # fmt: skip
     started = time.time()
     metrics = out / "ours" / "metrics.jsonl"
@@ -187,6 +189,11 @@ def main() -> None:
         default=0,
         help="SIGKILL one of our engines once this step is recorded; prints the slowest step",
     )
+    parser.add_argument(
+        "--overlap",
+        action="store_true",
+        help="ours with rollout.overlap=true: step t+1 generated while step t updates",
+    )
     parser.add_argument("--trl-child", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.trl_child is not None:
@@ -195,7 +202,7 @@ def main() -> None:
     print(
         f"GRPO, {args.size} Llama {SIZES[args.size]}, {completions} completions of up to "
         f"{args.completion} tokens per step, {args.steps} steps; ours: 1 trainer + "
-        f"{args.engines} engine(s)"
+        f"{args.engines} engine(s){', overlap' if args.overlap else ''}"
     )
     ratios = []
     for repeat in range(args.repeats):

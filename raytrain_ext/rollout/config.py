@@ -5,6 +5,7 @@ starts (no torch imported here)."""
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -63,11 +64,6 @@ NOT_YET = {
         "rolling back re-generates steps whose rollouts were asked for with the weights "
         "rolled back from; set guards.nan_policy=skip_step or fail",
     ),
-    "rollout.backend": (
-        lambda cfg: cfg.rollout.backend == RolloutBackend.vllm,
-        "the vllm engine is not in this version; set rollout.backend=hf (transformers "
-        "generate, CPU or GPU)",
-    ),
 }
 
 
@@ -96,6 +92,8 @@ def check_rollout(
     for key, (applies, fix) in NOT_YET.items():
         if applies(cfg):
             raise InputError(f"{key}: not supported with objective.name=grpo yet: {fix}.")
+    if cfg.rollout.backend == RolloutBackend.vllm:
+        check_vllm(cfg)
     if not cfg.objective.grpo.top_p > 0:
         raise InputError(
             f"objective.grpo.top_p: must be in (0, 1], got {cfg.objective.grpo.top_p}; 1 keeps "
@@ -149,3 +147,21 @@ def _reward_functions(cfg, given: Optional[Sequence[Callable]]) -> List[object]:
             "rollout.reward_fns=[pkg.module:fn] or Trainer(cfg, reward_fns=[fn])."
         )
     return functions
+
+
+def check_vllm(cfg) -> None:
+    """``rollout.backend=vllm`` needs the extra where the driver runs and a GPU per engine;
+    refused before Ray, naming the key and the fix."""
+    if importlib.util.find_spec("vllm") is None:
+        raise InputError(
+            "rollout.backend: vllm is not installed here; install the optional extra "
+            "(pip install 'raytrain-ext[vllm]') on every node, or set rollout.backend=hf "
+            "(transformers generate, CPU or GPU)."
+        )
+    gpus = dict(cfg.rollout.resources_per_engine).get("GPU", 0.0)
+    if gpus < 1:
+        raise InputError(
+            f"rollout.resources_per_engine: the vllm backend generates on a GPU, but each "
+            f"engine asks for {gpus:g}; set rollout.resources_per_engine={{GPU: 1, CPU: 4}} "
+            "(one GPU per engine), or rollout.backend=hf."
+        )

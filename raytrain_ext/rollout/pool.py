@@ -36,28 +36,36 @@ from raytrain_ext.rollout.engine import (
     GroupCompletions,
     GroupRequest,
     HFGenerateEngine,
+    RolloutEngine,
     RolloutSettings,
 )
 
 log = logging.getLogger(__name__)
 
 ModelFactory = Callable[[], torch.nn.Module]
+# another backend's engine, from the settings and the reference policy (None: no KL term)
+EngineBuilder = Callable[[RolloutSettings, Optional[torch.nn.Module]], RolloutEngine]
 FATE_WAIT_S = 10.0  # the longest wait for Ray's verdict on a lost engine (its groups are
 # issued again before it is asked)
 
 
 class EngineActor:
-    """One engine in a Ray actor (``HFGenerateEngine`` over the model ``build`` makes,
-    scoring its completions under the model ``reference`` makes, when given)."""
+    """One engine in a Ray actor: ``HFGenerateEngine`` over the model ``build`` makes, or
+    what ``backend`` builds (``rollout.backend=vllm``); scoring its completions under the
+    model ``reference`` makes, when given."""
 
     def __init__(
         self,
         build: ModelFactory,
         settings: RolloutSettings,
         reference: Optional[ModelFactory] = None,
+        backend: Optional[EngineBuilder] = None,
     ):
-        self.engine = HFGenerateEngine(
-            build(), settings, None if reference is None else reference()
+        scorer = None if reference is None else reference()
+        self.engine: RolloutEngine = (
+            HFGenerateEngine(build(), settings, scorer)
+            if backend is None
+            else backend(settings, scorer)
         )
 
     def load_weights(self, state: Mapping[str, torch.Tensor], version: int) -> int:
@@ -100,12 +108,13 @@ class EnginePool:
         actor_options: Optional[Dict[str, Any]] = None,
         timeout_s: float = 600.0,
         reference: Optional[ModelFactory] = None,
+        backend: Optional[EngineBuilder] = None,
     ):
         if engines < 1:
             raise ValueError(f"a rollout needs at least one engine; got {engines}")
         self._remote = ray.remote(EngineActor).options(max_restarts=0, **(actor_options or {}))
         self._build, self._settings, self.timeout_s = build, settings, timeout_s
-        self._reference = reference
+        self._reference, self._backend = reference, backend
         self.actors: List[Any] = []
         self._placements: List[ray.ObjectRef] = []  # each engine's (node id, pid), once built
         for _ in range(engines):
@@ -116,7 +125,7 @@ class EnginePool:
 
     def _start(self, engine: Optional[int] = None) -> None:
         """A new engine actor, appended, or in ``engine``'s place."""
-        actor = self._remote.remote(self._build, self._settings, self._reference)
+        actor = self._remote.remote(self._build, self._settings, self._reference, self._backend)
         placement = actor.placement.remote()
         if engine is None:
             self.actors.append(actor)

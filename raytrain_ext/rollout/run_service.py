@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Sequence
 
 from raytrain_ext.errors import InputError
+from raytrain_ext.rollout.config import RolloutBackend
 from raytrain_ext.rollout.engine import RolloutSettings
 from raytrain_ext.rollout.reference import HFReferenceBuilder
 from raytrain_ext.rollout.sampling import SamplingParams
@@ -25,6 +26,7 @@ from raytrain_ext.rollout.service import (
     RolloutSpec,
     start_rollout_service,
 )
+from raytrain_ext.rollout.vllm_engine import VLLMEngineBuilder
 
 
 def service_name(run_name: str) -> str:
@@ -125,6 +127,7 @@ def start_run_rollout(cfg, reward_fns: Optional[Sequence[Callable]] = None) -> A
         timeout_s=r.timeout_s,
         reference=HFReferenceBuilder(cfg.model, cfg.run.seed) if cfg.objective.grpo.beta else None,
         schedule=WeightsSchedule.of(r),
+        backend=VLLMEngineBuilder(cfg.model) if r.backend == RolloutBackend.vllm else None,
     )
     check_room(cfg)
     # every rank of a group, and of a group that re-formed mid-wait, may wait in it at once

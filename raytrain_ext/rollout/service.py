@@ -35,7 +35,7 @@ import torch
 
 from raytrain_ext.objectives.grpo import ScaleRewards, combined_rewards, group_advantages
 from raytrain_ext.rollout.engine import GroupCompletions, GroupRequest, RolloutSettings
-from raytrain_ext.rollout.pool import EnginePool, ModelFactory
+from raytrain_ext.rollout.pool import EngineBuilder, EnginePool, ModelFactory
 from raytrain_ext.rollout.prompts import PromptGroup
 from raytrain_ext.rollout.rewards import (
     RewardFn,
@@ -103,6 +103,7 @@ class RolloutSpec:
     timeout_s: float = 600.0  # every wait on an engine
     reference: Optional[ModelFactory] = None
     schedule: WeightsSchedule = WeightsSchedule()
+    backend: Optional[EngineBuilder] = None  # None: the hf engine over ``build``
 
 
 class RolloutService:
@@ -121,6 +122,7 @@ class RolloutService:
             spec.engine_options,
             spec.timeout_s,
             spec.reference,
+            spec.backend,
         )
         self.version = -1  # the step whose weights the engines have
         self.schedule = spec.schedule

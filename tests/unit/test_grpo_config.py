@@ -77,7 +77,6 @@ def test_the_grpo_keys_are_trls_with_trls_defaults():
         (["rollout.reward_fns=[nowhere.at_all:fn]"], r"rollout.reward_fns: cannot import nowhere"),
         (["rollout.reward_weights=[1.0,2.0]"], r"rollout.reward_weights: 2 weights for 1 reward"),
         (["objective.grpo.num_iterations=2"], r"objective.grpo.num_iterations: not supported"),
-        (["rollout.backend=vllm"], r"rollout.backend: not supported .* set rollout.backend=hf"),
         (["objective.grpo.top_p=0"], r"objective.grpo.top_p: must be in \(0, 1\]"),
         (["model.source=gpt"], r"model.source: objective.name=grpo generates with Hugging Face"),
         (["eval.fraction=0.1"], r"eval.fraction: evaluating GRPO .* is not built yet"),
@@ -160,3 +159,20 @@ def test_the_order_names_each_prompt_group_by_its_step():
         order.split(np.concatenate([first, second]))
     with pytest.raises(InputError, match=r"not trained with objective.name=grpo"):
         resumed.load_state_dict(GlobalSampler(5, 3, seed=1).state_dict())
+
+
+def test_the_vllm_backend_is_refused_without_the_extra_or_without_a_gpu(monkeypatch):
+    """``rollout.backend=vllm``: the extra where the driver runs (this machine has none),
+    and a GPU for every engine; both refused before Ray, naming the key and the fix."""
+    import importlib.util
+
+    cfg = grpo("rollout.backend=vllm")
+    if importlib.util.find_spec("vllm") is None:
+        with pytest.raises(InputError, match=r"pip install 'raytrain-ext\[vllm\]'"):
+            check(cfg)
+        real = importlib.util.find_spec
+        monkeypatch.setattr(  # as where the extra is installed
+            importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real(name)
+        )
+    with pytest.raises(InputError, match=r"rollout.resources_per_engine: the vllm backend .* GPU"):
+        check(cfg)
