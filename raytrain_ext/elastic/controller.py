@@ -29,11 +29,11 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, List, Optional, Tuple, Union
 
 from raytrain_ext.elastic.capacity import Capacity
 from raytrain_ext.elastic.cluster_probe import Cluster
-from raytrain_ext.elastic.decision import Situation, decide_recovery
+from raytrain_ext.elastic.decision import Situation, decide_recovery, run_complete
 from raytrain_ext.elastic.group_port import FitStatus, GroupPort
 from raytrain_ext.elastic.in_place import InPlacePlan
 from raytrain_ext.elastic.notices import Notices
@@ -49,7 +49,7 @@ from raytrain_ext.elastic.records import (
 )
 from raytrain_ext.elastic.recovery import Recoveries
 from raytrain_ext.errors.text import one_line, root_cause
-from raytrain_ext.messages import FitResult, StepReport
+from raytrain_ext.messages import StepReport
 from raytrain_ext.metrics import MetricsSink
 from raytrain_ext.parallel.dims import state_from_peers
 from raytrain_ext.worker.form_options import FormOptions
@@ -229,7 +229,7 @@ class Controller:
         while not finished and self._stop_reason is None:
             status = self.group.wait_fit(min(FLAG_CHECK_S, max(0.0, next_poll - self.clock())))
             if status.error is not None:
-                if self._run_complete(status.returned):
+                if run_complete(status.returned, self.cfg.run.max_steps):
                     return self._finished_despite(status)
                 return self._worker_failed(*status.error)
             finished = status.finished
@@ -277,22 +277,11 @@ class Controller:
             return self._after_failure(hung)
         return None
 
-    def _run_complete(self, returned: Dict[int, FitResult]) -> bool:
-        """Rank 0 has returned from the run's last step, neither paused nor preempted:
-        every rank took part in that step's collectives, and rank 0 returns only after the
-        final checkpoint's commit, which waits for every rank's part."""
-        first = returned.get(0)
-        return (
-            first is not None
-            and first.steps >= self.cfg.run.max_steps
-            and first.paused_at is None
-            and first.preempted_at is None
-        )
-
     def _finished_despite(self, status: FitStatus) -> Next:
-        """A rank lost after the run's last step (its node removed while the ranks
-        finished): nothing is left to train or to save, so nothing is recovered (a
-        re-formed group would find no live state: the finished ranks let theirs go)."""
+        """A rank's process or node lost after rank 0 returned from the run's last step
+        (``elastic.decision.run_complete``): nothing is left to train or to save, so
+        nothing is recovered (a re-formed group would find no live state: the finished
+        ranks let theirs go, and it would start over)."""
         assert status.error is not None
         rank, error = status.error
         self.result.worker_results = [status.returned[r] for r in sorted(status.returned)]

@@ -23,6 +23,7 @@ from typing import Dict, List, Optional
 from raytrain_ext.elastic.config import Replacement
 from raytrain_ext.elastic.in_place import InPlacePlan, sized
 from raytrain_ext.elastic.policy import Action, Budget, Decision, ScalingPolicy, recovery_decision
+from raytrain_ext.messages import FitResult
 
 
 class Fate(enum.StrEnum):
@@ -139,4 +140,19 @@ def _in_place_reason(plan: InPlacePlan) -> str:
         + (f"; lost {lost}" if lost else "")
         + (f", {left_out} lost rank(s) left out (node lost)" if left_out > 0 else "")
         + (f", {later} to rejoin once a new process is warm (elastic.replacement)" if later else "")
+    )
+
+
+def run_complete(returned: Dict[int, FitResult], max_steps: int) -> bool:
+    """Whether a rank's process or node was lost after the run was done: rank 0 had
+    returned (``returned``, by rank) from the run's last step, neither paused nor
+    preempted.  Every rank took part in that step's collectives, and rank 0 returns only
+    after its final checkpoint (when one is saved) is committed, which every rank's part
+    is part of."""
+    first = returned.get(0)
+    return (
+        first is not None
+        and first.steps >= max_steps
+        and first.paused_at is None
+        and first.preempted_at is None
     )

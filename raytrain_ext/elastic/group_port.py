@@ -26,7 +26,8 @@ from raytrain_ext.worker.form_options import FormOptions
 class FitStatus:
     """One wait on the ranks' ``fit`` calls.  ``error``: (rank, error) where a failure
     started, when a rank raised; ``finished``: every rank has returned; ``returned``
-    (given with an error): the results of the ranks whose ``fit`` returned, by rank."""
+    (given when the failed rank's process or node was lost): the results of the ranks
+    whose ``fit`` had returned, by rank."""
 
     finished: bool
     error: Optional[Tuple[int, BaseException]] = None

@@ -100,7 +100,8 @@ class RayGroup:
             also, self._pending = ray.wait(self._pending, num_returns=len(self._pending), timeout=0)
             done += also
         failed = first_error(self._fit_refs, done, self._clock)
-        returned = {} if failed is None else self._returned()
+        lost = failed is not None and isinstance(failed[1], ray.exceptions.RayActorError)
+        returned = self._returned() if lost else {}
         return FitStatus(finished=not self._pending, error=failed, returned=returned)
 
     def _returned(self) -> Dict[int, FitResult]:

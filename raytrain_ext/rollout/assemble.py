@@ -13,8 +13,9 @@ Invariants:
   completion ``g`` of the ``k``-th group is ``k * num_generations + g``, the layout
   ``objectives.grpo.group_advantages`` reads.
 - ``Rollout.old_logps`` are the log-probs of the policy that generated the completions
-  (the weights the engines had), recomputed by the trainer: with ``num_iterations=1`` and
-  on-policy rollouts they equal the current policy's, so every ratio is 1, as in TRL.
+  (the weights the engines had): here recomputed by the trainer; in a run, on-policy
+  (every ratio 1, as TRL's ``num_iterations=1``) they are left out, and off-policy the
+  engines' own are used (``rollout.step_input``).
 """
 
 from __future__ import annotations

@@ -54,11 +54,6 @@ class RolloutConfig:
 
 
 NOT_YET = {
-    "objective.grpo.num_iterations": (
-        lambda cfg: cfg.objective.grpo.num_iterations != 1,
-        "several updates per generation need the generating policy's log-probs; set "
-        "objective.grpo.num_iterations=1",
-    ),
     "guards.nan_policy": (
         lambda cfg: cfg.guards.nan_policy == "rollback",
         "rolling back re-generates steps whose rollouts were asked for with the weights "

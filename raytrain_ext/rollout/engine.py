@@ -197,10 +197,17 @@ class HFGenerateEngine:
             )
             for k, r in enumerate(requests)
         ]
+        return self._with_scores(requests, groups)
+
+    def _with_scores(
+        self, requests: Sequence[GroupRequest], groups: List[GroupCompletions]
+    ) -> List[GroupCompletions]:
+        """``groups`` with their log-probs under the reference policy (when this engine has
+        one) and under the generating weights (``score_policy``), the call's rows together."""
         if self.reference is not None:
             logps = self._score(self.reference, requests, groups)
             groups = [replace(g, ref_logps=lp) for g, lp in zip(groups, logps, strict=True)]
-        if s.score_policy:
+        if self.settings.score_policy:
             logps = self._score(self.model, requests, groups)
             groups = [replace(g, policy_logps=lp) for g, lp in zip(groups, logps, strict=True)]
         return groups

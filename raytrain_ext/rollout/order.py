@@ -8,10 +8,16 @@ prefetcher assembles the next step's micro-batches before the loop reaches it), 
 prompts follow the world-size-independent :class:`GlobalSampler` underneath, each once
 per epoch.
 
+With ``objective.grpo.num_iterations`` = μ > 1 (TRL's μ), each generation trains μ
+steps: steps ``s0 .. s0 + μ - 1`` (``s0 = generation_step(s)``) take the same prompt
+groups (the sampler advances once per generation), each under its own step's ids, and
+the rollout service is asked for them once, under ``s0``.
+
 Invariants:
 - ``next_global_batch`` of step ``s`` returns ids of step ``s`` only; ``peek`` those of
-  ``s + 1``; the order's state is its sampler's plus the step, so a restored run and a
-  re-formed group continue at the same step with the same prompts.
+  ``s + 1``; the order's state is its sampler's plus the step and the current
+  generation's prompts, so a restored run and a re-formed group continue at the same
+  step with the same prompts, mid-generation too.
 - ``prompts_of(step)`` is the step's prompt indices in the global batch's order, the
   order every rank asks the rollout service for them.
 """
@@ -32,18 +38,28 @@ class RolloutOrder:
 
     fingerprint: Optional[str] = None
 
-    def __init__(self, prompts: GlobalSampler):
+    def __init__(self, prompts: GlobalSampler, iterations: int = 1):
         self.prompts = prompts
         self.num_prompts = prompts.num_samples
+        self.iterations = iterations  # steps per generation (num_iterations)
         self.step = 0  # the steps handed out
+        self._current: np.ndarray = np.zeros(0, dtype=np.int64)  # the step handed out's prompts
         self._batches: Dict[int, np.ndarray] = {}
+
+    def generation_step(self, step: int) -> int:
+        """The first step of ``step``'s generation (module doc)."""
+        return (step - 1) // self.iterations * self.iterations + 1
 
     def next_global_batch(self) -> np.ndarray:
         self.step += 1
-        return self._ids(self.step, self.prompts.next_global_batch())
+        if self.generation_step(self.step) == self.step:
+            self._current = self.prompts.next_global_batch()
+        return self._ids(self.step, self._current)
 
     def peek_global_batch(self) -> np.ndarray:
-        return self._ids(self.step + 1, self.prompts.peek_global_batch())
+        upcoming = self.step + 1
+        starts = self.generation_step(upcoming) == upcoming
+        return self._ids(upcoming, self.prompts.peek_global_batch() if starts else self._current)
 
     def _ids(self, step: int, prompts: np.ndarray) -> np.ndarray:
         self._batches[step] = prompts
@@ -67,7 +83,11 @@ class RolloutOrder:
         return int(steps[0]), ids % self.num_prompts
 
     def state_dict(self) -> Dict[str, Any]:
-        return {**self.prompts.state_dict(), "rollout_step": self.step}
+        return {
+            **self.prompts.state_dict(),
+            "rollout_step": self.step,
+            "rollout_prompts": self._current.tolist(),
+        }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         if "rollout_step" not in state:
@@ -79,4 +99,5 @@ class RolloutOrder:
             )
         self.prompts.load_state_dict(state)
         self.step = int(state["rollout_step"])
+        self._current = np.asarray(state.get("rollout_prompts", []), dtype=np.int64)
         self._batches.clear()

@@ -10,15 +10,15 @@ one, and a replacement engine or a resumed run has the very same reference.
 Why on the engines: a completion's reference log-probs are fixed the moment it is
 generated, so they travel with it (``GroupCompletions.ref_logps``) through the service's
 kept results: a trainer group re-formed mid-step, on any world size, trains on the same
-numbers, and nothing is recomputed.  An engine scores the rows of one generate call
-together, and the pool re-issues whole calls, so the numbers do not depend on which engine
-scored them.
+numbers, and nothing is recomputed.  An engine scores its rows in a fixed cut (the ``hf``
+engine: one generate call's rows together), and the pool re-issues whole calls, so the
+numbers do not depend on which engine scored them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -56,20 +56,27 @@ def completion_logps(
     completions: Sequence[Sequence[Tuple[int, ...]]],
     pad_token_id: int,
     temperature: float,
+    rows_per_forward: Optional[int] = None,
 ) -> List[CompletionLogps]:
     """Each completion token's log-prob under ``model`` at the sampling ``temperature``,
-    per group (``prompts[k]`` with its ``completions[k]``): one forward over every row,
-    prompt then completion, right-padded (no mask needed: padding follows every real
-    token)."""
+    per group (``prompts[k]`` with its ``completions[k]``): a forward over every row (or
+    over ``rows_per_forward`` rows at a time: a large vocabulary's logits of every row at
+    once would not fit beside a GPU engine), prompt then completion, right-padded (no
+    mask needed: padding follows every real token)."""
     rows = [prompt + c for prompt, group in zip(prompts, completions, strict=True) for c in group]
     width = max(len(r) for r in rows)
     tokens = torch.full((len(rows), width), pad_token_id, dtype=torch.int64)
     for i, row in enumerate(rows):
         tokens[i, : len(row)] = torch.tensor(row)
     device = next(model.parameters()).device
-    inputs, targets = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
-    logits = model(input_ids=inputs, use_cache=False).logits
-    logps = token_logps(logits, Batch(inputs, targets), temperature).cpu()
+    chunk = rows_per_forward or len(rows)
+    parts = []
+    for first_row in range(0, len(rows), chunk):
+        part = tokens[first_row : first_row + chunk]
+        inputs, targets = part[:, :-1].to(device), part[:, 1:].to(device)
+        logits = model(input_ids=inputs, use_cache=False).logits
+        parts.append(token_logps(logits, Batch(inputs, targets), temperature).cpu())
+    logps = torch.cat(parts)
     out: List[CompletionLogps] = []
     first = 0  # the group's first row
     for prompt, group in zip(prompts, completions, strict=True):

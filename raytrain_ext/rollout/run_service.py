@@ -86,7 +86,7 @@ def rollout_settings(cfg, eos_token_id: int, pad_token_id: int) -> RolloutSettin
         pad_token_id=pad_token_id,
         sampling=SamplingParams(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k),
         groups_per_call=cfg.rollout.groups_per_call,
-        score_policy=WeightsSchedule.of(cfg.rollout).off_policy,
+        score_policy=WeightsSchedule.of(cfg).off_policy,
     )
 
 
@@ -126,7 +126,7 @@ def start_run_rollout(cfg, reward_fns: Optional[Sequence[Callable]] = None) -> A
         decode=TokenizerDecode(spec, cfg.data.eos_token),
         timeout_s=r.timeout_s,
         reference=HFReferenceBuilder(cfg.model, cfg.run.seed) if cfg.objective.grpo.beta else None,
-        schedule=WeightsSchedule.of(r),
+        schedule=WeightsSchedule.of(cfg),
         backend=VLLMEngineBuilder(cfg.model) if r.backend == RolloutBackend.vllm else None,
     )
     check_room(cfg)

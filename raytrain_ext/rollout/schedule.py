@@ -20,8 +20,15 @@ service, or a group set back past them), the group's own start becomes an *ancho
 steps up to the next sync point are generated with its weights.  Such a run is
 deterministic, but no longer the uninterrupted run's.
 
+With ``objective.grpo.num_iterations`` = μ > 1 each generation trains μ steps (TRL's μ):
+generations are named by their first step (``key``), generated with the schedule's
+weights for that step, and their completions' generating log-probs are the ratio's
+denominator on every one of the μ steps.  A group that starts mid-generation without its
+result (a resumed run) generates it anew with its start's weights.
+
 Invariants:
-- ``required(s) <= s - 1``: no step is generated with weights the trainers have not made.
+- ``required(s)`` precedes a step that trains on generation ``s``: no step trains on
+  completions of weights the trainers had not made before it.
 - A step's weights depend only on the schedule, the anchor and the step, never on when
   a push arrived.
 """
@@ -29,47 +36,67 @@ Invariants:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Collection
+from typing import Collection, Tuple
 
 
 @dataclass(frozen=True)
 class WeightsSchedule:
-    """The sync points of ``sync_every``, generated ``lag`` steps late (module doc)."""
+    """The sync points of ``sync_every``, generated ``lag`` steps late, each generation
+    training ``iterations`` steps (module doc)."""
 
     sync_every: int = 1
     lag: int = 0
+    iterations: int = 1
 
     def __post_init__(self) -> None:
-        if self.sync_every < 1 or self.lag not in (0, 1):
+        if self.sync_every < 1 or self.lag not in (0, 1) or self.iterations < 1:
             raise ValueError(
-                f"sync_every must be >= 1 and lag 0 or 1, got {self.sync_every} and {self.lag}"
+                f"sync_every and iterations must be >= 1 and lag 0 or 1, got "
+                f"{self.sync_every}, {self.iterations} and {self.lag}"
             )
 
     @classmethod
-    def of(cls, rollout_cfg) -> "WeightsSchedule":
-        """The schedule of the ``rollout`` section."""
-        return cls(rollout_cfg.sync_every, 1 if rollout_cfg.overlap else 0)
+    def of(cls, cfg) -> "WeightsSchedule":
+        """The schedule of a run's ``rollout`` section and ``objective.grpo``."""
+        r = cfg.rollout
+        return cls(r.sync_every, 1 if r.overlap else 0, cfg.objective.grpo.num_iterations)
 
     @property
     def off_policy(self) -> bool:
-        """Whether a step may be generated with weights older than the previous step's."""
-        return self.sync_every > 1 or self.lag > 0
+        """Whether a step may train on completions of weights older than the previous
+        step's."""
+        return self.sync_every > 1 or self.lag > 0 or self.iterations > 1
 
-    def is_sync_point(self, step: int) -> bool:
-        """Whether the trainers push their weights after ``step`` (step 0: the start)."""
-        return step % self.sync_every == 0
+    def key(self, step: int) -> int:
+        """The generation that ``step`` trains on, named by its first step."""
+        return (step - 1) // self.iterations * self.iterations + 1
+
+    def pushes_after(self, step: int) -> bool:
+        """Whether some generation is generated with the weights after ``step`` (step 0:
+        the start), so the trainers push them."""
+        last = step + 1 + self.lag + self.sync_every + self.iterations
+        return any(self.required(g) == step for g in range(step + 1, last) if self.key(g) == g)
 
     def required(self, step: int, anchor: int = 0) -> int:
-        """The version (the step whose weights) that generates ``step``: the schedule's,
-        or the ``anchor`` (a group's start off the schedule) when that is newer and still
-        before ``step``."""
+        """The version (the step whose weights) that generates the generation ``step``
+        (a generation's first step): the schedule's, or the ``anchor`` (a group's start
+        off the schedule) when that is newer and still before one of the steps that
+        train on it."""
         scheduled = self.sync_every * (max(0, step - 1 - self.lag) // self.sync_every)
-        return max(scheduled, anchor) if anchor <= step - 1 else scheduled
+        last_use = step - 1 + self.iterations - 1
+        return max(scheduled, anchor) if anchor <= last_use else scheduled
 
-    def start(self, start: int, anchor: int, next_step: int, held: Collection[int]) -> int:
-        """The anchor once a group has started at step ``start`` and ``next_step`` is the
-        first step not generated yet: unchanged when the service holds (``held``) the
-        version that step needs, else ``start`` itself.  An anchor past ``start`` was set
-        on a branch the group has left: it counts for nothing."""
+    def start(
+        self, start: int, anchor: int, next_step: int, held: Collection[int]
+    ) -> Tuple[bool, int]:
+        """A group has started at step ``start`` and ``next_step`` is the first generation
+        not generated yet: whether it keeps the schedule, and the anchor from then on.  It
+        keeps it when the service holds (``held``) the version that generation needs, or
+        when that version comes after ``start`` (the group will push it); else its own
+        start is the anchor.  An anchor past ``start`` was set on a branch the group has
+        left: it counts for nothing."""
         kept = anchor if anchor <= start else 0
-        return kept if self.required(next_step, kept) in held else start
+        needed = self.required(next_step, kept)
+        if needed > start or needed in held:
+            return True, kept
+        return False, start

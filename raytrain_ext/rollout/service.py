@@ -12,10 +12,10 @@ How a step goes: every rank asks ``rollout(step, prompts)`` with the same prompt
 scores (the reward functions, in Ray tasks: a slow reward holds no trainer) and computes
 the group advantages; every request for that step gets the same result, and the last
 few steps' results are kept, so a trainer group re-formed mid-step takes what was already
-generated instead of generating it again.  ``load_weights`` after each update gives the
-engines the new policy at each sync point; ``rollout(step)`` generates only once the
-weights the schedule names are in (``rollout.schedule``: with ``sync_every=1``, those of
-``step - 1``, on-policy).
+generated instead of generating it again.  ``load_weights`` at each push point of the
+schedule and at each trainer group's start gives the service the new policy;
+``rollout(step)`` generates only once the weights the schedule names are in
+(``rollout.schedule``: with ``sync_every=1``, those of ``step - 1``, on-policy).
 
 Invariants:
 - One generation per step, whatever the number of ranks or re-forms asking for it.
@@ -47,7 +47,7 @@ from raytrain_ext.rollout.rewards import (
 from raytrain_ext.rollout.schedule import WeightsSchedule
 
 KEEP_STEPS = 4  # results kept for re-formed trainers asking again
-KEEP_VERSIONS = 3  # pushed weights kept: the next steps need one of the newest two
+KEEP_VERSIONS = 3  # pushed weights kept: the next generations need one of the newest two
 # The weights' loads and the service's reports run on threads of their own: every rank
 # may be waiting in ``rollout`` for the very weights ``load_weights`` brings.
 CONTROL = "control"
@@ -137,48 +137,60 @@ class RolloutService:
     def load_weights(
         self, state: Dict[str, torch.Tensor], version: int, start: bool = False
     ) -> int:
-        """The trainers' weights after step ``version`` (a sync point, or a trainer group's
-        ``start``), kept until the schedule names them for a step (``_generate`` loads
-        them then, so a push never overtakes a generation that needs older weights).  A
-        group's start drops what a branch it left pushed, and decides the anchor
-        (``WeightsSchedule.start``).  Returns the anchor."""
+        """The trainers' weights after step ``version`` (a push point of the schedule, or a
+        trainer group's ``start``), kept until the schedule names them for a generation
+        (``_generate`` loads them then, so a push never overtakes a generation that needs
+        older weights).  A group's start drops what a branch it left pushed and decides the
+        anchor (``WeightsSchedule.start``); a start that anchors also drops the results
+        kept for later steps, generated on the schedule the group has left.  Kept: the
+        newest ``KEEP_VERSIONS`` versions that some generation needs, and the anchor's.
+        Returns the anchor."""
+        keeps = True
         with self._lock:
             if start:
                 for newer in [v for v in self._pushed if v > version]:
                     del self._pushed[newer]
-            self._pushed[version] = state
-            if start:
-                held = set(self._pushed)
-                self.anchor = self.schedule.start(version, self.anchor, self._next(version), held)
-            for old in sorted(self._pushed)[:-KEEP_VERSIONS]:
+                held = set(self._pushed) | {version}
+                keeps, self.anchor = self.schedule.start(
+                    version, self.anchor, self._next(version), held
+                )
+                if not keeps:
+                    for later in [s for s in self._results if s > version]:
+                        del self._results[later]
+            if not start or not keeps or self.schedule.pushes_after(version):
+                self._pushed[version] = state
+            kept = set(sorted(self._pushed)[-KEEP_VERSIONS:]) | {self.anchor}
+            for old in [v for v in self._pushed if v not in kept]:
                 del self._pushed[old]
             self._lock.notify_all()
             return self.anchor
 
     def _next(self, start: int) -> int:
-        """The first step after ``start`` with no result kept (generated or under way)."""
-        step = start + 1
-        while step in self._results:
-            step += 1
+        """The first generation for a step after ``start`` not generated or under way (a
+        request still waiting for its weights is neither)."""
+        step = self.schedule.key(start + 1)
+        while (kept := self._results.get(step)) is not None and kept.version is not None:
+            step += self.schedule.iterations
         return step
 
     def rollout(
         self, step: int, prompts: Sequence[PromptGroup], wait_s: float = 600.0
     ) -> RolloutResult:
-        """The step's result, generated once (module doc), with the weights of step
-        ``step - 1`` exactly (a result kept from before a re-form was generated with the
-        same weights: the trainers redo steps to the bit)."""
+        """The step's result, generated once (module doc), with the weights the schedule
+        names (a result kept from before a re-form was generated with the same weights:
+        the trainers redo steps to the bit)."""
         with self._lock:
             pending = self._results.get(step)
             first = pending is None
             if first:
                 pending = self._results[step] = _Pending()
-                for old in [s for s in self._results if s <= step - KEEP_STEPS]:
+                oldest = step - KEEP_STEPS * self.schedule.iterations
+                for old in [s for s in self._results if s <= oldest]:
                     del self._results[old]
         assert pending is not None
         if first:
             try:
-                pending.set(self._generate(step, prompts, wait_s))
+                pending.set(self._generate(step, prompts, wait_s, pending))
             except BaseException as e:  # every waiting rank sees the cause
                 pending.fail(e)
                 with self._lock:
@@ -186,7 +198,9 @@ class RolloutService:
                 raise
         return pending.get(3 * wait_s)  # the first request's own waits: weights, engines, rewards
 
-    def _generate(self, step: int, prompts: Sequence[PromptGroup], wait_s: float) -> RolloutResult:
+    def _generate(
+        self, step: int, prompts: Sequence[PromptGroup], wait_s: float, pending: "_Pending"
+    ) -> RolloutResult:
         started = time.perf_counter()
         with self._lock:
 
@@ -200,6 +214,7 @@ class RolloutService:
                     f"{sorted(self._pushed)})"
                 )
             version, state = due(), self._pushed[due()]
+            pending.version = version  # under way: a group's start counts it generated
         weights_in = time.perf_counter()
         requests = [GroupRequest(p.index, p.prompt_ids, step) for p in prompts]
         with self._generating:  # one generation at a time (a re-formed group may overlap)
@@ -252,6 +267,8 @@ class RolloutService:
         return {
             "generations": len(self.generated_steps),
             "generated_steps": list(self.generated_steps),
+            "anchor": self.anchor,
+            "held_versions": sorted(self._pushed),
             "version": self.version,
             "engines": [list(p) for p in self.pool.known_placements()],
             "recoveries": [r.to_dict() for r in self.pool.recoveries],
@@ -270,6 +287,7 @@ class _Pending:
     """A step's result being generated, waited for by every rank that asks."""
 
     def __init__(self) -> None:
+        self.version: Optional[int] = None  # the weights it is generated with, once taken
         self._done = threading.Event()
         self._value: Optional[RolloutResult] = None
         self._error: Optional[BaseException] = None

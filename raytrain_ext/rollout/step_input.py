@@ -6,9 +6,9 @@ prefetcher's thread too).  Here a sample is a prompt group at a step
 (:class:`raytrain_ext.rollout.order.RolloutOrder`); the first question about a step asks
 the run's rollout service for it with the step's prompt groups in global-batch order,
 and every rank gets the same generation, scores and advantages.  The policy reaches the
-engines through :meth:`RolloutInput.push_policy`, which rank 0 calls with the full
-parameters after each update and when a group starts (a restore or a re-form sets the
-engines' version back to the group's step).
+engines through :meth:`RolloutInput.push_policy`: rank 0 sends the full parameters after
+each update the schedule needs (``rollout.schedule``) and when a group starts (a restore
+or a re-form may set the engines' version back to the group's step).
 
 Why on-policy is an order, not a flag: the service generates step ``s`` only with the
 weights the schedule names (``rollout.schedule``; on-policy, those of step ``s - 1``), so
@@ -86,7 +86,7 @@ class RolloutInput:
         self.generations = g.num_generations
         self.units_are_tokens = g.loss_type == GRPOLossType.dapo
         self.kl = g.beta > 0  # batches carry the reference's log-probs (rollout.reference)
-        self.schedule = WeightsSchedule.of(cfg.rollout)
+        self.schedule = WeightsSchedule.of(cfg)
         tokenizer = records.tokenizer
         self.pad_id = (
             tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -98,32 +98,34 @@ class RolloutInput:
         arm()  # this group's waits (rollout.waits)
 
     def step_rollout(self, step: int) -> StepRollout:
-        """Step ``step``'s rollout, asked of the service once (module doc)."""
+        """The rollout step ``step`` trains on (its generation's, under the generation's
+        first step: ``WeightsSchedule.key``), asked of the service once (module doc)."""
+        key = self.schedule.key(step)
         with self._lock:
-            done = self._steps.get(step)
+            done = self._steps.get(key)
             if done is not None:
                 return done
-            ref = self._refs.get(step)
+            ref = self._refs.get(key)
             if ref is None:
                 prompts = [self.records.group(i) for i in self.order.prompts_of(step).tolist()]
-                ref = self._refs[step] = self.service.rollout.remote(step, prompts, self.wait_s)
+                ref = self._refs[key] = self.service.rollout.remote(key, prompts, self.wait_s)
         try:
-            result = wait_for(ref, 3 * self.wait_s + EXTRA_WAIT_S, f"the rollout of step {step}")
+            result = wait_for(ref, 3 * self.wait_s + EXTRA_WAIT_S, f"the rollout of step {key}")
         except BaseException:
             with self._lock:  # never a failed call kept: the next ask asks again
-                if self._refs.get(step) is ref:
-                    del self._refs[step]
+                if self._refs.get(key) is ref:
+                    del self._refs[key]
             raise
-        if result.step != step or len(result.groups) != len(self.order.prompts_of(step)):
+        if result.step != key or len(result.groups) != len(self.order.prompts_of(step)):
             raise RuntimeError(
-                f"the rollout service answered step {step} with step {result.step}'s "
+                f"the rollout service answered step {key} with step {result.step}'s "
                 f"{len(result.groups)} groups"
             )
         with self._lock:
-            done = self._steps[step] = StepRollout(
+            done = self._steps[key] = StepRollout(
                 result, self.order.prompts_of(step), self.generations
             )
-            for old in [s for s in self._steps if s <= step - KEPT_STEPS]:
+            for old in [s for s in self._steps if s <= key - KEPT_STEPS * self.schedule.iterations]:
                 self._steps.pop(old)
                 self._refs.pop(old, None)
         return done
@@ -159,7 +161,7 @@ class RolloutInput:
             )
         if self.schedule.off_policy:
             old = logp_rows(
-                _present([g.policy_logps for g in groups], "generating", "rollout.sync_every > 1"),
+                _present([g.policy_logps for g in groups], "generating", OFF_POLICY),
                 lengths,
                 shape,
             )
@@ -198,12 +200,15 @@ class RolloutInput:
         keep what they hold): every rank gathers (a sharded model's full parameters are a
         collective), rank 0 sends CPU copies; the service waits for the schedule's weights
         before generating a step."""
-        if not (start or self.schedule.is_sync_point(version)):
+        if not (start or self.schedule.pushes_after(version)):
             return
         params = strategy.full_parameters(model)
         if rank == 0:
             state = {name: t.detach().to("cpu") for name, t in params.items()}
             self.service.load_weights.remote(state, version, start)
+
+
+OFF_POLICY = "rollout.sync_every > 1, rollout.overlap or objective.grpo.num_iterations > 1"
 
 
 def _present(
@@ -232,6 +237,7 @@ def open_rollout_input(cfg) -> TrainingInput:
 
     records = open_prompt_records(cfg)
     d = cfg.data
-    order = RolloutOrder(GlobalSampler(records.num_samples, d.global_batch_size, d.seed, d.shuffle))
+    sampler = GlobalSampler(records.num_samples, d.global_batch_size, d.seed, d.shuffle)
+    order = RolloutOrder(sampler, cfg.objective.grpo.num_iterations)
     dataset = RolloutInput(cfg, records, order, find_run_rollout(cfg.run.name))
     return TrainingInput(dataset, split_eval(cfg, dataset), order, rollout=dataset)

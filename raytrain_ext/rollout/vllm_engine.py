@@ -19,9 +19,12 @@ architecture (its config.json written to a temporary directory), and the trainer
 weights arrive through ``load_weights`` before the first generation (no weight file is
 read or written), loaded into the model vLLM runs (``model.load_weights``, as TRL's
 colocated mode does: vLLM's engine core runs in the actor's process for that,
-``VLLM_ENABLE_V1_MULTIPROCESSING=0``).  With ``score_policy`` each completion token's log-prob under the generating
-weights is vLLM's own (``logprobs=0``, after temperature: ``processed_logprobs``); with
-a reference policy (``beta > 0``) an HF copy of it scores the completions on the same GPU.
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``).  With ``score_policy`` each completion token's
+log-prob under the generating weights is vLLM's own (``logprobs=0``,
+``processed_logprobs``: after temperature, and after top-k/top-p when they are set, where
+the trainer's are temperature's only, as in TRL's vLLM path).  With a reference policy
+(``beta > 0``) an HF copy of it scores the completions on the same GPU, a few rows per
+forward (``REFERENCE_ROWS``: a large vocabulary's logits).
 """
 
 from __future__ import annotations
@@ -38,12 +41,14 @@ from raytrain_ext.rollout.engine import GroupCompletions, GroupRequest, RolloutS
 from raytrain_ext.rollout.reference import completion_logps
 from raytrain_ext.rollout.sampling import completion_seed
 
+REFERENCE_ROWS = 2  # completions per reference forward (2 x 1536 tokens x 152k vocab: ~2 GB)
+
 
 @dataclass(frozen=True)
 class VLLMOptions:
     """What each engine's ``LLM`` is built with, besides the run's architecture."""
 
-    gpu_memory_utilization: float = 0.85
+    gpu_memory_utilization: float = 0.7  # the rest: the reference policy, its logits
     max_model_len: int = 4096
     dtype: str = "bfloat16"
     enforce_eager: bool = False
@@ -59,7 +64,7 @@ class VLLMEngine:
         options: VLLMOptions = VLLMOptions(),
         reference: Optional[torch.nn.Module] = None,
     ):
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # model in this process
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # its model in this process
         from vllm import LLM
 
         self.settings, self.reference = settings, reference
@@ -82,7 +87,7 @@ class VLLMEngine:
         """Every parameter by name into the model vLLM runs; its prefix cache then holds
         keys and values of the old weights, so it is emptied."""
         model = self.llm.llm_engine.model_executor.driver_worker.model_runner.model
-        model.load_weights(weights=[(name, tensor.to("cuda")) for name, tensor in state.items()])
+        model.load_weights(weights=((name, tensor.to("cuda")) for name, tensor in state.items()))
         self.llm.reset_prefix_cache()
         self.weights_version = version
 
@@ -123,6 +128,7 @@ class VLLMEngine:
             [g.completions for g in groups],
             s.pad_token_id,
             s.sampling.temperature,
+            rows_per_forward=REFERENCE_ROWS,
         )
         return [replace(g, ref_logps=lp) for g, lp in zip(groups, logps, strict=True)]
 
@@ -153,9 +159,6 @@ class VLLMEngine:
                 float(step[t].logprob) for step, t in zip(steps, tokens[:end], strict=True)
             )
         return tuple(tokens[:end]), eos not in tokens, logps
-
-    def close(self) -> None:
-        self._dir.cleanup()
 
 
 @dataclass(frozen=True)

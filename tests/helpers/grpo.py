@@ -13,11 +13,13 @@ CONFIG = REPO / "configs" / "grpo_tiny.yaml"
 PROMPTS = REPO / "configs" / "data" / "dpo_tiny.jsonl"
 
 
-def expected_samples_digest(steps: int, groups: int, seed: int) -> str:
+def expected_samples_digest(steps: int, groups: int, seed: int, iterations: int = 1) -> str:
     """The ledger of a run that consumed the global order's prompt groups, each step's
-    whole, computed from the sampler alone (no run)."""
+    whole (each generation's for ``iterations`` steps), computed from the sampler alone
+    (no run)."""
     prompts = len(PROMPTS.read_text().splitlines())
-    order, ledger = RolloutOrder(GlobalSampler(prompts, groups, seed)), SampleLedger()
+    order = RolloutOrder(GlobalSampler(prompts, groups, seed), iterations)
+    ledger = SampleLedger()
     for step in range(steps):
         ledger.record(step, order.next_global_batch())
     return ledger.digest

@@ -243,6 +243,11 @@ def test_a_killed_worker_is_recovered_by_default_and_ctrl_c_checkpoints_then_res
         # progress lines reach stdout at each poll, and this test acts on them within a
         # run of about a second: poll as often as before the 1 s default
         "elastic.poll_interval_s=0.2",
+        # and every step lasts at least 30 ms (a sleep changes no number): on a fast
+        # machine the 30 steps after the Ctrl-C outran the interrupt's next poll
+        "chaos.slow_rank=0",
+        "chaos.slow_s=0.03",
+        "chaos.attempts=3",
         *FAST_MODEL,
     ]
     cmd = [*raytrain_ext_cmd(), "train", *common]

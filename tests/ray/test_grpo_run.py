@@ -3,14 +3,14 @@ a tiny Llama, DDP on 2 ranks; here 2 rollout engines, Ray actors of the run) and
 verifiable reward given from Python: the completion says the record's ``chosen`` word (a
 column passed through to the reward), with the KL term against the reference policy
 (``beta > 0``: the engines score every completion under it) and the engines a step
-behind every other step (``rollout.sync_every=2``: the loss's ratio is against the
-weights that generated).  The mean reward rises from below 0.2 to above 0.8; every step's
-prompt groups are generated once and consumed once; and a run that loses a rollout
-engine (its process SIGKILLed from outside) and then a trainer rank between sync points
-(chaos) keeps going, keeps the other engine's process through the trainer's loss, and
-ends with the very weights and samples of the run that lost nothing.  An interrupted run
-resumes from its checkpoint on another number of trainers and engines and consumes exactly
-the global order's prompt groups."""
+behind (``rollout.sync_every=2``, ``rollout.overlap``, ``num_iterations=2``: the loss's
+ratio is against the weights that generated).  The mean reward rises from below 0.2 to
+above 0.8; every step's prompt groups are generated once and consumed once; and a run
+that loses a rollout engine (its process SIGKILLed from outside) and then a trainer rank
+between sync points, mid-generation (chaos) keeps going, keeps the other engine's process
+through the trainer's loss, and ends with the very weights and samples of the run that lost
+nothing.  An interrupted run resumes from its checkpoint on another number of trainers and
+engines and consumes exactly the global order's prompt groups."""
 
 from __future__ import annotations
 
@@ -28,10 +28,10 @@ from tests.helpers.runs import FitThread, last_step, wait_until
 STEPS, GROUPS = 12, 4
 KL = "objective.grpo.beta=0.04"
 BEHIND = "rollout.sync_every=2"  # the engines take the weights every second update
-# the pair of runs compared bit for bit: engines behind, and each step generated while the
-# one before it updates (rollout.overlap)
-FAULTED = [KL, BEHIND, "rollout.overlap=true", "run.max_steps=6"]
-VERSIONS = [0, 0, 0, 2, 2, 4]  # WeightsSchedule(2, lag=1)
+# the pair of runs compared bit for bit: engines behind, each generation made while the
+# step before it updates (rollout.overlap) and trained twice (TRL's num_iterations)
+FAULTED = [KL, BEHIND, "rollout.overlap=true", "objective.grpo.num_iterations=2", "run.max_steps=6"]
+VERSIONS = [0, 0, 0, 0, 2, 2]  # WeightsSchedule(2, lag=1, iterations=2), per step
 
 
 def says_chosen(prompts, completions, chosen, **columns):
@@ -67,7 +67,8 @@ def test_grpo_learns_and_a_lost_engine_and_trainer_change_nothing(ray_local, tmp
 
     clean = Trainer(grpo_config(tmp_path, "clean", KL), reward_fns=[says_chosen]).fit()
     assert clean["status"] == "finished" and clean["objective"] == "grpo"
-    assert clean["rollout"]["generations"] == STEPS and clean["rollout_recoveries"] == []
+    assert clean["rollout"]["generated_steps"] == list(range(1, STEPS + 1))
+    assert clean["rollout_recoveries"] == []
     assert clean["samples_consumed"] == STEPS * GROUPS
     assert clean["samples_digest"] == expected_samples_digest(STEPS, GROUPS, 1234)  # run.seed
     records = step_records(tmp_path, "clean")
@@ -79,9 +80,15 @@ def test_grpo_learns_and_a_lost_engine_and_trainer_change_nothing(ray_local, tmp
 
     behind = Trainer(grpo_config(tmp_path, "behind", *FAULTED), reward_fns=[says_chosen]).fit()
     assert [r["weights_version"] for r in step_records(tmp_path, "behind")] == VERSIONS
-    # rank 1 dies after step 3, between sync points: the re-formed group keeps the
-    # weights of step 2 for step 4 (or step 4's result), as the run that lost nothing
-    config = grpo_config(tmp_path, "faulted", *FAULTED, "chaos.kill_rank=1", "chaos.kill_at_step=3")
+    # rank 1 dies after step 3, between sync points and mid-generation: the re-formed group
+    # trains step 4 on the kept result of generation 3, and generation 5 is made with the
+    # weights of step 2 the service kept, as in the run that lost nothing
+    # every step at least 0.3 s (a sleep changes no number): the engine is lost while the
+    # run still generates, however fast the machine
+    slowed = ["chaos.slow_rank=0", "chaos.slow_s=0.3", "chaos.attempts=2"]
+    config = grpo_config(
+        tmp_path, "faulted", *FAULTED, *slowed, "chaos.kill_rank=1", "chaos.kill_at_step=3"
+    )
     trainer = Trainer(config, reward_fns=[says_chosen])
     with FitThread(trainer) as run:
         wait_until(lambda: last_step(trainer) >= 1, "step 1", timeout_s=120)
@@ -94,7 +101,7 @@ def test_grpo_learns_and_a_lost_engine_and_trainer_change_nothing(ray_local, tmp
     assert lost["engine"] == 0 and lost["fate"], lost
     (recovery,) = faulted["recoveries"]  # the trainer rank, re-formed in place
     assert recovery["restored_from"] == "peers" and recovery["restored_step"] == 3
-    assert faulted["rollout"]["generated_steps"] == list(range(1, 7))  # none again
+    assert faulted["rollout"]["generated_steps"] == [1, 3, 5]  # none again
     final_engines = faulted["rollout"]["engines"]
     assert final_engines[1] == list(engines[1])  # kept through the trainer's loss
     assert final_engines[0][1] != engines[0][1]  # the killed engine's replacement

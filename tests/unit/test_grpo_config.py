@@ -76,7 +76,6 @@ def test_the_grpo_keys_are_trls_with_trls_defaults():
         (["rollout.reward_fns=[]"], r"rollout.reward_fns: objective.name=grpo needs at least one"),
         (["rollout.reward_fns=[nowhere.at_all:fn]"], r"rollout.reward_fns: cannot import nowhere"),
         (["rollout.reward_weights=[1.0,2.0]"], r"rollout.reward_weights: 2 weights for 1 reward"),
-        (["objective.grpo.num_iterations=2"], r"objective.grpo.num_iterations: not supported"),
         (["objective.grpo.top_p=0"], r"objective.grpo.top_p: must be in \(0, 1\]"),
         (["model.source=gpt"], r"model.source: objective.name=grpo generates with Hugging Face"),
         (["eval.fraction=0.1"], r"eval.fraction: evaluating GRPO .* is not built yet"),
@@ -159,6 +158,28 @@ def test_the_order_names_each_prompt_group_by_its_step():
         order.split(np.concatenate([first, second]))
     with pytest.raises(InputError, match=r"not trained with objective.name=grpo"):
         resumed.load_state_dict(GlobalSampler(5, 3, seed=1).state_dict())
+
+
+def test_with_num_iterations_each_generation_trains_that_many_steps_under_their_own_ids():
+    order = RolloutOrder(GlobalSampler(7, 3, seed=1), iterations=3)
+    batches = []
+    for _ in range(5):
+        upcoming = order.peek_global_batch()
+        batches.append(order.next_global_batch())
+        assert np.array_equal(batches[-1], upcoming)
+    steps_prompts = [order.split(ids) for ids in batches]
+    assert [step for step, _ in steps_prompts] == [1, 2, 3, 4, 5]
+    assert [order.generation_step(s) for s in range(1, 8)] == [1, 1, 1, 4, 4, 4, 7]
+    first, fourth = steps_prompts[0][1], steps_prompts[3][1]
+    assert all(np.array_equal(prompts, first) for _, prompts in steps_prompts[:3])
+    assert np.array_equal(steps_prompts[4][1], fourth) and not np.array_equal(first, fourth)
+    assert len({i for ids in batches for i in ids.tolist()}) == 15  # each step's ids its own
+    resumed = RolloutOrder(GlobalSampler(7, 3, seed=1), iterations=3)
+    resumed.load_state_dict(order.state_dict())  # mid-generation: step 6 repeats step 5's
+    assert np.array_equal(resumed.next_global_batch(), order.next_global_batch())
+    assert np.array_equal(
+        resumed.split(resumed.next_global_batch())[1], order.prompts.peek_global_batch()
+    )
 
 
 def test_the_vllm_backend_is_refused_without_the_extra_or_without_a_gpu(monkeypatch):

@@ -13,12 +13,26 @@ def test_every_step_is_generated_with_the_newest_sync_point_before_it():
     on_policy, every_3 = WeightsSchedule(1), WeightsSchedule(3)
     assert [on_policy.required(s) for s in range(1, 6)] == [0, 1, 2, 3, 4]
     assert [every_3.required(s) for s in range(1, 9)] == [0, 0, 0, 3, 3, 3, 6, 6]
-    assert [s for s in range(8) if every_3.is_sync_point(s)] == [0, 3, 6]
+    assert [s for s in range(8) if every_3.pushes_after(s)] == [0, 3, 6]
+    assert [s for s in range(5) if on_policy.pushes_after(s)] == [0, 1, 2, 3, 4]
     assert not on_policy.off_policy and every_3.off_policy
     # a resumed group anchored at step 4 generates 5 and 6 with its own start's weights
     assert [every_3.required(s, anchor=4) for s in range(5, 9)] == [4, 4, 6, 6]
-    with pytest.raises(ValueError, match="sync_every must be >= 1"):
+    with pytest.raises(ValueError, match="sync_every and iterations must be >= 1"):
         WeightsSchedule(0)
+
+
+def test_with_num_iterations_each_generation_is_named_by_its_first_step():
+    twice = WeightsSchedule(1, iterations=2)  # TRL's num_iterations=2
+    assert twice.off_policy
+    assert [twice.key(s) for s in range(1, 7)] == [1, 1, 3, 3, 5, 5]
+    assert [twice.required(g) for g in (1, 3, 5)] == [0, 2, 4]  # on-policy when generated
+    assert [s for s in range(6) if twice.pushes_after(s)] == [0, 2, 4]  # none in between
+    # resumed after step 3, mid-generation, without its result: step 3's weights generate it
+    assert twice.required(3, anchor=3) == 3 and twice.required(5, anchor=3) == 4
+    overlap = WeightsSchedule(1, lag=1, iterations=2)
+    assert [overlap.required(g) for g in (1, 3, 5)] == [0, 1, 3]
+    assert [s for s in range(6) if overlap.pushes_after(s)] == [0, 1, 3, 5]
 
 
 def test_overlap_generates_each_step_with_the_weights_from_before_the_previous_update():
@@ -33,14 +47,19 @@ def test_overlap_generates_each_step_with_the_weights_from_before_the_previous_u
 @pytest.mark.parametrize(
     ("schedule", "start", "anchor", "next_step", "held", "expected"),
     [
-        (WeightsSchedule(3), 4, 0, 5, {3, 4}, 0),  # re-formed in place: step 3's still held
-        (WeightsSchedule(3), 3, 0, 4, {3}, 0),  # at a sync point
-        (WeightsSchedule(3), 4, 0, 5, {4}, 4),  # a resumed run's new service: anchor
-        (WeightsSchedule(3), 4, 5, 5, {3, 4}, 0),  # an anchor on a branch the group has left
-        (WeightsSchedule(3), 5, 4, 6, {4, 5}, 4),  # re-formed again after an anchor
-        (WeightsSchedule(1, lag=1), 4, 0, 5, {2, 3, 4}, 0),  # overlap, in place
-        (WeightsSchedule(1, lag=1), 4, 0, 6, {4}, 0),  # step 5 already generated
-        (WeightsSchedule(1, lag=1), 4, 0, 5, {4}, 4),  # overlap, resumed
+        (WeightsSchedule(3), 4, 0, 5, {3, 4}, (True, 0)),  # re-formed in place: 3's held
+        (WeightsSchedule(3), 3, 0, 4, {3}, (True, 0)),  # at a sync point
+        (WeightsSchedule(1), 4, 0, 6, {3, 4}, (True, 0)),  # 5 prefetched: 6 needs 5, pushed later
+        (WeightsSchedule(1), 0, 0, 1, {0}, (True, 0)),  # the run's start
+        (WeightsSchedule(3), 4, 0, 5, {4}, (False, 4)),  # a resumed run's new service: anchor
+        (WeightsSchedule(3), 4, 5, 5, {3, 4}, (True, 0)),  # an anchor on a branch left behind
+        (WeightsSchedule(3), 5, 4, 6, {4, 5}, (True, 4)),  # re-formed again after an anchor
+        (WeightsSchedule(1, lag=1), 4, 0, 5, {2, 3, 4}, (True, 0)),  # overlap, in place
+        (WeightsSchedule(1, lag=1), 4, 0, 6, {4}, (True, 0)),  # step 5 already generated
+        (WeightsSchedule(1, lag=1), 4, 0, 5, {4}, (False, 4)),  # overlap, resumed
+        (WeightsSchedule(1, iterations=2), 4, 0, 5, {3, 4}, (True, 0)),  # between generations
+        (WeightsSchedule(1, iterations=2), 3, 0, 3, {2, 3}, (True, 0)),  # mid-generation
+        (WeightsSchedule(1, iterations=2), 3, 0, 3, {3}, (False, 3)),  # mid-generation, resumed
     ],
 )
 def test_a_group_start_keeps_the_schedule_only_when_its_weights_are_held(
