@@ -20,13 +20,14 @@ Invariants:
 
 from __future__ import annotations
 
-from typing import Callable, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Mapping, Optional, Sequence, Tuple
 
 import torch
 
 from raytrain_ext.data.batch import Batch, Rollout
 from raytrain_ext.objectives.base import token_logps
 from raytrain_ext.rollout.engine import GroupCompletions
+from raytrain_ext.rollout.reference import padded_rows
 
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]  # inputs [rows, seq] -> logits [rows, seq, V]
 
@@ -37,19 +38,13 @@ def completion_rows(
     pad_token_id: int,
 ) -> Batch:
     """The rows of ``groups`` (module doc), without their rollout terms yet."""
-    rows: List[Tuple[int, ...]] = []
-    starts: List[int] = []  # where each row's completion starts
-    for group in groups:
-        prompt = prompts[group.prompt_index]
-        for completion in group.completions:
-            rows.append(prompt + completion)
-            starts.append(len(prompt))
-    width = max(len(r) for r in rows)
-    tokens = torch.full((len(rows), width), pad_token_id, dtype=torch.int64)
-    weights = torch.zeros(len(rows), width - 1)
-    for i, (row, start) in enumerate(zip(rows, starts, strict=True)):
-        tokens[i, : len(row)] = torch.tensor(row)
-        weights[i, start - 1 : len(row) - 1] = 1.0  # targets start..len-1 are the completion's
+    completions = [c for group in groups for c in group.completions]
+    tokens, starts = padded_rows(
+        [prompts[g.prompt_index] for g in groups], [g.completions for g in groups], pad_token_id
+    )
+    weights = torch.zeros(tokens.shape[0], tokens.shape[1] - 1)
+    for i, (completion, start) in enumerate(zip(completions, starts, strict=True)):
+        weights[i, start - 1 : start - 1 + len(completion)] = 1.0  # the completion's targets
     return Batch(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), weights)
 
 

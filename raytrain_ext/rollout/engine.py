@@ -185,7 +185,7 @@ class HFGenerateEngine:
             generation_config=config,
             logits_processor=seeded_sampling(s.sampling, seeds, device),
         )
-        cut = [self._cut(row) for row in out[:, width:].tolist()]
+        cut = [cut_at_eos(row, s.eos_token_id) for row in out[:, width:].tolist()]
         n = s.num_generations
         groups = [
             GroupCompletions(
@@ -205,32 +205,36 @@ class HFGenerateEngine:
         """``groups`` with their log-probs under the reference policy (when this engine has
         one) and under the generating weights (``score_policy``), the call's rows together."""
         if self.reference is not None:
-            logps = self._score(self.reference, requests, groups)
+            logps = score_completions(self.reference, requests, groups, self.settings)
             groups = [replace(g, ref_logps=lp) for g, lp in zip(groups, logps, strict=True)]
         if self.settings.score_policy:
-            logps = self._score(self.model, requests, groups)
+            logps = score_completions(self.model, requests, groups, self.settings)
             groups = [replace(g, policy_logps=lp) for g, lp in zip(groups, logps, strict=True)]
         return groups
 
-    def _score(
-        self,
-        model: torch.nn.Module,
-        requests: Sequence[GroupRequest],
-        groups: List[GroupCompletions],
-    ) -> List[CompletionLogps]:
-        """Each completion token's log-prob under ``model``, the call's rows together."""
-        return completion_logps(
-            model,
-            [r.prompt_ids for r in requests],
-            [g.completions for g in groups],
-            self.settings.pad_token_id,
-            self.settings.sampling.temperature,
-        )
 
-    def _cut(self, row: List[int]) -> Tuple[Tuple[int, ...], bool]:
-        """A generated row up to and including its first end-of-sequence token; whether
-        it had none (cut at ``max_completion_length``)."""
-        eos = self.settings.eos_token_id
-        if eos in row:
-            return tuple(row[: row.index(eos) + 1]), False
-        return tuple(row), True
+def cut_at_eos(row: Sequence[int], eos_token_id: int) -> Tuple[Tuple[int, ...], bool]:
+    """A generated row up to and including its first end-of-sequence token; whether it had
+    none (cut at ``max_completion_length``)."""
+    if eos_token_id in row:
+        return tuple(row[: list(row).index(eos_token_id) + 1]), False
+    return tuple(row), True
+
+
+def score_completions(
+    model: torch.nn.Module,
+    requests: Sequence[GroupRequest],
+    groups: Sequence[GroupCompletions],
+    settings: RolloutSettings,
+    rows_per_forward: Optional[int] = None,
+) -> List[CompletionLogps]:
+    """Each completion token's log-prob under ``model`` at the sampling temperature, the
+    rows of ``requests``' groups together (or ``rows_per_forward`` at a time)."""
+    return completion_logps(
+        model,
+        [r.prompt_ids for r in requests],
+        [g.completions for g in groups],
+        settings.pad_token_id,
+        settings.sampling.temperature,
+        rows_per_forward,
+    )

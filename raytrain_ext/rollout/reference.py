@@ -49,6 +49,25 @@ class HFReferenceBuilder:
         return model.eval()
 
 
+def padded_rows(
+    prompts: Sequence[Tuple[int, ...]],
+    completions: Sequence[Sequence[Tuple[int, ...]]],
+    pad_token_id: int,
+) -> Tuple[torch.Tensor, List[int]]:
+    """Every completion's row, its prompt's tokens then its own, right-padded to the
+    longest (``[rows, width]``, groups in order, each group's completions in order), and
+    where each row's completion starts.  The one layout of GRPO's rows: the batch's
+    (``assemble.completion_rows``) and the engines' scoring."""
+    rows = [prompt + c for prompt, group in zip(prompts, completions, strict=True) for c in group]
+    starts = [
+        len(prompt) for prompt, group in zip(prompts, completions, strict=True) for _ in group
+    ]
+    tokens = torch.full((len(rows), max(len(r) for r in rows)), pad_token_id, dtype=torch.int64)
+    for i, row in enumerate(rows):
+        tokens[i, : len(row)] = torch.tensor(row)
+    return tokens, starts
+
+
 @torch.no_grad()
 def completion_logps(
     model: torch.nn.Module,
@@ -63,15 +82,11 @@ def completion_logps(
     over ``rows_per_forward`` rows at a time: a large vocabulary's logits of every row at
     once would not fit beside a GPU engine), prompt then completion, right-padded (no
     mask needed: padding follows every real token)."""
-    rows = [prompt + c for prompt, group in zip(prompts, completions, strict=True) for c in group]
-    width = max(len(r) for r in rows)
-    tokens = torch.full((len(rows), width), pad_token_id, dtype=torch.int64)
-    for i, row in enumerate(rows):
-        tokens[i, : len(row)] = torch.tensor(row)
+    tokens, _ = padded_rows(prompts, completions, pad_token_id)
     device = next(model.parameters()).device
-    chunk = rows_per_forward or len(rows)
+    chunk = rows_per_forward or len(tokens)
     parts = []
-    for first_row in range(0, len(rows), chunk):
+    for first_row in range(0, len(tokens), chunk):
         part = tokens[first_row : first_row + chunk]
         inputs, targets = part[:, :-1].to(device), part[:, 1:].to(device)
         logits = model(input_ids=inputs, use_cache=False).logits

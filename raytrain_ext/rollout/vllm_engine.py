@@ -37,8 +37,13 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from raytrain_ext.errors import InputError
-from raytrain_ext.rollout.engine import GroupCompletions, GroupRequest, RolloutSettings
-from raytrain_ext.rollout.reference import completion_logps
+from raytrain_ext.rollout.engine import (
+    GroupCompletions,
+    GroupRequest,
+    RolloutSettings,
+    cut_at_eos,
+    score_completions,
+)
 from raytrain_ext.rollout.sampling import completion_seed
 
 REFERENCE_ROWS = 2  # completions per reference forward (2 x 1536 tokens x 152k vocab: ~2 GB)
@@ -122,14 +127,7 @@ class VLLMEngine:
         ]
         if self.reference is None:
             return groups
-        logps = completion_logps(
-            self.reference,
-            [r.prompt_ids for r in requests],
-            [g.completions for g in groups],
-            s.pad_token_id,
-            s.sampling.temperature,
-            rows_per_forward=REFERENCE_ROWS,
-        )
+        logps = score_completions(self.reference, requests, groups, s, REFERENCE_ROWS)
         return [replace(g, ref_logps=lp) for g, lp in zip(groups, logps, strict=True)]
 
     def _sampling(self, sampling_params: Any, seed: int) -> Any:
@@ -149,16 +147,12 @@ class VLLMEngine:
     def _cut(self, output: Any) -> Tuple[Tuple[int, ...], bool, Tuple[float, ...]]:
         """A completion up to and including its first end-of-sequence token, whether it had
         none, and its tokens' log-probs (empty unless ``score_policy``)."""
-        tokens = list(output.token_ids)
-        eos = self.settings.eos_token_id
-        end = tokens.index(eos) + 1 if eos in tokens else len(tokens)
+        tokens, truncated = cut_at_eos(list(output.token_ids), self.settings.eos_token_id)
         logps: Tuple[float, ...] = ()
         if self.settings.score_policy:
-            steps: List[Dict[int, Any]] = list(output.logprobs or [])[:end]
-            logps = tuple(
-                float(step[t].logprob) for step, t in zip(steps, tokens[:end], strict=True)
-            )
-        return tuple(tokens[:end]), eos not in tokens, logps
+            steps: List[Dict[int, Any]] = list(output.logprobs or [])[: len(tokens)]
+            logps = tuple(float(step[t].logprob) for step, t in zip(steps, tokens, strict=True))
+        return tokens, truncated, logps
 
 
 @dataclass(frozen=True)
