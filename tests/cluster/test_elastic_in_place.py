@@ -24,7 +24,14 @@ from raytrain_ext.checkpoint.tiers.disk import DiskTier
 from tests.helpers.layouts import ATOL_UNEVEN
 from tests.helpers.leaks import assert_nothing_left, idle_processes_with_torch
 from tests.helpers.reference import uninterrupted
-from tests.helpers.runs import FitThread, last_step, recovered, tiny_overrides, wait_until
+from tests.helpers.runs import (
+    FitThread,
+    last_step,
+    recovered,
+    step_floor,
+    tiny_overrides,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 
@@ -32,7 +39,7 @@ THREE_WAY = ["data.global_batch_size=12", "data.micro_batch_size=2"]  # splits o
 # Every step lasts at least 0.1 s (one rank sleeps, in every group of the run: a sleep
 # changes no number), so that on a fast machine the run still outlasts what a test waits
 # for mid-run (a spare's imports, a re-form) instead of finishing first.
-STEP_FLOOR = ["chaos.slow_rank=1", "chaos.slow_s=0.1", "chaos.attempts=5"]
+STEP_FLOOR = step_floor(0.1, rank=1)
 
 
 def add_nodes(cluster, count: int):

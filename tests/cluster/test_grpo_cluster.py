@@ -15,7 +15,7 @@ from raytrain_ext import Trainer
 from raytrain_ext.config import load_config
 from raytrain_ext.rollout.run_service import find_run_rollout
 from tests.helpers.grpo import CONFIG, expected_samples_digest
-from tests.helpers.runs import FitThread, last_step, wait_until
+from tests.helpers.runs import FitThread, last_step, step_floor, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 
@@ -46,9 +46,7 @@ def test_grpo_through_a_killed_engine_and_a_lost_trainer_node(ray_cluster, tmp_p
             "checkpoint.memory=true",
             # every step at least 0.3 s (a sleep changes no number): the node goes mid-run,
             # not after the last step however fast the machine
-            "chaos.slow_rank=0",
-            "chaos.slow_s=0.3",
-            "chaos.attempts=3",
+            *step_floor(0.3, attempts=3),
         ],
     )
     trainer = Trainer(cfg)

@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import List
 
 # The packaged default's model at half its width and sequence length, for tests that need
 # many steps but no time between them (chaos tests on Ray keep the default model: their
@@ -121,3 +122,10 @@ class FitThread:
         outcome = self.join(timeout_s)
         assert isinstance(outcome, dict), f"the run failed: {outcome!r}"
         return outcome
+
+
+def step_floor(seconds: float, rank: int = 0, attempts: int = 5) -> List[str]:
+    """Overrides that make every step of the first ``attempts`` groups last at least
+    ``seconds`` (rank ``rank`` sleeps in each: a sleep changes no number), so that on a fast
+    machine a run still outlasts what a test waits for mid-run."""
+    return [f"chaos.slow_rank={rank}", f"chaos.slow_s={seconds}", f"chaos.attempts={attempts}"]

@@ -15,7 +15,7 @@ import pytest
 from raytrain_ext.metrics.start_phases import START_PHASES
 from tests.helpers.cli import RaySessionWatch, clean_env, raytrain_ext_cmd, run
 from tests.helpers.reference import uninterrupted
-from tests.helpers.runs import FAST_MODEL, wait_for_checkpoint
+from tests.helpers.runs import FAST_MODEL, step_floor, wait_for_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 60
@@ -245,9 +245,7 @@ def test_a_killed_worker_is_recovered_by_default_and_ctrl_c_checkpoints_then_res
         "elastic.poll_interval_s=0.2",
         # and every step lasts at least 30 ms (a sleep changes no number): on a fast
         # machine the 30 steps after the Ctrl-C outran the interrupt's next poll
-        "chaos.slow_rank=0",
-        "chaos.slow_s=0.03",
-        "chaos.attempts=3",
+        *step_floor(0.03, attempts=3),
         *FAST_MODEL,
     ]
     cmd = [*raytrain_ext_cmd(), "train", *common]

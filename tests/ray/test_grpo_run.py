@@ -23,7 +23,7 @@ from raytrain_ext import Trainer
 from raytrain_ext.config import load_config
 from raytrain_ext.rollout.run_service import find_run_rollout
 from tests.helpers.grpo import CONFIG, expected_samples_digest
-from tests.helpers.runs import FitThread, last_step, wait_until
+from tests.helpers.runs import FitThread, last_step, step_floor, wait_until
 
 STEPS, GROUPS = 12, 4
 KL = "objective.grpo.beta=0.04"
@@ -57,13 +57,22 @@ def grpo_config(tmp_path, name, *extra):
     )
 
 
+def engine_placements(run_name):
+    """The run's engines' (node, pid), once its rollout service is up; None before."""
+    import ray
+
+    try:
+        return ray.get(find_run_rollout(run_name).engine_placements.remote(), timeout=30)
+    except ValueError:  # no service of that name yet
+        return None
+
+
 def step_records(tmp_path, name):
     lines = (Path(tmp_path) / name / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines]
 
 
 def test_grpo_learns_and_a_lost_engine_and_trainer_change_nothing(ray_local, tmp_path):
-    import ray
 
     clean = Trainer(grpo_config(tmp_path, "clean", KL), reward_fns=[says_chosen]).fit()
     assert clean["status"] == "finished" and clean["objective"] == "grpo"
@@ -85,15 +94,19 @@ def test_grpo_learns_and_a_lost_engine_and_trainer_change_nothing(ray_local, tmp
     # weights of step 2 the service kept, as in the run that lost nothing
     # every step at least 0.3 s (a sleep changes no number): the engine is lost while the
     # run still generates, however fast the machine
-    slowed = ["chaos.slow_rank=0", "chaos.slow_s=0.3", "chaos.attempts=2"]
     config = grpo_config(
-        tmp_path, "faulted", *FAULTED, *slowed, "chaos.kill_rank=1", "chaos.kill_at_step=3"
+        tmp_path,
+        "faulted",
+        *FAULTED,
+        *step_floor(0.3, attempts=2),
+        "chaos.kill_rank=1",
+        "chaos.kill_at_step=3",
     )
     trainer = Trainer(config, reward_fns=[says_chosen])
     with FitThread(trainer) as run:
-        wait_until(lambda: last_step(trainer) >= 1, "step 1", timeout_s=120)
-        service = find_run_rollout("faulted")
-        engines = ray.get(service.engine_placements.remote(), timeout=30)
+        # as soon as the engines are up (a step's record reaches the driver a poll late, and
+        # this run generates only 3 times): a later generation always meets the loss
+        engines = wait_until(lambda: engine_placements("faulted"), "the engines", timeout_s=120)
         os.kill(engines[0][1], signal.SIGKILL)
         faulted = run.summary(timeout_s=300)
     assert faulted["status"] == "finished"
