@@ -106,6 +106,16 @@ def seconds_between_saves(ckpt_cfg, saves: int) -> Optional[float]:
     return first if every is None else min(every, first)
 
 
+def carried_by(regular: bool, request: float) -> ckpt_state.Carry:
+    """What a save carries of GRPO's generations made with older weights: a per-step
+    snapshot none (it serves a re-form whose engines live on), an emergency save the one
+    the next step trains on (a deadline waits for at most one generation, which every
+    rank must agree on), any other save all."""
+    if not regular:
+        return ckpt_state.Carry.NONE
+    return ckpt_state.Carry.NEXT if request >= REQUEST_EMERGENCY else ckpt_state.Carry.ALL
+
+
 class CheckpointManager:
     def __init__(
         self,
@@ -207,7 +217,8 @@ class CheckpointManager:
         self.wait()  # the previous snapshot's buffers are free again (before_update: mostly)
         native_files = self._save_native(state, step) if regular else native.NativeFiles()
         tiers = None if regular else [t for t in self.tiers if t.holds_snapshots]
-        snap = ckpt_state.snapshot(ckpt_state.capture(state), reuse=self._buffers)
+        carry = carried_by(regular, request)
+        snap = ckpt_state.snapshot(ckpt_state.capture(state, carry), reuse=self._buffers)
         self._buffers = snap
         if torch.cuda.is_available() and state.ctx.device.type == "cuda":
             torch.cuda.current_stream().synchronize()

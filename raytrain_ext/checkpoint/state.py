@@ -7,6 +7,8 @@
   keeps one copy.
 - ``rng/rank<r>``: each rank's Python, NumPy, torch CPU and CUDA RNG states.
 - ``reference`` (DPO only): the reference log-probs table, replicated like ``train``.
+- ``train``'s ``rollout_carried`` (GRPO, regular saves): the results of the generations
+  made with weights older than the checkpoint's (``rollout.schedule``), as plain values.
 
 ``snapshot`` copies the tensors to host memory (pinned on GPU) so training can
 continue while the copy is serialised in the background.  A sharded (FSDP/TP)
@@ -17,6 +19,7 @@ The memory tier holds the files DCP wrote, so it needs nothing layout-specific.
 
 from __future__ import annotations
 
+import enum
 import io
 import json
 import pickle
@@ -34,6 +37,7 @@ from raytrain_ext.parallel.stage_state import whole_model_keys
 
 TRAIN_KEY = "train"
 REFERENCE_KEY = "reference"
+ROLLOUT_ITEM = "rollout_carried"  # in ``train``: GRPO's results made with older weights
 
 
 def rng_key(rank: int) -> str:
@@ -81,13 +85,27 @@ def model_and_optim(state: TrainState):
     return state.strategy.state_dicts(state.model, state.optimizer)
 
 
-def capture(state: TrainState) -> Dict[str, Any]:
+class Carry(enum.Enum):
+    """What a save carries of GRPO's generations made with older weights
+    (``TrainState.rollout``): none (a per-step snapshot: the engines outlive the
+    trainers it serves), the one the next step trains on (a save under a preemption
+    deadline), or all of them."""
+
+    NONE = "none"
+    NEXT = "next"
+    ALL = "all"
+
+
+def capture(state: TrainState, carry: Carry = Carry.NONE) -> Dict[str, Any]:
     """The live state dict (tensors are references to the training tensors)."""
     model_sd, optim_sd = model_and_optim(state)
+    items = train_items(state)
+    if state.rollout is not None and carry is not Carry.NONE:
+        items[ROLLOUT_ITEM] = state.rollout.carried(state.progress.step, carry is Carry.NEXT)
     captured = {
         "model": model_sd,
         "optim": optim_sd,
-        TRAIN_KEY: io.BytesIO(json.dumps(train_items(state)).encode()),
+        TRAIN_KEY: io.BytesIO(json.dumps(items).encode()),
         rng_key(state.ctx.rank): io.BytesIO(capture_rng()),
     }
     if state.reference is not None:
@@ -233,6 +251,8 @@ def apply_train(state: TrainState, loaded: Dict[str, Any]) -> Dict[str, Any]:
         restore_rng(loaded[key].getvalue())
     if state.reference is not None:
         state.reference.load_bytes(loaded[REFERENCE_KEY].getvalue())
+    if state.rollout is not None:
+        state.rollout.load_carried(items.get(ROLLOUT_ITEM, {}))
     return items
 
 

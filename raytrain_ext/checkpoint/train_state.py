@@ -10,7 +10,7 @@ training stands (the loop reads and advances it).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional, Set
+from typing import TYPE_CHECKING, Any, Dict, Optional, Protocol, Set
 
 if TYPE_CHECKING:
     import torch
@@ -48,3 +48,19 @@ class TrainState:
     config_digest: str
     progress: Progress
     reference: Optional["ReferenceLogps"] = None  # DPO: the reference log-probs
+    rollout: Optional["CarriedRollouts"] = None  # GRPO: generations made with older weights
+
+
+class CarriedRollouts(Protocol):
+    """What a GRPO checkpoint carries of the rollouts, as plain values
+    (:class:`raytrain_ext.rollout.step_input.RolloutInput`)."""
+
+    def carried(self, step: int, next_only: bool) -> Dict[str, Any]:
+        """The results of the generations after ``step`` made with weights older than
+        ``step``'s, the same on every rank; ``next_only``: only the one the next step
+        trains on."""
+        ...
+
+    def load_carried(self, plain: Dict[str, Any]) -> None:
+        """Take a restored checkpoint's ``carried`` (empty: none)."""
+        ...

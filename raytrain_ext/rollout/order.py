@@ -24,6 +24,7 @@ Invariants:
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
@@ -74,6 +75,16 @@ class RolloutOrder:
                 f"step {step}'s prompts are not known here (steps {sorted(self._batches)})"
             )
         return self._batches[step]
+
+    def prompts_ahead(self, step: int) -> np.ndarray:
+        """Step ``step``'s prompt indices, however far past the steps handed out (a copy
+        of this order advances to it; this one does not move)."""
+        if step in self._batches:
+            return self._batches[step]
+        ahead = copy.deepcopy(self)
+        while ahead.step < step:
+            ahead.next_global_batch()
+        return ahead.prompts_of(step)
 
     def split(self, ids: np.ndarray) -> Tuple[int, np.ndarray]:
         """(the step, the prompt indices) of ids of one step."""

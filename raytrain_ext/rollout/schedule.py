@@ -15,10 +15,14 @@ step, the one the schedule names: so a push never overtakes a generation that ne
 weights.  A trainer group that starts (a re-form, a resume) pushes its own weights and
 keeps the schedule when the service still holds the version its next ungenerated step
 needs (a group re-formed in place: the service outlived the trainers, and replayed
-training reproduces those weights bit for bit).  When it does not (a resumed run's new
-service, or a group set back past them), the group's own start becomes an *anchor*: the
-steps up to the next sync point are generated with its weights.  Such a run is
-deterministic, but no longer the uninterrupted run's.
+training reproduces those weights bit for bit).  A checkpoint carries the results of the
+generations made with weights older than its own (``carried``: the one in flight with
+``overlap``, the current one mid-way through μ steps, those up to the next sync point),
+so a run resumed from it with new engines keeps the schedule too.  When neither holds (a
+checkpoint saved under a preemption deadline, which carries only the generation the next
+step trains on, or a group set back past the kept weights), the group's own start becomes an
+*anchor*: the steps up to the next sync point are generated with its weights.  Such a
+run is deterministic, but no longer the uninterrupted run's.
 
 With ``objective.grpo.num_iterations`` = μ > 1 each generation trains μ steps (TRL's μ):
 generations are named by their first step (``key``), generated with the schedule's
@@ -36,7 +40,7 @@ Invariants:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Collection, Tuple
+from typing import Collection, List, Tuple
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,26 @@ class WeightsSchedule:
         scheduled = self.sync_every * (max(0, step - 1 - self.lag) // self.sync_every)
         last_use = step - 1 + self.iterations - 1
         return max(scheduled, anchor) if anchor <= last_use else scheduled
+
+    def carried(self, step: int, last_step: int) -> List[int]:
+        """The generations a checkpoint after ``step`` carries (their results, not their
+        weights): each that trains a step after ``step``, up to ``last_step``, and is
+        generated with weights older than ``step``'s, which a run resumed from the
+        checkpoint no longer has (its group pushes only its start's).  None on-policy;
+        with ``overlap``, the generation made while ``step`` updated; part-way through a
+        generation's μ steps, that generation; between sync points, those up to the next
+        one."""
+        found, generation = [], self.key(step + 1)
+        while generation <= last_step and self.required(generation) < step:
+            found.append(generation)
+            generation += self.iterations
+        return found
+
+    @property
+    def reach(self) -> int:
+        """How many steps past the trainers' a generation may be asked for (a checkpoint's
+        ``carried``): results that recent are kept."""
+        return self.sync_every + self.lag + self.iterations
 
     def start(
         self, start: int, anchor: int, next_step: int, held: Collection[int]

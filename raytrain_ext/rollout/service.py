@@ -135,19 +135,27 @@ class RolloutService:
 
     @ray.method(concurrency_group=WEIGHTS)
     def load_weights(
-        self, state: Dict[str, torch.Tensor], version: int, start: bool = False
+        self,
+        state: Dict[str, torch.Tensor],
+        version: int,
+        start: bool = False,
+        carried: Sequence[RolloutResult] = (),
     ) -> int:
         """The trainers' weights after step ``version`` (a push point of the schedule, or a
         trainer group's ``start``), kept until the schedule names them for a generation
         (``_generate`` loads them then, so a push never overtakes a generation that needs
-        older weights).  A group's start drops what a branch it left pushed and decides the
-        anchor (``WeightsSchedule.start``); a start that anchors also drops the results
-        kept for later steps, generated on the schedule the group has left.  Kept: the
-        newest ``KEEP_VERSIONS`` versions that some generation needs, and the anchor's.
-        Returns the anchor."""
+        older weights).  A group's start drops what a branch it left pushed, takes the
+        results its checkpoint ``carried`` as generated (a result already here for the
+        same step is the same one) and decides the anchor (``WeightsSchedule.start``); a
+        start that anchors also drops the results kept for later steps, generated on the
+        schedule the group has left (not those it carried: its ranks train on them).
+        Kept: the newest ``KEEP_VERSIONS`` versions that some generation needs, and the
+        anchor's.  Returns the anchor."""
         keeps = True
         with self._lock:
             if start:
+                for result in carried:
+                    self._results.setdefault(result.step, _Pending.done(result))
                 for newer in [v for v in self._pushed if v > version]:
                     del self._pushed[newer]
                 held = set(self._pushed) | {version}
@@ -155,8 +163,10 @@ class RolloutService:
                     version, self.anchor, self._next(version), held
                 )
                 if not keeps:
+                    carried_steps = {result.step for result in carried}
                     for later in [s for s in self._results if s > version]:
-                        del self._results[later]
+                        if later not in carried_steps:
+                            del self._results[later]
             if not start or not keeps or self.schedule.pushes_after(version):
                 self._pushed[version] = state
             kept = set(sorted(self._pushed)[-KEEP_VERSIONS:]) | {self.anchor}
@@ -184,7 +194,7 @@ class RolloutService:
             first = pending is None
             if first:
                 pending = self._results[step] = _Pending()
-                oldest = step - KEEP_STEPS * self.schedule.iterations
+                oldest = step - KEEP_STEPS * self.schedule.iterations - self.schedule.reach
                 for old in [s for s in self._results if s <= oldest]:
                     del self._results[old]
         assert pending is not None
@@ -291,6 +301,14 @@ class _Pending:
         self._done = threading.Event()
         self._value: Optional[RolloutResult] = None
         self._error: Optional[BaseException] = None
+
+    @classmethod
+    def done(cls, value: RolloutResult) -> "_Pending":
+        """A result generated before (a checkpoint carried it)."""
+        pending = cls()
+        pending.version = value.weights_version
+        pending.set(value)
+        return pending
 
     def set(self, value: RolloutResult) -> None:
         self._value = value

@@ -19,6 +19,11 @@ With ``rollout.sync_every > 1`` or ``rollout.overlap`` the prefetched step is ge
 with older weights at once (overlapping the update), and the engines' own log-probs of
 the completions are the ratio's denominator.
 
+A checkpoint carries the results of the generations made with weights older than its
+own (:meth:`RolloutInput.carried`, ``rollout.schedule``): a rank restored from it trains
+on those instead of asking the service, and rank 0 hands them to the service with the
+group's first push, so a group re-formed later from live peers finds them there.
+
 Invariants:
 - A step's rollout is fetched at most once per rank, whichever thread asks first, and
   no lock is held while waiting for it (the main thread may need step ``s`` while the
@@ -44,6 +49,7 @@ from raytrain_ext.data.training_input import TrainingInput
 from raytrain_ext.objectives.config import GRPOLossType
 from raytrain_ext.parallel.strategy import Strategy
 from raytrain_ext.rollout.assemble import completion_rows
+from raytrain_ext.rollout.carry import result_from_plain, result_to_plain
 from raytrain_ext.rollout.order import KEPT_STEPS, RolloutOrder
 from raytrain_ext.rollout.prompt_records import PromptRecords
 from raytrain_ext.rollout.reference import CompletionLogps, logp_rows
@@ -95,20 +101,28 @@ class RolloutInput:
         self._lock = threading.Lock()
         self._refs: Dict[int, Any] = {}  # step -> the service call's result
         self._steps: Dict[int, StepRollout] = {}
+        self._carried: Dict[int, RolloutResult] = {}  # generation -> a checkpoint's result
+        self.last_step = cfg.run.max_steps
         arm()  # this group's waits (rollout.waits)
 
     def step_rollout(self, step: int) -> StepRollout:
         """The rollout step ``step`` trains on (its generation's, under the generation's
-        first step: ``WeightsSchedule.key``), asked of the service once (module doc)."""
-        key = self.schedule.key(step)
+        first step: ``WeightsSchedule.key``): one the checkpoint carried, else asked of
+        the service once (module doc)."""
+        return self._generation(self.schedule.key(step), self.order.prompts_of(step))
+
+    def _generation(self, key: int, prompts: np.ndarray) -> StepRollout:
         with self._lock:
             done = self._steps.get(key)
             if done is not None:
                 return done
+            carried = self._carried.get(key)
             ref = self._refs.get(key)
-            if ref is None:
-                prompts = [self.records.group(i) for i in self.order.prompts_of(step).tolist()]
-                ref = self._refs[key] = self.service.rollout.remote(key, prompts, self.wait_s)
+            if carried is None and ref is None:
+                groups = [self.records.group(i) for i in prompts.tolist()]
+                ref = self._refs[key] = self.service.rollout.remote(key, groups, self.wait_s)
+        if carried is not None:
+            return self._keep(key, prompts, carried, "the checkpoint")
         try:
             result = wait_for(ref, 3 * self.wait_s + EXTRA_WAIT_S, f"the rollout of step {key}")
         except BaseException:
@@ -116,19 +130,42 @@ class RolloutInput:
                 if self._refs.get(key) is ref:
                     del self._refs[key]
             raise
-        if result.step != key or len(result.groups) != len(self.order.prompts_of(step)):
+        return self._keep(key, prompts, result, "the rollout service")
+
+    def _keep(self, key: int, prompts: np.ndarray, result: RolloutResult, source: str):
+        if result.step != key or len(result.groups) != len(prompts):
             raise RuntimeError(
-                f"the rollout service answered step {key} with step {result.step}'s "
-                f"{len(result.groups)} groups"
+                f"{source} answered step {key} with step {result.step}'s "
+                f"{len(result.groups)} groups, not {len(prompts)}"
             )
         with self._lock:
-            done = self._steps[key] = StepRollout(
-                result, self.order.prompts_of(step), self.generations
-            )
-            for old in [s for s in self._steps if s <= key - KEPT_STEPS * self.schedule.iterations]:
+            done = self._steps[key] = StepRollout(result, prompts, self.generations)
+            oldest = key - KEPT_STEPS * self.schedule.iterations - self.schedule.reach
+            for old in [s for s in self._steps if s <= oldest]:
                 self._steps.pop(old)
                 self._refs.pop(old, None)
         return done
+
+    def carried(self, step: int, next_only: bool) -> Dict[str, Any]:
+        """The results a checkpoint after ``step`` carries (``WeightsSchedule.carried``), as
+        plain values by generation, each asked for and waited on when not held yet: the
+        same on every rank (the schedule names them, the service made them).
+        ``next_only``: only the generation the next step trains on (a save under a
+        preemption deadline waits for at most that one, which the next step would wait
+        for anyway)."""
+        plain: Dict[str, Any] = {}
+        for key in self.schedule.carried(step, self.last_step):
+            if next_only and key > step + 1:
+                break
+            held = self._steps.get(key) or self._generation(key, self.order.prompts_ahead(key))
+            plain[str(key)] = result_to_plain(held.result)
+        return plain
+
+    def load_carried(self, plain: Dict[str, Any]) -> None:
+        """A restored checkpoint's carried results (none: a live handover, or a
+        checkpoint without them), used instead of asking the service and handed to it
+        with the group's first push."""
+        self._carried = {int(key): result_from_plain(value) for key, value in plain.items()}
 
     def target_weights(self, ids: np.ndarray) -> np.ndarray:
         """Each group's loss units: its completion tokens (``loss_type=dapo``) or its
@@ -205,7 +242,8 @@ class RolloutInput:
         params = strategy.full_parameters(model)
         if rank == 0:
             state = {name: t.detach().to("cpu") for name, t in params.items()}
-            self.service.load_weights.remote(state, version, start)
+            carried = list(self._carried.values()) if start else []
+            self.service.load_weights.remote(state, version, start, carried)
 
 
 OFF_POLICY = "rollout.sync_every > 1, rollout.overlap or objective.grpo.num_iterations > 1"

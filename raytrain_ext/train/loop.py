@@ -147,6 +147,7 @@ class TrainLoop:
             self.config_digest,
             self.progress,
             self.reference,
+            self.rollout,
         )
 
     def _build_step_parts(self, cfg) -> None:

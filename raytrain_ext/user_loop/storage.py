@@ -32,6 +32,7 @@ UPLOADED, FAILED = "uploaded", ".failed"
 COMMITS = ".committed"
 UPLOADS = ".uploads"
 PREFIX = "checkpoint_"
+READ_RETRY_DELAYS_S = (0.1, 0.2, 0.4)  # a transient broken read is tried again after these
 
 
 @dataclass(frozen=True)
@@ -217,11 +218,20 @@ class RunStorage:
             out.write(data)
 
     def _read(self, path: str) -> Optional[bytes]:
-        try:
-            with self.fs.open_input_stream(path) as f:
-                return f.read()
-        except FileNotFoundError:
-            return None
+        """The file's bytes, or None when it does not exist.  A read that breaks after
+        the request succeeded (S3's "failed to flush response stream") is outside the
+        filesystem's own request retries, so it is tried again a few times."""
+        for delay_s in (*READ_RETRY_DELAYS_S, None):
+            try:
+                with self.fs.open_input_stream(path) as f:
+                    return f.read()
+            except FileNotFoundError:
+                return None
+            except OSError:
+                if delay_s is None:
+                    raise
+                time.sleep(delay_s)
+        return None  # not reached: the last attempt returns or raises
 
     def _read_json(self, path: str) -> Optional[Dict[str, Any]]:
         data = self._read(path)

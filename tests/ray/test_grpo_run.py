@@ -9,8 +9,9 @@ above 0.8; every step's prompt groups are generated once and consumed once; and 
 that loses a rollout engine (its process SIGKILLed from outside) and then a trainer rank
 between sync points, mid-generation (chaos) keeps going, keeps the other engine's process
 through the trainer's loss, and ends with the very weights and samples of the run that lost
-nothing.  An interrupted run resumes from its checkpoint on another number of trainers and
-engines and consumes exactly the global order's prompt groups."""
+nothing.  A stopped run resumes from its checkpoint on another number of trainers and
+engines, trains on the completions its checkpoint carried (those of the generations made
+with older weights than its own) and consumes exactly the global order's prompt groups."""
 
 from __future__ import annotations
 
@@ -19,9 +20,10 @@ import os
 import signal
 from pathlib import Path
 
-from raytrain_ext import Trainer
+from raytrain_ext import Trainer, TrainingFailed
 from raytrain_ext.config import load_config
 from raytrain_ext.rollout.run_service import find_run_rollout
+from raytrain_ext.rollout.schedule import WeightsSchedule
 from tests.helpers.grpo import CONFIG, expected_samples_digest
 from tests.helpers.runs import FitThread, last_step, step_floor, wait_until
 
@@ -72,7 +74,21 @@ def step_records(tmp_path, name):
     return [json.loads(line) for line in lines]
 
 
-def test_grpo_learns_and_a_lost_engine_and_trainer_change_nothing(ray_local, tmp_path):
+_BEHIND = {}  # the uninterrupted run the faulted and the resumed runs are held to
+
+
+def behind_run(tmp_path_factory):
+    """The faulted pair's uninterrupted run, made once per session: (summary, records)."""
+    if not _BEHIND:
+        out = tmp_path_factory.mktemp("behind")
+        summary = Trainer(grpo_config(out, "behind", *FAULTED), reward_fns=[says_chosen]).fit()
+        _BEHIND["run"] = summary, step_records(out, "behind")
+    return _BEHIND["run"]
+
+
+def test_grpo_learns_and_a_lost_engine_and_trainer_change_nothing(
+    ray_local, tmp_path, tmp_path_factory
+):
 
     clean = Trainer(grpo_config(tmp_path, "clean", KL), reward_fns=[says_chosen]).fit()
     assert clean["status"] == "finished" and clean["objective"] == "grpo"
@@ -87,8 +103,8 @@ def test_grpo_learns_and_a_lost_engine_and_trainer_change_nothing(ray_local, tmp
     assert [r["weights_version"] for r in records] == list(range(STEPS))  # on-policy
     assert rewards[0] < 0.2 and sum(rewards[-3:]) / 3 > 0.8, rewards
 
-    behind = Trainer(grpo_config(tmp_path, "behind", *FAULTED), reward_fns=[says_chosen]).fit()
-    assert [r["weights_version"] for r in step_records(tmp_path, "behind")] == VERSIONS
+    behind, behind_records = behind_run(tmp_path_factory)
+    assert [r["weights_version"] for r in behind_records] == VERSIONS
     # rank 1 dies after step 3, between sync points and mid-generation: the re-formed group
     # trains step 4 on the kept result of generation 3, and generation 5 is made with the
     # weights of step 2 the service kept, as in the run that lost nothing
@@ -122,26 +138,44 @@ def test_grpo_learns_and_a_lost_engine_and_trainer_change_nothing(ray_local, tmp
     assert faulted["samples_digest"] == behind["samples_digest"]
     faulted_records = step_records(tmp_path, "faulted")
     assert [r["weights_version"] for r in faulted_records] == VERSIONS
-    assert faulted_records[-1]["reward"] == step_records(tmp_path, "behind")[-1]["reward"]
+    assert faulted_records[-1]["reward"] == behind_records[-1]["reward"]
 
 
-def test_an_interrupted_grpo_run_resumes_on_other_trainers_and_engines(ray_local, tmp_path):
-    slowed = grpo_config(tmp_path, "resumed", BEHIND, "chaos.slow_rank=0", "chaos.slow_s=0.3")
-    trainer = Trainer(slowed, reward_fns=[says_chosen])  # slowed: the interrupt lands mid-run
+def test_a_stopped_grpo_run_resumes_on_other_trainers_and_engines(
+    ray_local, tmp_path, tmp_path_factory
+):
+    """The faulted pair's configuration (engines behind, overlap, μ 2) with a checkpoint
+    every step, stopped past step 2 (its workers and engines torn down) and resumed on 1
+    trainer and 1 engine.  Its newest checkpoint carries the generations made with weights
+    older than its own, so the resumed run trains on the very completions the
+    uninterrupted run trained on wherever the weights that made them are the
+    checkpoint's or older: the same rewards, the schedule's weights versions, and none of
+    the carried generations made again."""
+    behind, reference = behind_run(tmp_path_factory)
+    every_step = [*FAULTED, "checkpoint.every_steps=1"]
+    # slowed: a step's record reaches the driver up to a second late (elastic.poll_interval_s),
+    # and the stop still lands mid-run
+    slowed = grpo_config(tmp_path, "resumed", *every_step, *step_floor(0.6, attempts=2))
+    trainer = Trainer(slowed, reward_fns=[says_chosen])
     with FitThread(trainer) as run:
-        wait_until(lambda: last_step(trainer) >= 4, "step 4", timeout_s=120)
-        trainer.interrupt("the test")
-        first = run.summary(timeout_s=120)
-    assert first["status"] == "interrupted" and 4 <= first["steps_completed"] < STEPS
-    smaller = grpo_config(tmp_path, "resumed", BEHIND, "scaling.num_workers=1", "rollout.engines=1")
-    resumed = Trainer(smaller, reward_fns=[says_chosen]).fit()
-    assert (
-        resumed["status"] == "finished" and resumed["restored"]["step"] == first["steps_completed"]
+        wait_until(lambda: last_step(trainer) >= 2, "step 2", timeout_s=120)
+        trainer.stop("the test")
+        stopped = run.join(timeout_s=120)
+    assert isinstance(stopped, TrainingFailed) and "the test" in str(stopped)
+    smaller = grpo_config(
+        tmp_path, "resumed", *every_step, "scaling.num_workers=1", "rollout.engines=1"
     )
-    assert resumed["rollout"]["generations"] == STEPS - first["steps_completed"]
-    # new engines: the resumed group's own start anchors the steps up to the next sync point
-    resumed_at = first["steps_completed"]
-    after = [r for r in step_records(tmp_path, "resumed") if r["step"] == resumed_at + 1]
-    assert after[-1]["weights_version"] == resumed_at
-    expected = expected_samples_digest(STEPS, GROUPS, smaller.data.seed)
-    assert resumed["samples_digest"] == expected
+    resumed = Trainer(smaller, reward_fns=[says_chosen]).fit()
+    at = resumed["restored"]["step"]
+    assert resumed["status"] == "finished" and 1 <= at < 6, at
+    schedule = WeightsSchedule.of(smaller)
+    carried = schedule.carried(at, 6)
+    made = [g for g in (3, 5) if g > at and g not in carried]
+    assert resumed["rollout"]["generated_steps"] == made
+    assert resumed["samples_digest"] == behind["samples_digest"]
+    records = {r["step"]: r for r in step_records(tmp_path, "resumed")}  # the resumed last
+    assert [records[r["step"]]["weights_version"] for r in reference] == VERSIONS
+    shared = [r for r in reference[at:] if schedule.required(schedule.key(r["step"])) <= at]
+    assert shared  # made with weights the two runs share: carried, or the checkpoint's
+    for r in shared:
+        assert records[r["step"]]["reward"] == r["reward"], r["step"]

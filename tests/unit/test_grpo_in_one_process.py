@@ -119,3 +119,27 @@ def test_the_engines_log_probs_are_the_trainers_and_feed_the_loss():
     assert got.metrics["kl"] > 0 and got.metrics["clip_ratio"] > 0  # another policy made them
     assert torch.allclose(got.loss_sum, expected.loss_sum, rtol=1e-5)
     assert torch.allclose(got.metrics["kl"], expected.metrics["kl"], rtol=1e-5)
+
+
+def test_a_carried_rollout_result_survives_json_bit_for_bit():
+    """What a checkpoint carries of a generation (raytrain_ext.rollout.carry): every field,
+    the tensors bit for bit, a reward function's None (NaN) included."""
+    import json
+    import math
+
+    from raytrain_ext.rollout.carry import result_from_plain, result_to_plain
+    from raytrain_ext.rollout.service import RolloutResult
+
+    logps = ((-0.1234567, -2.5), (-1e-7,))
+    group = GroupCompletions(3, 5, ((7, 8), (5,)), (True, False), 4, logps, logps)
+    rewards = torch.tensor([[0.1, float("nan")], [1 / 3, 2.0]])
+    result = RolloutResult(
+        5, [group], rewards, rewards.nansum(1), torch.randn(2), ("a", "b"), {"generate": 0.5}, 4
+    )
+    back = result_from_plain(json.loads(json.dumps(result_to_plain(result))))
+    assert back.groups == [group] and back.step == 5 and back.weights_version == 4
+    assert back.function_names == ("a", "b") and back.phases_s == {"generate": 0.5}
+    assert torch.equal(back.advantages, result.advantages)
+    assert torch.equal(back.rewards, result.rewards)
+    assert math.isnan(back.rewards_per_function[0, 1])
+    assert torch.equal(back.rewards_per_function.nan_to_num(), rewards.nan_to_num())

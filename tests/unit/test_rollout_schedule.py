@@ -66,3 +66,20 @@ def test_a_group_start_keeps_the_schedule_only_when_its_weights_are_held(
     schedule, start, anchor, next_step, held, expected
 ):
     assert schedule.start(start, anchor, next_step, held) == expected
+
+
+def test_a_checkpoint_carries_the_generations_made_with_weights_older_than_its_own():
+    assert WeightsSchedule().carried(5, last_step=12) == []  # on-policy: step 6 takes 5's
+    assert WeightsSchedule(1, lag=1).carried(5, 12) == [6]  # the one made while 5 updated
+    assert WeightsSchedule(1, lag=1).carried(12, 12) == []  # none past the run's end
+    assert WeightsSchedule(iterations=2).carried(3, 12) == [3]  # steps 3 and 4 train on 3
+    assert WeightsSchedule(iterations=2).carried(4, 12) == []
+    assert WeightsSchedule(2).carried(3, 12) == [4]  # step 4 takes step 2's weights
+    assert WeightsSchedule(2).carried(4, 12) == []  # a sync point: step 5 takes 4's
+    behind = WeightsSchedule(2, lag=1, iterations=2)  # the versions 0 0 0 0 2 2
+    assert behind.carried(3, 6) == [3, 5] and behind.carried(4, 6) == [5]
+    for schedule in (WeightsSchedule(2), WeightsSchedule(3, 1), behind):
+        for step in range(1, 12):  # what is not carried the resumed group's weights make
+            carried = schedule.carried(step, 40)
+            after = range(schedule.key(step + 1), 40, schedule.iterations)
+            assert [g for g in after if schedule.required(g) < step] == carried

@@ -314,3 +314,30 @@ def test_ranks_at_different_places_in_a_dataset_are_named_and_positions_are_comm
     s.upload(user_dir(tmp_path, "r0", "zero"), 2, rank=0, group="g2")
     assert s.commit(2, [0], {}, {"train": [1, 40]}, "g2", lambda: True, 5)
     assert s.latest().positions == {"train": [1, 40]}
+
+
+class BrokenReadsOnce(pafs.FSSpecHandler):
+    """A local filesystem whose reads each break once, as an S3 response stream can after
+    its request succeeded (seen with moto: "failed to flush response stream")."""
+
+    def __init__(self):
+        import fsspec
+
+        super().__init__(fsspec.filesystem("file"))
+        self.broken = set()
+
+    def open_input_stream(self, path):
+        if path not in self.broken:
+            self.broken.add(path)
+            raise OSError(f"AWS Error INTERNAL_FAILURE during GetObject of {path}")
+        return super().open_input_stream(path)
+
+
+def test_a_read_that_breaks_once_is_tried_again_and_a_missing_file_is_not(tmp_path):
+    handler = BrokenReadsOnce()
+    s = RunStorage(pafs.PyFileSystem(handler), str(tmp_path / "run"), Retention())
+    s.upload(user_dir(tmp_path, "r0", "zero"), 1, rank=0, group="g1")
+    assert commit(s, 1, [0], {"loss": 1.0}, timeout_s=5, group="g1")
+    assert s.latest().metrics == {"loss": 1.0}
+    assert handler.broken  # the marker and the commit record each broke once
+    assert s._read(str(tmp_path / "run" / "absent")) is None
