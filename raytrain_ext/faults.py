@@ -60,8 +60,9 @@ class FaultInjector:
 
     @property
     def save_stall_s(self) -> float:
-        """``chaos.stall_save_s``: how long each save waits between writing and committing."""
-        return self.cfg.stall_save_s
+        """``chaos.stall_save_s``: how long each save waits between writing and committing
+        (on the first ``chaos.attempts`` attempts, as every fault)."""
+        return self.cfg.stall_save_s if self.armed else 0.0
 
     def before_compute(self) -> None:
         """``chaos.slow_rank`` computes ``chaos.slow_s`` slower every step (a straggler)."""

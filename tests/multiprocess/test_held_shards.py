@@ -1,7 +1,7 @@
 """Survivors of a sharded layout restore only what they lost (``checkpoint.held_chunks``),
 over gloo.
 
-The ranks train 4 of 8 steps, saving every step; some are lost, and the survivors form
+The ranks train 4 of 8 steps, saving every 4th; some are lost, and the survivors form
 a smaller group in the same processes and restore step 4, resharded:
 - FSDP: 3 ranks, rank 1 lost, ranks 0 and 2 go on (thirds resharded into halves);
 - FSDP x TP: 4 ranks (2 x 2), the TP pair of ranks 0 and 1 lost (a node), ranks 2 and
@@ -27,7 +27,7 @@ BASE = [
     "run.max_steps=8",
     "data.global_batch_size=12",
     "data.micro_batch_size=2",
-    "checkpoint.every_steps=1",
+    "checkpoint.every_steps=4",  # LOST_AT: the step restored
     "checkpoint.every_seconds=null",
     "checkpoint.async_save=false",
 ]

@@ -153,7 +153,7 @@ def test_a_sigkill_and_a_restarted_run_resume_the_dataset_shard_where_the_checkp
     stopped mid-epoch and is fit again resumes there the same way."""
     import ray
 
-    config = {"epochs": 3, "batch_size": 4, "every": 4, "step_sleep_s": 0.04}
+    config = {"epochs": 3, "batch_size": 4, "every": 4}
 
     def run_of(name, max_failures=0, **extra):
         datasets = {"train": ray.data.from_items(line_rows(44))}

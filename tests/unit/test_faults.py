@@ -24,6 +24,7 @@ def test_nan_fires_on_its_rank_and_step_only_while_armed():
     assert FaultInjector(cfg, rank=1, attempt=1).on_loss(3, loss) == loss  # a re-form: disarmed
     assert FaultInjector.disarmed(cfg, rank=1).on_loss(3, loss) == loss
     assert FaultInjector(chaos("stall_save_s=1.5"), rank=0).save_stall_s == 1.5
+    assert FaultInjector(chaos("stall_save_s=1.5"), rank=0, attempt=1).save_stall_s == 0
 
 
 def _step_then_report(queue, overrides, step):
