@@ -28,7 +28,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Collection, Dict, List, Optional, Sequence, Tuple, Union
 
 import ray
 import torch
@@ -132,11 +132,12 @@ class RolloutService:
         self._generating = threading.Lock()
         self._results: Dict[int, "_Pending"] = {}
         self.generated_steps: List[int] = []  # in the order generated (tests: each once)
+        self.starts: List[Dict[str, Any]] = []  # each trainer group's start: kept, weights sent
 
     @ray.method(concurrency_group=WEIGHTS)
     def load_weights(
         self,
-        state: Dict[str, torch.Tensor],
+        state: Optional[Dict[str, torch.Tensor]],
         version: int,
         start: bool = False,
         carried: Sequence[RolloutResult] = (),
@@ -150,7 +151,8 @@ class RolloutService:
         start that anchors also drops the results kept for later steps, generated on the
         schedule the group has left (not those it carried: its ranks train on them).
         Kept: the newest ``KEEP_VERSIONS`` versions that some generation needs, and the
-        anchor's.  Returns the anchor."""
+        anchor's.  A start's ``state`` is None when ``start_needs_weights`` said so.
+        Returns the anchor."""
         keeps = True
         with self._lock:
             if start:
@@ -167,19 +169,48 @@ class RolloutService:
                     for later in [s for s in self._results if s > version]:
                         if later not in carried_steps:
                             del self._results[later]
-            if not start or not keeps or self.schedule.pushes_after(version):
+            if state is None:
+                if not keeps or (
+                    self.schedule.pushes_after(version) and version not in self._pushed
+                ):
+                    raise RuntimeError(
+                        f"a trainer group started at step {version} without its weights, "
+                        "which the schedule needs (start_needs_weights answered otherwise)"
+                    )
+            elif not start or not keeps or self.schedule.pushes_after(version):
                 self._pushed[version] = state
+            if start:
+                self.starts.append({"step": version, "kept": keeps, "weights": state is not None})
             kept = set(sorted(self._pushed)[-KEEP_VERSIONS:]) | {self.anchor}
             for old in [v for v in self._pushed if v not in kept]:
                 del self._pushed[old]
             self._lock.notify_all()
             return self.anchor
 
-    def _next(self, start: int) -> int:
+    @ray.method(concurrency_group=WEIGHTS)
+    def start_needs_weights(self, version: int, carried: Sequence[int] = ()) -> bool:
+        """Whether a trainer group starting at step ``version`` (its checkpoint carrying
+        the generations ``carried``) must send its weights: not when the service holds
+        them already (a group re-formed in place, replaying to the bit what an earlier
+        group pushed), nor when it keeps the schedule without them and no generation
+        takes them.  Asked before the start's ``load_weights``, so a large model is not
+        gathered and sent at every re-form."""
+        with self._lock:
+            held = {v for v in self._pushed if v <= version}
+            if version in held:
+                return False
+            keeps, _ = self.schedule.start(
+                version, self.anchor, self._next(version, set(carried)), held
+            )
+            return not keeps or self.schedule.pushes_after(version)
+
+    def _next(self, start: int, carried: Collection[int] = ()) -> int:
         """The first generation for a step after ``start`` not generated or under way (a
-        request still waiting for its weights is neither)."""
+        request still waiting for its weights is neither; ``carried``: generated)."""
         step = self.schedule.key(start + 1)
-        while (kept := self._results.get(step)) is not None and kept.version is not None:
+        while step in carried or (
+            (kept := self._results.get(step)) is not None and kept.version is not None
+        ):
             step += self.schedule.iterations
         return step
 
@@ -277,6 +308,7 @@ class RolloutService:
         return {
             "generations": len(self.generated_steps),
             "generated_steps": list(self.generated_steps),
+            "starts": list(self.starts),
             "anchor": self.anchor,
             "held_versions": sorted(self._pushed),
             "version": self.version,

@@ -41,6 +41,7 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from raytrain_ext.data.batch import Batch, Rollout
 from raytrain_ext.data.eval_split import split_eval
@@ -237,13 +238,28 @@ class RolloutInput:
         keep what they hold): every rank gathers (a sharded model's full parameters are a
         collective), rank 0 sends CPU copies; the service waits for the schedule's weights
         before generating a step."""
-        if not (start or self.schedule.pushes_after(version)):
+        if version >= self.last_step or not (start or self.schedule.pushes_after(version)):
+            return  # no generation takes them
+        carried = list(self._carried.values()) if start else []
+        if start and not self._start_needs_weights(version, rank):
+            if rank == 0:
+                self.service.load_weights.remote(None, version, start, carried)
             return
         params = strategy.full_parameters(model)
         if rank == 0:
             state = {name: t.detach().to("cpu") for name, t in params.items()}
-            carried = list(self._carried.values()) if start else []
             self.service.load_weights.remote(state, version, start, carried)
+
+    def _start_needs_weights(self, version: int, rank: int) -> bool:
+        """Rank 0 asks the service (``RolloutService.start_needs_weights``) and every rank
+        takes its answer (one broadcast: the gather that may follow is a collective)."""
+        box: List[Optional[bool]] = [None]
+        if rank == 0:
+            ref = self.service.start_needs_weights.remote(version, sorted(self._carried))
+            box[0] = wait_for(ref, self.wait_s, "the rollout service's start")
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(box, src=0)
+        return bool(box[0])
 
 
 OFF_POLICY = "rollout.sync_every > 1, rollout.overlap or objective.grpo.num_iterations > 1"

@@ -321,7 +321,10 @@ class TrainLoop:
         self._update(step, not skipped, exchanged.consumed, clock)
         rolled_back = decision.action == StepAction.ROLLBACK and self.nonfinite.rollback(step)
         self.handover.at_boundary()
-        self._push_policy(start=False)
+        if self.rollout is not None:
+            clock.lap("bookkeeping")
+            self._push_policy(start=False)
+            clock.lap("weights_sync")
         if rolled_back:
             return loss
         stall = self._checkpoint(exchanged, clock)

@@ -20,9 +20,18 @@ from typing import Dict
 # data: waiting for micro-batches; forward_backward: the model's forward and backward,
 # with the gradient all-reduce DDP/FSDP overlap with it; optimizer: clipping, the update,
 # the LR schedule and zeroing; exchange: the per-step all-gather of the ledger and votes;
-# checkpoint: the save stall; bookkeeping: the framework's own work (sampler, seeding,
-# guards, records), what is left.
-PHASES = ("data", "forward_backward", "optimizer", "exchange", "checkpoint", "bookkeeping")
+# weights_sync: GRPO's policy gathered and sent to the rollout engines (0 for other
+# objectives); checkpoint: the save stall; bookkeeping: the framework's own work (sampler,
+# seeding, guards, records), what is left.
+PHASES = (
+    "data",
+    "forward_backward",
+    "optimizer",
+    "exchange",
+    "weights_sync",
+    "checkpoint",
+    "bookkeeping",
+)
 
 
 class StepClock:

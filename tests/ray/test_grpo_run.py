@@ -99,6 +99,11 @@ def test_grpo_learns_and_a_lost_engine_and_trainer_change_nothing(
     records = step_records(tmp_path, "clean")
     rewards = [r["reward"] for r in records]
     assert all(r["rollout_generate_s"] > 0 and r["rollout_reward_s"] > 0 for r in records)
+    # the policy goes to the engines after every update a generation takes (not the last)
+    assert all(r["phases_s"]["weights_sync"] > 0 for r in records[:-1])
+    assert records[-1]["phases_s"]["weights_sync"] < min(
+        r["phases_s"]["weights_sync"] for r in records[:-1]
+    )
     assert records[0]["kl"] == 0 and all(r["kl"] > 0 for r in records[1:])  # moved off it
     assert [r["weights_version"] for r in records] == list(range(STEPS))  # on-policy
     assert rewards[0] < 0.2 and sum(rewards[-3:]) / 3 > 0.8, rewards
@@ -131,6 +136,11 @@ def test_grpo_learns_and_a_lost_engine_and_trainer_change_nothing(
     (recovery,) = faulted["recoveries"]  # the trainer rank, re-formed in place
     assert recovery["restored_from"] == "peers" and recovery["restored_step"] == 3
     assert faulted["rollout"]["generated_steps"] == [1, 3, 5]  # none again
+    # the re-formed group sends no weights: the service keeps the step-2 ones it needs
+    assert faulted["rollout"]["starts"] == [
+        {"step": 0, "kept": True, "weights": True},
+        {"step": 3, "kept": True, "weights": False},
+    ]
     final_engines = faulted["rollout"]["engines"]
     assert final_engines[1] == list(engines[1])  # kept through the trainer's loss
     assert final_engines[0][1] != engines[0][1]  # the killed engine's replacement
