@@ -18,10 +18,10 @@ throughputs.  CPU only; both get the whole machine.
 ``--overlap`` runs ours with ``rollout.overlap=true`` (step t+1 generated while step t
 updates, one step off-policy).  ``--kill-engine-at N`` SIGKILLs one of our engines once step
 N is recorded and prints the slowest step against the median (every anchor stops or
-restarts at such a loss).
+restarts at such a loss); ``--spare-engines N`` keeps N warm engines for that.
 
 Usage: python jobs/bench/grpo.py [--size tiny|small] [--steps 15] [--repeats 2]
-       [--engines 1] [--completion 32] [--kill-engine-at 6] [--overlap]
+       [--engines 1] [--completion 32] [--kill-engine-at 6] [--overlap] [--spare-engines 1]
 """
 
 from __future__ import annotations
@@ -64,12 +64,14 @@ def architecture(size: str) -> Dict:
 
 
 def engine_pids() -> List[int]:
-    """The rollout engines' processes on this machine (Ray titles them by actor class)."""
+    """The rollout engines' processes on this machine that run a call (Ray titles an
+    actor's process ``ray::EngineActor``, and ``ray::EngineActor.generate`` while it
+    generates): a spare waiting idle is not among them."""
     import psutil
 
     found = []
     for process in psutil.process_iter(["pid", "cmdline"]):
-        if any("EngineActor" in part for part in process.info["cmdline"] or []):
+        if any("EngineActor." in part for part in process.info["cmdline"] or []):
             found.append(process.info["pid"])
     return found
 
@@ -78,10 +80,11 @@ def kill_an_engine(metrics: Path, at_step: int, run: subprocess.Popen) -> float:
     """SIGKILL one engine once the run has recorded ``at_step``; when (time.time())."""
     while run.poll() is None:
         lines = metrics.read_text().splitlines() if metrics.exists() else []
-        if len(lines) >= at_step and engine_pids():
-            os.kill(engine_pids()[0], signal.SIGKILL)
+        busy = engine_pids() if len(lines) >= at_step else []
+        if busy:
+            os.kill(busy[0], signal.SIGKILL)
             return time.time()
-        time.sleep(0.05)
+        time.sleep(0.01)
     raise RuntimeError("the run ended before an engine could be killed")
 
 
@@ -97,6 +100,7 @@ def run_ours(args, out: Path) -> Dict:
         "optim.warmup_steps=0", "scaling.num_workers=1", f"rollout.engines={args.engines}",
         f"rollout.groups_per_call={GROUPS // args.engines}",
         "checkpoint.enabled=false", f"rollout.overlap={str(args.overlap).lower()}",
+        f"rollout.spare_engines={args.spare_engines}",
     ]  # fmt: skip
     started = time.time()
     metrics = out / "ours" / "metrics.jsonl"
@@ -193,6 +197,12 @@ def main() -> None:
         "--overlap",
         action="store_true",
         help="ours with rollout.overlap=true: step t+1 generated while step t updates",
+    )
+    parser.add_argument(
+        "--spare-engines",
+        type=int,
+        default=0,
+        help="ours with rollout.spare_engines: warm engines that take a lost one's place",
     )
     parser.add_argument("--trl-child", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -16,7 +16,7 @@ from raytrain_ext.objectives.choice import objective_name
 from raytrain_ext.objectives.config import ObjectiveName
 from raytrain_ext.rollout.rewards import load_reward_fn
 from raytrain_ext.typed_config.choice import Choice
-from raytrain_ext.typed_config.fields import positive
+from raytrain_ext.typed_config.fields import at_least, positive
 
 
 class RolloutBackend(Choice):
@@ -40,6 +40,9 @@ class RolloutConfig:
     ``overlap``: generate step t+1 while step t updates (one step off-policy)."""
 
     engines: int = positive(1)
+    # warm engines (process started, model built) that take a lost engine's place at once;
+    # each holds resources_per_engine while it waits
+    spare_engines: int = at_least(0, 0)
     resources_per_engine: Dict[str, float] = field(default_factory=lambda: {"CPU": 1.0})
     backend: RolloutBackend = RolloutBackend.hf
     reward_fns: List[str] = field(default_factory=list)

@@ -4,8 +4,10 @@
 (``RolloutSettings.groups_per_call`` consecutive groups each, never a part of one) and
 gathers their completions in request order.  When an engine dies (its
 process killed, its node lost), the groups it had not returned are issued again, whole,
-to the engines still alive, and a replacement engine starts and takes the weights the
-others have: the pool keeps the newest weights in Ray's object store, the trainers' own
+to the engines still alive, and a replacement takes the lost engine's place and the
+weights the others have (a warm spare when the pool keeps one, ``spares``: its process
+started and its model built before the loss, and a new spare then starts off the step's
+path; else a new engine): the pool keeps the newest weights in Ray's object store, the trainers' own
 (no checkpoint is read, no file written).  Because every completion is drawn from its
 own seed (``rollout.sampling``), what the re-issued groups generate is what the lost
 engine would have generated.
@@ -83,13 +85,14 @@ class EngineActor:
 @dataclass
 class EngineRecovery:
     """One engine lost: which, Ray's verdict ("pending" until Ray gives it, off the step's
-    path), the groups issued again and the seconds from noticing the loss to the step's
-    last completion."""
+    path), the groups issued again, the seconds from noticing the loss to the step's
+    last completion, and whether a warm spare took its place."""
 
     engine: int
     fate: str
     groups_reissued: int
     seconds: float
+    from_spare: bool = False
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
@@ -109,29 +112,45 @@ class EnginePool:
         timeout_s: float = 600.0,
         reference: Optional[ModelFactory] = None,
         backend: Optional[EngineBuilder] = None,
+        spares: int = 0,
     ):
-        if engines < 1:
-            raise ValueError(f"a rollout needs at least one engine; got {engines}")
+        if engines < 1 or spares < 0:
+            raise ValueError(f"a rollout needs at least one engine; got {engines}, {spares} spares")
         self._remote = ray.remote(EngineActor).options(max_restarts=0, **(actor_options or {}))
         self._build, self._settings, self.timeout_s = build, settings, timeout_s
         self._reference, self._backend = reference, backend
         self.actors: List[Any] = []
         self._placements: List[ray.ObjectRef] = []  # each engine's (node id, pid), once built
         for _ in range(engines):
-            self._start()
+            self.actors.append(self._new_actor())
+            self._placements.append(self.actors[-1].placement.remote())
         ray.get(self._placements, timeout=timeout_s)  # built: a model that fails, fails here
+        self.spares: List[Tuple[Any, ray.ObjectRef]] = []  # (actor, its placement), oldest first
+        for _ in range(spares):  # after the engines: they build first
+            self._start_spare()
         self._weights: Optional[Tuple[ray.ObjectRef, int]] = None
         self.recoveries: List[EngineRecovery] = []
 
-    def _start(self, engine: Optional[int] = None) -> None:
-        """A new engine actor, appended, or in ``engine``'s place."""
-        actor = self._remote.remote(self._build, self._settings, self._reference, self._backend)
-        placement = actor.placement.remote()
-        if engine is None:
-            self.actors.append(actor)
-            self._placements.append(placement)
-        else:
-            self.actors[engine], self._placements[engine] = actor, placement
+    def _new_actor(self) -> Any:
+        return self._remote.remote(self._build, self._settings, self._reference, self._backend)
+
+    def _start_spare(self) -> None:
+        actor = self._new_actor()
+        self.spares.append((actor, actor.placement.remote()))
+
+    def _replace(self, engine: int) -> bool:
+        """A new engine in ``engine``'s place: the oldest spare whose model is built (a new
+        spare starts in its place), else a new actor; whether a spare took it."""
+        built = ray.wait([p for _, p in self.spares], num_returns=len(self.spares), timeout=0)[0]
+        spare = next((s for s in self.spares if s[1] in built), None)
+        if spare is None:
+            actor = self._new_actor()
+            self.actors[engine], self._placements[engine] = actor, actor.placement.remote()
+            return False
+        self.spares.remove(spare)
+        self.actors[engine], self._placements[engine] = spare
+        self._start_spare()
+        return True
 
     def load_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
         """Every engine takes ``state`` (put in the object store once, read by each) before
@@ -188,12 +207,13 @@ class EnginePool:
             target = self._least_busy(engine, [(e, len(c)) for e, _, c in pending.values()])
             pending[self._submit(target, requests, chunk)] = (target, self.actors[target], chunk)
             if replaced is not None:  # Ray's verdict, off this path: the groups go on
-                recovery = EngineRecovery(engine, "pending", len(chunk), 0.0)
+                node, from_spare = replaced
+                recovery = EngineRecovery(engine, "pending", len(chunk), 0.0, from_spare)
                 self.recoveries.append(recovery)
                 lost.append((noticed, recovery))
                 threading.Thread(
                     target=self._verdict,
-                    args=(recovery, actor, replaced, actor in hung),
+                    args=(recovery, actor, node, actor in hung),
                     name="engine-verdict",
                     daemon=True,
                 ).start()
@@ -209,23 +229,23 @@ class EnginePool:
 
     def _least_busy(self, lost: int, in_flight: List[Tuple[int, int]]) -> int:
         """The live engine with the fewest groups in flight (the lost one's replacement
-        only when it is the pool's one engine: it still has to build its model)."""
+        only when it is the pool's one engine: it may still have to build its model)."""
         load = {e: 0 for e in range(len(self.actors)) if e != lost}
         for engine, groups in in_flight:
             if engine in load:
                 load[engine] += groups
         return min(load, key=lambda e: (load[e], e)) if load else lost
 
-    def _restart(self, engine: int) -> str:
-        """A new actor in the lost engine's place, given the newest weights before
-        anything else (Ray runs an actor's calls in submission order); the node the lost
-        one ran on."""
+    def _restart(self, engine: int) -> Tuple[str, bool]:
+        """A replacement in the lost engine's place (``_replace``), given the newest
+        weights before anything else (Ray runs an actor's calls in submission order); the
+        node the lost one ran on, and whether a spare took its place."""
         node = self._node_of(engine)
-        self._start(engine)
+        from_spare = self._replace(engine)
         if self._weights is not None:
             ref, version = self._weights
             self.actors[engine].load_weights.remote(ref, version)
-        return node
+        return node, from_spare
 
     def _verdict(self, recovery: EngineRecovery, lost: Any, node: str, hung: bool) -> None:
         """Ray's verdict on a lost engine (``ray_group.death``) into its record, asked
@@ -265,7 +285,11 @@ class EnginePool:
         """(node id, pid) of each engine, waiting for any still starting."""
         return ray.get(self._placements, timeout=self.timeout_s)
 
+    def spare_placements(self) -> List[Tuple[str, int]]:
+        """(node id, pid) of each spare, waiting for any still starting."""
+        return ray.get([p for _, p in self.spares], timeout=self.timeout_s)
+
     def shutdown(self) -> None:
-        for actor in self.actors:
+        for actor in [*self.actors, *(a for a, _ in self.spares)]:
             ray.kill(actor)
-        self.actors = []
+        self.actors, self.spares = [], []

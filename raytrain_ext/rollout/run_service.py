@@ -122,6 +122,7 @@ def start_run_rollout(cfg, reward_fns: Optional[Sequence[Callable]] = None) -> A
             scale_rewards=cfg.objective.grpo.scale_rewards,
         ),
         engines=r.engines,
+        spare_engines=r.spare_engines,
         engine_options=engine_options(dict(r.resources_per_engine)),
         decode=TokenizerDecode(spec, cfg.data.eos_token),
         timeout_s=r.timeout_s,
@@ -145,15 +146,17 @@ def check_room(cfg) -> None:
     total = ray.cluster_resources()
     engines = dict(cfg.rollout.resources_per_engine)
     workers = dict(cfg.scaling.resources_per_worker)
+    count = cfg.rollout.engines + cfg.rollout.spare_engines
     for name in sorted(set(engines) | set(workers)):
-        need = cfg.rollout.engines * engines.get(name, 0.0)
+        need = count * engines.get(name, 0.0)
         need += cfg.scaling.min_workers * workers.get(name, 0.0)
         if need > total.get(name, 0.0) + 1e-9:
             raise InputError(
-                f"rollout.resources_per_engine: {cfg.rollout.engines} engine(s) of {engines} "
+                f"rollout.resources_per_engine: {count} engine(s) of {engines} (spares included) "
                 f"and scaling.min_workers={cfg.scaling.min_workers} trainers of {workers} need "
                 f"{need:g} {name}, but the cluster has {total.get(name, 0.0):g}; lower "
-                "rollout.resources_per_engine, rollout.engines or scaling.resources_per_worker, "
+                "rollout.resources_per_engine, rollout.engines, rollout.spare_engines or "
+                "scaling.resources_per_worker, "
                 "or add nodes."
             )
 

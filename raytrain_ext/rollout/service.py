@@ -104,6 +104,7 @@ class RolloutSpec:
     reference: Optional[ModelFactory] = None
     schedule: WeightsSchedule = WeightsSchedule()
     backend: Optional[EngineBuilder] = None  # None: the hf engine over ``build``
+    spare_engines: int = 0  # warm engines that take a lost one's place (EnginePool)
 
 
 class RolloutService:
@@ -123,6 +124,7 @@ class RolloutService:
             spec.timeout_s,
             spec.reference,
             spec.backend,
+            spec.spare_engines,
         )
         self.version = -1  # the step whose weights the engines have
         self.schedule = spec.schedule
@@ -313,12 +315,17 @@ class RolloutService:
             "held_versions": sorted(self._pushed),
             "version": self.version,
             "engines": [list(p) for p in self.pool.known_placements()],
+            "spares": len(self.pool.spares),
             "recoveries": [r.to_dict() for r in self.pool.recoveries],
         }
 
     @ray.method(concurrency_group=CONTROL)
     def engine_placements(self) -> List[Tuple[str, int]]:
         return self.pool.placements()
+
+    @ray.method(concurrency_group=CONTROL)
+    def spare_placements(self) -> List[Tuple[str, int]]:
+        return self.pool.spare_placements()
 
     @ray.method(concurrency_group=CONTROL)
     def shutdown(self) -> None:

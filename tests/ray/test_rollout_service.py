@@ -3,7 +3,7 @@ engines: every rank asking for a step gets the one generation of that step, scor
 reward functions that run in Ray tasks (not in the service, not in a trainer), with
 TRL's group advantages; a step waits for the previous step's weights; a SIGKILLed engine
 costs no group (they are issued again, whole, to the other engine, and generate the same
-tokens) and its replacement takes the current weights; a re-formed trainer asking again
+tokens), a warm spare takes its place and the current weights, and a new spare starts; a re-formed trainer asking again
 gets the kept result."""
 
 import os
@@ -44,7 +44,9 @@ def test_one_generation_per_step_scored_in_tasks_through_a_killed_engine(ray_loc
     rewards = RewardSpec(
         ["tests.ray.test_rollout_service:scorer_pid", even_tokens], weights=[0.0, 1.0]
     )
-    spec = RolloutSpec(tiny_policy, SETTINGS, rewards, engines=2, engine_options={"num_cpus": 1})
+    spec = RolloutSpec(
+        tiny_policy, SETTINGS, rewards, engines=2, engine_options={"num_cpus": 1}, spare_engines=1
+    )
     service = start_rollout_service(spec)
     reference = HFGenerateEngine(tiny_policy(), SETTINGS)
     try:
@@ -64,6 +66,7 @@ def test_one_generation_per_step_scored_in_tasks_through_a_killed_engine(ray_loc
             ray.get(service.rollout.remote(3, PROMPTS, wait_s=1.0))
         ray.get(service.load_weights.remote(weights[2], 2))
         (_, lost), (_, kept) = ray.get(service.engine_placements.remote())
+        ((_, spare),) = ray.get(service.spare_placements.remote())  # warm: its model built
         os.kill(lost, signal.SIGKILL)  # its groups go to the other engine, whole
         third = ray.get(service.rollout.remote(3, PROMPTS))
         reference.load_weights(weights[2], 2)
@@ -79,12 +82,15 @@ def test_one_generation_per_step_scored_in_tasks_through_a_killed_engine(ray_loc
             "the lost engine's verdict",
         )
         assert stats["generations"] == 2 and stats["version"] == 2
-        ((engine, fate, groups),) = [
-            (r["engine"], r["fate"], r["groups_reissued"]) for r in stats["recoveries"]
+        ((engine, fate, groups, from_spare),) = [
+            (r["engine"], r["fate"], r["groups_reissued"], r["from_spare"])
+            for r in stats["recoveries"]
         ]
-        assert (engine, fate, groups) == (0, "process_died", 2)
+        assert (engine, fate, groups, from_spare) == (0, "process_died", 2, True)
         (_, replacement), (_, still) = ray.get(service.engine_placements.remote())
-        assert still == kept and replacement not in (lost, kept)
+        assert still == kept and replacement == spare  # the spare took the lost one's place
+        ((_, new_spare),) = ray.get(service.spare_placements.remote())  # and a new one started
+        assert new_spare not in (lost, kept, spare) and stats["spares"] == 1
         reference_4 = reference.generate([GroupRequest(p.index, p.prompt_ids, 4) for p in PROMPTS])
         ray.get(service.load_weights.remote(weights[2], 3))  # the replacement takes them too
         fourth = ray.get(service.rollout.remote(4, PROMPTS)).groups
