@@ -211,8 +211,8 @@ def summarize_records(records: List[Dict[str, Any]], skip_first: int = 1) -> Dic
 
 
 def median_phases(records: List[Dict[str, Any]]) -> Dict[str, float]:
-    """The median seconds of each phase of a step (``train.step_clock``) over ``records``."""
+    """The median seconds of each phase of a step (``train.step_clock``) over ``records``
+    (a phase a record lacks, one written before the phase existed, counts 0)."""
     phases = [r["phases_s"] for r in records if r.get("phases_s")]
-    if not phases:
-        return {}
-    return {name: statistics.median(p[name] for p in phases) for name in phases[0]}
+    names = list(dict.fromkeys(name for p in phases for name in p))
+    return {name: statistics.median(p.get(name, 0.0) for p in phases) for name in names}

@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 ModelFactory = Callable[[], torch.nn.Module]
 # another backend's engine, from the settings and the reference policy (None: no KL term)
 EngineBuilder = Callable[[RolloutSettings, Optional[torch.nn.Module]], RolloutEngine]
+SPARE_ANSWER_S = 1.0  # a spare that does not answer within this is taken for lost
 FATE_WAIT_S = 10.0  # the longest wait for Ray's verdict on a lost engine (its groups are
 # issued again before it is asked)
 
@@ -130,6 +131,7 @@ class EnginePool:
             self._start_spare()
         self._weights: Optional[Tuple[ray.ObjectRef, int]] = None
         self.recoveries: List[EngineRecovery] = []
+        self._closed = False
 
     def _new_actor(self) -> Any:
         return self._remote.remote(self._build, self._settings, self._reference, self._backend)
@@ -139,10 +141,11 @@ class EnginePool:
         self.spares.append((actor, actor.placement.remote()))
 
     def _replace(self, engine: int) -> bool:
-        """A new engine in ``engine``'s place: the oldest spare whose model is built (a new
-        spare starts in its place), else a new actor; whether a spare took it."""
-        built = ray.wait([p for _, p in self.spares], num_returns=len(self.spares), timeout=0)[0]
-        spare = next((s for s in self.spares if s[1] in built), None)
+        """A new engine in ``engine``'s place: the oldest live spare whose model is built
+        (a new spare starts in its place), else a new actor; whether a spare took it."""
+        if self._closed:
+            raise RuntimeError("the rollout engines were shut down")
+        spare = self._live_spare()
         if spare is None:
             actor = self._new_actor()
             self.actors[engine], self._placements[engine] = actor, actor.placement.remote()
@@ -151,6 +154,22 @@ class EnginePool:
         self.actors[engine], self._placements[engine] = spare
         self._start_spare()
         return True
+
+    def _live_spare(self) -> Optional[Tuple[Any, ray.ObjectRef]]:
+        """The oldest spare whose model is built and whose process answers now; a spare
+        that died idle (its node lost, its process killed) is dropped and another started."""
+        built = ray.wait([p for _, p in self.spares], num_returns=len(self.spares), timeout=0)[0]
+        for spare in [s for s in self.spares if s[1] in built]:
+            actor, placement = spare
+            try:
+                ray.get(placement, timeout=0)  # raises when it died before it was built
+                ray.get(actor.placement.remote(), timeout=SPARE_ANSWER_S)
+                return spare
+            except (ray.exceptions.RayError, TimeoutError):
+                self.spares.remove(spare)
+                ray.kill(actor, no_restart=True)
+                self._start_spare()
+        return None
 
     def load_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
         """Every engine takes ``state`` (put in the object store once, read by each) before
@@ -290,6 +309,7 @@ class EnginePool:
         return ray.get([p for _, p in self.spares], timeout=self.timeout_s)
 
     def shutdown(self) -> None:
+        self._closed = True
         for actor in [*self.actors, *(a for a, _ in self.spares)]:
             ray.kill(actor)
         self.actors, self.spares = [], []

@@ -139,50 +139,23 @@ class RolloutService:
     @ray.method(concurrency_group=WEIGHTS)
     def load_weights(
         self,
-        state: Optional[Dict[str, torch.Tensor]],
+        state: Dict[str, torch.Tensor],
         version: int,
         start: bool = False,
         carried: Sequence[RolloutResult] = (),
     ) -> int:
         """The trainers' weights after step ``version`` (a push point of the schedule, or a
-        trainer group's ``start``), kept until the schedule names them for a generation
-        (``_generate`` loads them then, so a push never overtakes a generation that needs
-        older weights).  A group's start drops what a branch it left pushed, takes the
-        results its checkpoint ``carried`` as generated (a result already here for the
-        same step is the same one) and decides the anchor (``WeightsSchedule.start``); a
-        start that anchors also drops the results kept for later steps, generated on the
-        schedule the group has left (not those it carried: its ranks train on them).
-        Kept: the newest ``KEEP_VERSIONS`` versions that some generation needs, and the
-        anchor's.  A start's ``state`` is None when ``start_needs_weights`` said so.
-        Returns the anchor."""
-        keeps = True
+        trainer group's ``start`` that ``begin_start`` found needs them), kept until the
+        schedule names them for a generation (``_generate`` loads them then, so a push
+        never overtakes a generation that needs older weights).  Kept: the newest
+        ``KEEP_VERSIONS`` versions that some generation needs, and the anchor's.  Returns
+        the anchor."""
         with self._lock:
-            if start:
-                for result in carried:
-                    self._results.setdefault(result.step, _Pending.done(result))
-                for newer in [v for v in self._pushed if v > version]:
-                    del self._pushed[newer]
-                held = set(self._pushed) | {version}
-                keeps, self.anchor = self.schedule.start(
-                    version, self.anchor, self._next(version), held
-                )
-                if not keeps:
-                    carried_steps = {result.step for result in carried}
-                    for later in [s for s in self._results if s > version]:
-                        if later not in carried_steps:
-                            del self._results[later]
-            if state is None:
-                if not keeps or (
-                    self.schedule.pushes_after(version) and version not in self._pushed
-                ):
-                    raise RuntimeError(
-                        f"a trainer group started at step {version} without its weights, "
-                        "which the schedule needs (start_needs_weights answered otherwise)"
-                    )
-            elif not start or not keeps or self.schedule.pushes_after(version):
+            keeps = self._apply_start(version, carried) if start else True
+            if not start or not keeps or self.schedule.pushes_after(version):
                 self._pushed[version] = state
             if start:
-                self.starts.append({"step": version, "kept": keeps, "weights": state is not None})
+                self.starts.append({"step": version, "kept": keeps, "weights": True})
             kept = set(sorted(self._pushed)[-KEEP_VERSIONS:]) | {self.anchor}
             for old in [v for v in self._pushed if v not in kept]:
                 del self._pushed[old]
@@ -190,21 +163,48 @@ class RolloutService:
             return self.anchor
 
     @ray.method(concurrency_group=WEIGHTS)
-    def start_needs_weights(self, version: int, carried: Sequence[int] = ()) -> bool:
-        """Whether a trainer group starting at step ``version`` (its checkpoint carrying
-        the generations ``carried``) must send its weights: not when the service holds
-        them already (a group re-formed in place, replaying to the bit what an earlier
-        group pushed), nor when it keeps the schedule without them and no generation
-        takes them.  Asked before the start's ``load_weights``, so a large model is not
-        gathered and sent at every re-form."""
+    def begin_start(self, version: int, carried: Sequence[RolloutResult] = ()) -> bool:
+        """A trainer group starts at step ``version`` (its checkpoint carrying the results
+        ``carried``): whether it must send its weights (then its ``load_weights(...,
+        start=True)`` applies the start).  Not when the service holds them already (a
+        group re-formed in place replays to the bit what an earlier group pushed), nor
+        when it keeps the schedule without them and no generation takes them: then the
+        start is applied here, in the same locked call, so a large model is not gathered
+        and sent at every re-form."""
         with self._lock:
             held = {v for v in self._pushed if v <= version}
-            if version in held:
-                return False
-            keeps, _ = self.schedule.start(
-                version, self.anchor, self._next(version, set(carried)), held
-            )
-            return not keeps or self.schedule.pushes_after(version)
+            if version not in held:
+                carried_steps = {result.step for result in carried}
+                keeps, _ = self.schedule.start(
+                    version, self.anchor, self._next(version, carried_steps), held
+                )
+                if not keeps or self.schedule.pushes_after(version):
+                    return True
+            keeps = self._apply_start(version, carried)
+            self.starts.append({"step": version, "kept": keeps, "weights": False})
+            self._lock.notify_all()
+            return False
+
+    def _apply_start(self, version: int, carried: Sequence[RolloutResult]) -> bool:
+        """A group's start at ``version`` (under the lock, its weights held or on their
+        way): drop what a branch it left pushed, take the results its checkpoint
+        ``carried`` as generated (a result already here for the same step is the same
+        one) and decide the anchor (``WeightsSchedule.start``); a start that anchors also
+        drops the results kept for later steps, generated on the schedule the group has
+        left (not those it carried: its ranks train on them).  Whether it keeps the
+        schedule."""
+        for result in carried:
+            self._results.setdefault(result.step, _Pending.done(result))
+        for newer in [v for v in self._pushed if v > version]:
+            del self._pushed[newer]
+        held = set(self._pushed) | {version}
+        keeps, self.anchor = self.schedule.start(version, self.anchor, self._next(version), held)
+        if not keeps:
+            carried_steps = {result.step for result in carried}
+            for later in [s for s in self._results if s > version]:
+                if later not in carried_steps:
+                    del self._results[later]
+        return keeps
 
     def _next(self, start: int, carried: Collection[int] = ()) -> int:
         """The first generation for a step after ``start`` not generated or under way (a

@@ -241,21 +241,20 @@ class RolloutInput:
         if version >= self.last_step or not (start or self.schedule.pushes_after(version)):
             return  # no generation takes them
         carried = list(self._carried.values()) if start else []
-        if start and not self._start_needs_weights(version, rank):
-            if rank == 0:
-                self.service.load_weights.remote(None, version, start, carried)
+        if start and not self._start_needs_weights(version, rank, carried):
             return
         params = strategy.full_parameters(model)
         if rank == 0:
             state = {name: t.detach().to("cpu") for name, t in params.items()}
             self.service.load_weights.remote(state, version, start, carried)
 
-    def _start_needs_weights(self, version: int, rank: int) -> bool:
-        """Rank 0 asks the service (``RolloutService.start_needs_weights``) and every rank
-        takes its answer (one broadcast: the gather that may follow is a collective)."""
+    def _start_needs_weights(self, version: int, rank: int, carried: List[RolloutResult]) -> bool:
+        """Rank 0 begins the group's start at the service (``RolloutService.begin_start``,
+        which applies it when no weights are needed) and every rank takes its answer (one
+        broadcast: the gather that may follow is a collective)."""
         box: List[Optional[bool]] = [None]
         if rank == 0:
-            ref = self.service.start_needs_weights.remote(version, sorted(self._carried))
+            ref = self.service.begin_start.remote(version, carried)
             box[0] = wait_for(ref, self.wait_s, "the rollout service's start")
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast_object_list(box, src=0)

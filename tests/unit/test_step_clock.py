@@ -31,6 +31,12 @@ def test_the_summary_takes_each_phase_median():
     records = [{"phases_s": {"data": d, "bookkeeping": 1.0}} for d in (1.0, 5.0, 2.0)]
     assert median_phases(records + [{"step": 4}]) == {"data": 2.0, "bookkeeping": 1.0}
     assert median_phases([{"step": 1}]) == {}
+    # a record written before a phase existed (a resumed run's earlier lines) counts it 0
+    newer = [{"phases_s": {"data": 1.0, "weights_sync": w}} for w in (3.0, 5.0)]
+    assert median_phases([{"phases_s": {"data": 1.0}}, *newer]) == {
+        "data": 1.0,
+        "weights_sync": 3.0,
+    }
 
 
 def test_every_record_is_one_json_line_appended_and_no_step_writes_no_file(tmp_path):
