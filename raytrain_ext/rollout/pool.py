@@ -7,8 +7,8 @@ process killed, its node lost), the groups it had not returned are issued again,
 to the engines still alive, and a replacement takes the lost engine's place and the
 weights the others have (a warm spare when the pool keeps one, ``spares``: its process
 started and its model built before the loss, and a new spare then starts off the step's
-path; else a new engine): the pool keeps the newest weights in Ray's object store, the trainers' own
-(no checkpoint is read, no file written).  Because every completion is drawn from its
+path; else a new engine): the pool keeps the newest weights in Ray's object store, the
+trainers' own (no checkpoint is read, no file written).  Because every completion is drawn from its
 own seed (``rollout.sampling``), what the re-issued groups generate is what the lost
 engine would have generated.
 
@@ -116,7 +116,10 @@ class EnginePool:
         spares: int = 0,
     ):
         if engines < 1 or spares < 0:
-            raise ValueError(f"a rollout needs at least one engine; got {engines}, {spares} spares")
+            raise ValueError(
+                f"a rollout needs at least one engine and no negative number of spares; got "
+                f"{engines} engine(s) and {spares} spare(s)"
+            )
         self._remote = ray.remote(EngineActor).options(max_restarts=0, **(actor_options or {}))
         self._build, self._settings, self.timeout_s = build, settings, timeout_s
         self._reference, self._backend = reference, backend

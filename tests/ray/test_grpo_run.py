@@ -99,8 +99,7 @@ def test_grpo_learns_and_a_lost_engine_and_trainer_change_nothing(
     records = step_records(tmp_path, "clean")
     rewards = [r["reward"] for r in records]
     assert all(r["rollout_generate_s"] > 0 and r["rollout_reward_s"] > 0 for r in records)
-    # the policy goes to the engines after every update a generation takes (not the last)
-    assert all(r["phases_s"]["weights_sync"] > 0 for r in records[:-1])
+    # the policy goes to the engines after every update a generation takes, not the last
     assert records[-1]["phases_s"]["weights_sync"] < min(
         r["phases_s"]["weights_sync"] for r in records[:-1]
     )
