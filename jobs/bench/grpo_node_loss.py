@@ -42,8 +42,8 @@ from recovery_scaling import (  # noqa: E402
     load_config,
     ours_at_step,
     ours_recovery,
+    print_side_by_side,
     ray_cluster,
-    span,
     wait_for,
 )
 
@@ -154,13 +154,7 @@ def report(args, ours: List[dict], peer: List[dict]) -> None:
         f"{args.rejoin_after:.0f} s later; {args.steps} steps, a checkpoint every 5; "
         f"{len(ours)} repeat(s), min-max"
     )
-    print(f"{'':32}{'in place':>14}{'restart':>14}{'restart / in place':>22}")
-    for label, key, fmt in ROWS:
-        ratios = [b[key] / a[key] if a[key] else None for a, b in zip(ours, peer, strict=True)]
-        print(
-            f"{label:32}{span([a[key] for a in ours], fmt):>14}"
-            f"{span([b[key] for b in peer], fmt):>14}{span(ratios, '{:.1f}x'):>22}"
-        )
+    print_side_by_side(ROWS, ours, peer, ("in place", "restart"), "restart / in place")
     for who, runs in (("in place", ours), ("restart", peer)):
         for i, r in enumerate(runs, 1):
             print(

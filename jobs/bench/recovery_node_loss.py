@@ -47,8 +47,8 @@ from recovery_scaling import (  # noqa: E402
     ours_recovery,
     ours_trainer,
     parse_args,
+    print_side_by_side,
     ray_cluster,
-    span,
     wait_for,
 )
 
@@ -375,16 +375,7 @@ def print_node_loss(args, ours: List[dict], ray_train: List[dict]) -> None:
         f">= {args.fault_at}, a fresh node added {args.rejoin_after:.0f} s later; "
         f"{args.steps} steps, a checkpoint every 5; {len(ours)} repeat(s), min-max"
     )
-    print(f"{'':32}{'raytrain-ext':>16}{'Ray Train':>16}{'Ray Train / ours':>20}")
-    for label, key, fmt in ROWS:
-        ratios = [
-            b[key] / a[key] if a[key] and b[key] is not None else None
-            for a, b in zip(ours, ray_train, strict=False)
-        ]
-        print(
-            f"{label:32}{span([a[key] for a in ours], fmt):>16}"
-            f"{span([b[key] for b in ray_train], fmt):>16}{span(ratios, '{:.1f}x'):>20}"
-        )
+    print_side_by_side(ROWS, ours, ray_train, ("raytrain-ext", "Ray Train"), "Ray Train / ours")
     for who, runs in (("raytrain-ext", ours), ("Ray Train", ray_train)):
         for i, r in enumerate(runs, 1):
             print(

@@ -32,7 +32,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
@@ -229,6 +229,24 @@ def span(values: List[Optional[float]], fmt: str = "{:.2f}") -> str:
     lo, hi = fmt.format(min(known)), fmt.format(max(known))
     missing = len(values) - len(known)
     return (lo if lo == hi else f"{lo}-{hi}") + (f" ({missing} n/a)" if missing else "")
+
+
+def print_side_by_side(
+    rows, ours: List[dict], peer: List[dict], names: Tuple[str, str], ratio: str
+) -> None:
+    """A table of ``rows`` ((label, key, format) each), our runs beside the peer's, min-max
+    over the repeats, and the ratio peer / ours paired repeat by repeat (n/a where ours is
+    0 or the peer has no figure)."""
+    print(f"{'':32}{names[0]:>16}{names[1]:>16}{ratio:>{len(ratio) + 4}}")
+    for label, key, fmt in rows:
+        ratios = [
+            b[key] / a[key] if a[key] and b[key] is not None else None
+            for a, b in zip(ours, peer, strict=False)
+        ]
+        print(
+            f"{label:32}{span([a[key] for a in ours], fmt):>16}"
+            f"{span([b[key] for b in peer], fmt):>16}{span(ratios, '{:.1f}x'):>{len(ratio) + 4}}"
+        )
 
 
 def keep_or_remove(workdir: Path, keep: bool) -> None:

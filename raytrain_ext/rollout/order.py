@@ -30,6 +30,7 @@ from typing import Any, Dict, Optional, Tuple
 import numpy as np
 
 from raytrain_ext.data.sampler import GlobalSampler
+from raytrain_ext.rollout.schedule import generation_of
 
 KEPT_STEPS = 4  # the steps whose prompts are remembered (this one, the next, a few back)
 
@@ -49,7 +50,7 @@ class RolloutOrder:
 
     def generation_step(self, step: int) -> int:
         """The first step of ``step``'s generation (module doc)."""
-        return (step - 1) // self.iterations * self.iterations + 1
+        return generation_of(step, self.iterations)
 
     def next_global_batch(self) -> np.ndarray:
         self.step += 1

@@ -43,6 +43,12 @@ from dataclasses import dataclass
 from typing import Collection, List, Tuple
 
 
+def generation_of(step: int, iterations: int) -> int:
+    """The first step of the generation ``step`` trains on, each generation training
+    ``iterations`` steps (``objective.grpo.num_iterations``)."""
+    return (step - 1) // iterations * iterations + 1
+
+
 @dataclass(frozen=True)
 class WeightsSchedule:
     """The sync points of ``sync_every``, generated ``lag`` steps late, each generation
@@ -73,7 +79,7 @@ class WeightsSchedule:
 
     def key(self, step: int) -> int:
         """The generation that ``step`` trains on, named by its first step."""
-        return (step - 1) // self.iterations * self.iterations + 1
+        return generation_of(step, self.iterations)
 
     def pushes_after(self, step: int) -> bool:
         """Whether some generation is generated with the weights after ``step`` (step 0:
