@@ -25,8 +25,12 @@ Scenarios (``--scenario``, default all):
   SIGKILLed at epoch FAULT_AT and a fresh node added 3 s later: fault -> first report
   after, epochs redone, and the grow-back (the last report at 2 workers -> the first at 3).
 
+``--register``: our side's loop also hands its model, optimizer and epoch to
+``raytrain_ext.train.register`` (Ray Train has no such call), so a re-formed group goes on
+from the newest report a live process holds instead of the newest checkpoint.
+
 Usage: ``python jobs/bench/ray_train_loop.py [--scenario steady|kill|kill-torchft|data|node-loss|all]
-[--repeats 1] [--state-mb 300]``.  Nothing else should run on the machine.
+[--repeats 1] [--state-mb 300] [--register]``.  Nothing else should run on the machine.
 """
 
 from __future__ import annotations
@@ -69,6 +73,8 @@ def bench_loop(config: dict) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     blob = torch.ones(config["state_mb"] * 2**18)  # float32: state_mb MiB
     start = _restore(train.get_checkpoint(), model, optimizer)
+    if config.get("register"):  # one report an epoch: the reports made are the epochs done
+        start = train.register(model=model, optimizer=optimizer, progress={"epoch": start})
     every = config["every"]
     for epoch in range(start, config["epochs"]):
         begun = time.time()
@@ -119,7 +125,7 @@ def data_loop(config: dict) -> None:
         _note(config["log_dir"], rank, world, epoch, 0, begun, None, rows=taken)
 
 
-def data(api: str, work: Path, state_mb: int) -> Dict[str, float]:
+def data(api: str, work: Path, args) -> Dict[str, float]:
     """No fault, a loop fed by get_dataset_shard (module doc)."""
     import ray
 
@@ -181,9 +187,19 @@ def rows(log_dir: Path) -> List[dict]:
 
 
 def trainer(
-    api: str, work: Path, name: str, *, workers, every, state_mb, failures=0, epochs=EPOCHS, **scale
+    api: str,
+    work: Path,
+    name: str,
+    *,
+    workers,
+    every,
+    state_mb,
+    failures=0,
+    epochs=EPOCHS,
+    register=False,
+    **scale,
 ):
-    """The same TorchTrainer call through either API."""
+    """The same TorchTrainer call through either API (``register``: ours only)."""
     train = importlib.import_module(api)
     log_dir = work / name
     log_dir.mkdir(parents=True)
@@ -193,6 +209,7 @@ def trainer(
         "every": every,
         "state_mb": state_mb,
         "log_dir": str(log_dir),
+        "register": register and api == APIS["raytrain_ext"],
     }
     return log_dir, importlib.import_module(api + ".torch").TorchTrainer(
         bench_loop,
@@ -207,12 +224,15 @@ def trainer(
     )
 
 
-def steady(api: str, work: Path, state_mb: int) -> Dict[str, float]:
+def steady(api: str, work: Path, args) -> Dict[str, float]:
     """No fault: the median epoch without checkpoints; blocked time and wall time with."""
-    log_dir, plain = trainer(api, work, "plain", workers=2, every=0, state_mb=0)
+    reg = args.register
+    log_dir, plain = trainer(api, work, "plain", workers=2, every=0, state_mb=0, register=reg)
     plain.fit()
     epochs = [r["time"] for r in rows(log_dir) if r["rank"] == 0]
-    log_dir, saving = trainer(api, work, "saving", workers=2, every=5, state_mb=state_mb)
+    log_dir, saving = trainer(
+        api, work, "saving", workers=2, every=5, state_mb=args.state_mb, register=reg
+    )
     started = time.time()
     saving.fit()
     wall = time.time() - started
@@ -238,12 +258,14 @@ def after_fault(log: List[dict], fault: float) -> Dict[str, float]:
     }
 
 
-def kill(api: str, work: Path, state_mb: int) -> Dict[str, float]:
+def kill(api: str, work: Path, args) -> Dict[str, float]:
     import ray
 
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
-        log_dir, run = trainer(api, work, "kill", workers=2, every=5, state_mb=8, failures=1)
+        log_dir, run = trainer(
+            api, work, "kill", workers=2, every=5, state_mb=8, failures=1, register=args.register
+        )
         fit = Background(run.fit)
         at_fault = wait_for(lambda: _epoch_rows(log_dir, FAULT_AT), fit, "the fault epoch")
         victim = next(r["pid"] for r in reversed(at_fault) if r["rank"] == 1)
@@ -255,7 +277,7 @@ def kill(api: str, work: Path, state_mb: int) -> Dict[str, float]:
     return {**after_fault(rows(log_dir), fault), **our_phases(result), "wall_s": fit.wall_s}
 
 
-def node_loss(api: str, work: Path, state_mb: int) -> Dict[str, float]:
+def node_loss(api: str, work: Path, args) -> Dict[str, float]:
     with ray_cluster(3) as cluster:
         log_dir, run = trainer(
             api,
@@ -268,6 +290,7 @@ def node_loss(api: str, work: Path, state_mb: int) -> Dict[str, float]:
             epochs=3 * EPOCHS,  # long enough for the grow-back
             placement_strategy="SPREAD",
             elastic_resize_monitor_interval_s=2.0,
+            register=args.register,
         )
         fit = Background(run.fit)
         at_fault = wait_for(lambda: _epoch_rows(log_dir, FAULT_AT), fit, "the fault epoch")
@@ -302,13 +325,13 @@ def _epoch_rows(log_dir: Path, epoch: int):
     return found if any(r["epoch"] >= epoch for r in found) else None
 
 
-def kill_vs_torchft(api: str, work: Path, state_mb: int) -> Dict[str, float]:
+def kill_vs_torchft(api: str, work: Path, args) -> Dict[str, float]:
     """``kill`` for ours; for the peer, Ray Train with torchft (``torchft_peer``)."""
     if api == APIS["Ray Train"]:
         from torchft_peer import kill_torchft
 
         return kill_torchft(work)
-    figures = kill(api, work, state_mb)
+    figures = kill(api, work, args)
     return {**figures, "replaced_s": figures["first_report_after_s"]}
 
 
@@ -346,6 +369,7 @@ def main() -> None:
     parser.add_argument("--scenario", choices=[*SCENARIOS, "all"], default="all")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--state-mb", type=int, default=300)
+    parser.add_argument("--register", action="store_true", help="ours: train.register(...)")
     args = parser.parse_args()
     every = [name for name in SCENARIOS if name != "kill-torchft"]  # torchft: installed by hand
     chosen = every if args.scenario == "all" else [args.scenario]
@@ -359,7 +383,7 @@ def main() -> None:
 
                         ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
                     try:
-                        figures = SCENARIOS[name](api, Path(tmp), args.state_mb)
+                        figures = SCENARIOS[name](api, Path(tmp), args)
                     finally:
                         if name in ("steady", "data"):
                             ray.shutdown()

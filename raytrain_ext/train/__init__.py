@@ -22,6 +22,7 @@ _EXPORTS = {
     "get_checkpoint": "raytrain_ext.user_loop.api",
     "get_context": "raytrain_ext.user_loop.api",
     "get_dataset_shard": "raytrain_ext.user_loop.api",
+    "register": "raytrain_ext.user_loop.api",
 }
 __getattr__ = exporter(globals(), _EXPORTS)
 __all__ = sorted(_EXPORTS)

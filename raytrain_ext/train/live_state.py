@@ -26,15 +26,15 @@ import io
 import json
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.tensor import DTensor
 
 from raytrain_ext.checkpoint.state import REFERENCE_KEY, TRAIN_KEY, apply_train, train_items
 from raytrain_ext.checkpoint.train_state import TrainState
+from raytrain_ext.parallel.tree_broadcast import broadcast_tree, map_leaves
 
 PEERS = "peers"  # ``restored["tier"]`` of a state taken from live peers
 
@@ -74,72 +74,9 @@ def capture_live(
     )
 
 
-def _map_leaves(value: Any, leaf: Callable[[Any], Any]) -> Any:
-    """``value``'s structure of dicts and lists, with ``leaf`` applied to everything else."""
-    if isinstance(value, dict):
-        return {k: _map_leaves(v, leaf) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_map_leaves(v, leaf) for v in value]
-    return leaf(value)
-
-
 def _local(value: Any) -> Any:
     """``value`` with each DTensor replaced by its local shard (a view, not a copy)."""
-    return _map_leaves(value, lambda v: v.to_local() if isinstance(v, DTensor) else v)
-
-
-@dataclass(frozen=True)
-class _Placeholder:
-    """Where a broadcast tensor goes back into the state's structure."""
-
-    index: int
-    shape: Tuple[int, ...]
-    dtype: torch.dtype
-
-
-def _split(value: Any, tensors: List[torch.Tensor], device: torch.device) -> Any:
-    """The structure of ``value`` with each tensor on ``device`` replaced by a placeholder
-    (collected into ``tensors``); other values (CPU scalars, ints) stay inline."""
-
-    def leaf(v: Any) -> Any:
-        if isinstance(v, torch.Tensor) and v.device == device and v.numel() > 1:
-            tensors.append(v)
-            return _Placeholder(len(tensors) - 1, tuple(v.shape), v.dtype)
-        return v
-
-    return _map_leaves(value, leaf)
-
-
-def _join(value: Any, tensors: List[torch.Tensor]) -> Any:
-    return _map_leaves(value, lambda v: tensors[v.index] if isinstance(v, _Placeholder) else v)
-
-
-def _placeholders(skeleton: Any) -> List[_Placeholder]:
-    """The skeleton's placeholders, in tensor order."""
-    found: List[_Placeholder] = []
-    _map_leaves(skeleton, lambda v: found.append(v) if isinstance(v, _Placeholder) else None)
-    return sorted(found, key=lambda p: p.index)
-
-
-def _broadcast_tensors(
-    placeholders: List[_Placeholder], tensors: List[torch.Tensor], src: int, device: torch.device
-) -> List[torch.Tensor]:
-    """Broadcast the tensors from ``src``, coalesced into one flat buffer per dtype;
-    receivers get new tensors of the placeholders' shapes."""
-    out: List[Optional[torch.Tensor]] = [None] * len(placeholders)
-    dtypes = sorted({p.dtype for p in placeholders}, key=str)
-    for dtype in dtypes:
-        members = [p for p in placeholders if p.dtype == dtype]
-        if dist.get_rank() == src:
-            flat = _flatten_dense_tensors([tensors[p.index].detach() for p in members])
-        else:
-            numel = sum(int(torch.Size(p.shape).numel()) for p in members)
-            flat = torch.empty(numel, dtype=dtype, device=device)
-        dist.broadcast(flat, src=src)
-        shaped = [torch.empty(p.shape, dtype=dtype, device="meta") for p in members]
-        for p, t in zip(members, _unflatten_dense_tensors(flat, shaped), strict=True):
-            out[p.index] = t
-    return out
+    return map_leaves(value, lambda v: v.to_local() if isinstance(v, DTensor) else v)
 
 
 Offer = Tuple[int, Tuple[int, int]]  # (live step or -1, shard) of one rank
@@ -219,20 +156,12 @@ def _broadcast_state(
 ) -> Tuple[Dict[str, Any], int]:
     """``src``'s live state on every rank (its structure, then its tensors coalesced per
     dtype), and the bytes of its tensors."""
-    tensors: List[torch.Tensor] = []
-    skeleton = None
+    whole: Optional[Dict[str, Any]] = None
     if dist.get_rank() == src:
         assert live is not None
-        skeleton = _split(
-            {"model": live.model, "optim": live.optim, TRAIN_KEY: live.train}, tensors, device
-        )
-        skeleton[REFERENCE_KEY] = live.reference
-    box = [skeleton]
-    dist.broadcast_object_list(box, src=src)
-    skeleton = box[0]
-    received = _broadcast_tensors(_placeholders(skeleton), tensors, src, device)
-    sent = tensors if dist.get_rank() == src else received
-    return _join(skeleton, sent), sum(t.numel() * t.element_size() for t in sent)
+        whole = {"model": live.model, "optim": live.optim, TRAIN_KEY: live.train}
+        whole[REFERENCE_KEY] = live.reference
+    return broadcast_tree(whole, src, device)
 
 
 def _install(state: TrainState, whole: Dict[str, Any]) -> None:

@@ -31,6 +31,23 @@ def get_checkpoint() -> Optional[Checkpoint]:
     return current_session("get_checkpoint").get_checkpoint()
 
 
+def register(**objects: Any) -> int:
+    """Hand the loop's state to the framework (not in Ray Train): ``register(model=model,
+    optimizer=optimizer, lr_scheduler=..., progress={"epoch": 0, ...})``, every value a
+    module (DDP-wrapped or not), anything with ``state_dict``/``load_state_dict``, or a dict
+    of plain values that the loop updates before each report.  Call it on every rank once
+    per group, after building them and before the first report; returns the number of
+    reports already made, where the loop goes on.
+
+    Each rank then keeps a copy of their state at every report, and a group re-formed after
+    a failure or a resize loads the newest copy a live process holds into them (nothing
+    redone but the interval the failure struck in) instead of resuming from the newest
+    checkpoint.  The state must be replicated (DDP or one rank).  A run restarted from
+    storage has no live copy: it resumes from ``get_checkpoint`` as before, so keep
+    reporting checkpoints for that."""
+    return current_session("register").register(objects)
+
+
 def get_context() -> TrainContext:
     return current_session("get_context").context
 

@@ -6,7 +6,10 @@ their processes are kept, and the next group enters the function again in them (
 CUDA context and caches kept), resuming from the newest committed checkpoint
 (``get_checkpoint``); a pause (growing) or a preemption stops every rank at the same
 ``report``, the next one with a checkpoint (``session.stop_here``).  A user loop keeps no
-state between groups (``live_state`` is None).
+state between groups for the controller (``live_state`` is None); a loop that
+registers its state (``register``) keeps a copy of it at each report in the process
+(``user_loop.registered``), and the next group starts from the newest copy a live process
+holds when no committed checkpoint is newer.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import datetime
 import time
 import traceback
 import uuid
-from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
@@ -26,6 +29,13 @@ from raytrain_ext.messages import FitResult, StepReport
 from raytrain_ext.user_loop.checkpoint import Checkpoint
 from raytrain_ext.user_loop.dataset_shard import DatasetShard, positions_of
 from raytrain_ext.user_loop.loop_function import LoopFunction
+from raytrain_ext.user_loop.registered import (
+    LiveResume,
+    Offer,
+    Registration,
+    live_start,
+    process_snapshots,
+)
 from raytrain_ext.user_loop.session import (
     PAUSE,
     PREEMPT,
@@ -79,6 +89,7 @@ class FunctionLoop:
         self.finished = False
         self.build_marks: Dict[str, float] = {}  # RankLoop's: the starting point's read
         self.restored: Optional[Dict[str, Any]] = None
+        self.registration: Optional[Registration] = None
         self._first = True
 
     def live_state(self) -> None:
@@ -94,9 +105,17 @@ class FunctionLoop:
         # a survivor's uploads of the last group land first, every rank's before rank 0
         # reads the newest (bounded: well within the group's collective timeout)
         uploader.drain(self.cfg.parallel.timeout_s / 4)
-        self._all_gather(("drained",), group)
-        index, checkpoint, group_id, positions = self._starting_point(group)
+        keeper, run = process_snapshots(), self.spec.storage.root
+        offers = [o for _, o in self._all_gather(("drained", keeper.offer(run)), group)]
+        index, checkpoint, group_id, positions, live = self._starting_point(group, offers)
         uploader.start_group(group_id)
+        self.registration = Registration(
+            run,
+            index,
+            live,
+            keeper,
+            lambda start, objects: keeper.resume(run, start, objects, group),
+        )
         session = LoopSession(
             self._context(),
             start_index=index,
@@ -107,6 +126,7 @@ class FunctionLoop:
             uploader=uploader,
             group_id=group_id,
             datasets=self._dataset_shards(group_id, positions),
+            registration=self.registration,
         )
         set_session(session)
         self._mark("compute")
@@ -146,27 +166,33 @@ class FunctionLoop:
         deadline = self.requests.deadline
         return 0.0 if deadline is None else max(0.0, deadline - time.time())
 
-    def _starting_point(self, group) -> Tuple[int, Optional[Checkpoint], str, Positions]:
+    def _starting_point(
+        self, group, offers: List[Offer]
+    ) -> Tuple[int, Optional[Checkpoint], str, Positions, Optional[LiveResume]]:
         """Rank 0's newest committed checkpoint (index 0 and ``resume_from_checkpoint``
         when the run has none), the dataset positions committed with it, and a new id for
-        this group, the same on every rank; rank 0 first removes what earlier groups left
-        beyond that checkpoint."""
+        this group, the same on every rank; the group starts instead at the newest report
+        whose registered state a live process holds (``offers``, one per rank) when no
+        committed checkpoint is newer (``registered.live_start``).  Rank 0 first removes
+        what earlier groups left beyond the starting report."""
         started = self.build_marks["restore_started_at"] = time.time()
         found: list = [None]
         if self.env.rank == 0:
             storage = self.spec.storage
             latest = storage.latest()
-            index = 0 if latest is None else latest.index
+            live = live_start(offers, 0 if latest is None else latest.index)
+            index = live.index if live else 0 if latest is None else latest.index
             storage.discard_after(index)
             checkpoint = self.spec.resume_from if latest is None else latest.checkpoint
-            positions = positions_of(None if latest is None else latest.positions)
-            found = [(index, checkpoint, uuid.uuid4().hex[:12], positions)]
+            committed = None if latest is None else latest.positions
+            positions = live.positions if live else positions_of(committed)
+            found = [(index, checkpoint, uuid.uuid4().hex[:12], positions, live)]
         dist.broadcast_object_list(found, src=0, group=group)
-        index, checkpoint, group_id, positions = found[0]
+        index, checkpoint, group_id, positions, live = found[0]
         self.build_marks["restored_at"] = time.time()
-        if index:
+        if index and live is None:
             self.restored = {"step": index, "tier": "storage", "total_s": time.time() - started}
-        return index, checkpoint, group_id, positions
+        return index, checkpoint, group_id, positions, live
 
     def _dataset_shards(self, group_id: str, positions: Positions) -> Dict[str, DatasetShard]:
         """This rank's shard of each dataset, read from the run's reader of it
@@ -221,10 +247,16 @@ class FunctionLoop:
             world_size=self.env.world_size,
             metrics={"reported": metrics},
             first_of_group=self._first,
-            restored=self.restored if self._first else None,
+            restored=self._restore_record() if self._first else None,
         )
         self._first = False
         self._report(report)
+
+    def _restore_record(self) -> Optional[Dict[str, Any]]:
+        """Where this group's state came from: the live copy ``register`` loaded, or the
+        committed checkpoint the group started from."""
+        live = None if self.registration is None else self.registration.restored
+        return live or self.restored
 
     def _result(
         self,
@@ -236,10 +268,11 @@ class FunctionLoop:
         return FitResult(
             rank=self.env.rank,
             steps=session.index,
-            restored=self.restored,
+            restored=self._restore_record(),
             checkpoint={
                 "reports_with_checkpoint": len(blocked),
                 "report_blocked_s": sorted(blocked),
+                "registered_copy_s": sorted(session.registration.copy_s),
                 "upload_failures": list(process_uploader().failures),
             },
             paused_at=paused_at,

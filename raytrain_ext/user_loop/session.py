@@ -23,14 +23,15 @@ import torch
 
 from raytrain_ext.user_loop.checkpoint import Checkpoint
 from raytrain_ext.user_loop.dataset_shard import DatasetShard, shard_positions
+from raytrain_ext.user_loop.registered import Registration
 from raytrain_ext.user_loop.staging import Staged, stage
 from raytrain_ext.user_loop.storage import RunStorage
 from raytrain_ext.user_loop.uploader import Uploader, UploadJob
 
 REPORT, RETURNED = "report", "returned"
 # a report's payload, gathered from every rank: (kind, index, has a checkpoint, the stop
-# it asks for, every dataset's position)
-KIND, INDEX, HAS_CHECKPOINT, STOP, POSITIONS = range(5)
+# it asks for, every dataset's position, whether its function registered its state)
+KIND, INDEX, HAS_CHECKPOINT, STOP, POSITIONS, REGISTERED = range(6)
 PAUSE, PREEMPT, PREEMPT_NOW = "pause", "preempt", "preempt-now"
 
 
@@ -38,13 +39,16 @@ def stop_here(gathered: List[Tuple]) -> Optional[str]:
     """Whether the group stops at this report, and why: a pause or a preemption asked on
     any rank stops every rank at the next report that carries a checkpoint (nothing is
     then redone after the re-form), a preemption whose grace ran out at the next report.
-    A loop that never checkpoints is therefore never paused to grow."""
+    A pause also stops at any report of a loop that registered its state (the grown
+    group takes it from the live processes); a loop that does neither is never paused."""
     asked = [g[STOP] for g in gathered if g[STOP] is not None]
     checkpointed = any(g[HAS_CHECKPOINT] for g in gathered)
     if PREEMPT_NOW in asked:
         return PREEMPT
     if asked and checkpointed:
         return asked[0]
+    if asked and set(asked) == {PAUSE} and all(g[REGISTERED] for g in gathered):
+        return PAUSE
     return None
 
 
@@ -155,6 +159,7 @@ class LoopSession:
         uploader: Uploader,
         group_id: str,
         datasets: Dict[str, DatasetShard],
+        registration: Registration,
     ):
         self.context = context
         self.index = start_index
@@ -162,6 +167,7 @@ class LoopSession:
         self._exchange, self._push, self._stop_asked = exchange, push, stop_asked
         self._uploader, self._group_id = uploader, group_id
         self._datasets = datasets
+        self.registration = registration
         self._last = time.time()
         self.blocked_s: List[float] = []  # what each report with a checkpoint blocked for
 
@@ -169,12 +175,14 @@ class LoopSession:
         """Record ``metrics`` (rank 0's reach the run's records); a ``checkpoint``'s files
         are staged now (hard links, ``staging``) and persisted in the background."""
         plain = checked_metrics(metrics)
+        self.registration.check_registered("report()")
         index = self.index + 1
         started = time.time()
         staged = None if checkpoint is None else self._stage(checkpoint)
         positions = shard_positions(self._datasets)
+        registered = self.registration.registered
         try:
-            payload = (REPORT, index, staged is not None, self._stop_asked(), positions)
+            payload = (REPORT, index, staged is not None, self._stop_asked(), positions, registered)
             gathered = self._exchange(payload)
             self.check_agreement(gathered, REPORT, index)
         except BaseException:
@@ -182,6 +190,7 @@ class LoopSession:
                 shutil.rmtree(staged.directory, ignore_errors=True)
             raise
         self.index = index
+        self.registration.at_report(index, positions)
         rank = self.context.world_rank
         uploading = [r for r, g in enumerate(gathered) if g[HAS_CHECKPOINT]]
         commit = uploading if rank == 0 else []
@@ -214,9 +223,13 @@ class LoopSession:
             )
         return self._datasets[name]
 
+    def register(self, objects: Dict[str, Any]) -> int:
+        return self.registration.register(objects)
+
     def finish(self) -> None:
         """The function returned: agree that every rank did, at the same report."""
-        gathered = self._exchange((RETURNED, self.index, False, None, {}))
+        self.registration.check_registered("the function returned")
+        gathered = self._exchange((RETURNED, self.index, False, None, {}, False))
         self.check_agreement(gathered, RETURNED, self.index)
 
     def check_agreement(self, gathered: List[Tuple], kind: str, index: int) -> None:

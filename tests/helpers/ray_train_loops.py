@@ -51,15 +51,8 @@ def quickstart_loop(config):
     for epoch in range(start, config["epochs"]):
         if context.get_world_size() > 1:
             loader.sampler.set_epoch(epoch)
-        total = 0.0
-        for x, y in loader:
-            loss = nn.functional.mse_loss(model(x), y)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            total += loss.item()
-            time.sleep(config.get("step_sleep_s", 0.0))
-        metrics = {"epoch": epoch, "loss": total / len(loader), "pid": os.getpid()}
+        metrics = {"epoch": epoch, "loss": _epoch(model, optimizer, loader, config)}
+        metrics["pid"] = os.getpid()
         if config.get("rows"):
             shard = train.get_dataset_shard("train")
             metrics["rows"] = sum(len(b["id"]) for b in shard.iter_torch_batches(batch_size=8))
@@ -78,6 +71,41 @@ def quickstart_loop(config):
                 torch.save(state, os.path.join(directory, "state.pt"))
                 saved = Checkpoint.from_directory(directory)
             train.report(metrics, checkpoint=saved)
+
+
+def registered_loop(config):
+    """The quick start handing its state to ``raytrain_ext.train.register`` (SGD with
+    momentum, so the optimizer has state; the epoch in a progress dict) and reporting every
+    epoch with no checkpoint at all: a re-formed group goes on from the newest report a
+    live process holds."""
+    train, train_torch, _ = api(config)
+    torch.manual_seed(0)
+    model = train_torch.prepare_model(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+    loader = train_torch.prepare_data_loader(
+        DataLoader(synthetic_data(), batch_size=16, shuffle=True)
+    )
+    progress = {"epoch": 0}
+    train.register(model=model, optimizer=optimizer, progress=progress)
+    while progress["epoch"] < config["epochs"]:
+        epoch = progress["epoch"]
+        loader.sampler.set_epoch(epoch)
+        loss = _epoch(model, optimizer, loader, config)
+        progress["epoch"] = epoch + 1
+        train.report({"epoch": epoch, "loss": loss, "pid": os.getpid()})
+
+
+def _epoch(model: nn.Module, optimizer, loader, config) -> float:
+    """One pass over the loader; the mean of its batches' losses."""
+    total = 0.0
+    for x, y in loader:
+        loss = nn.functional.mse_loss(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        total += loss.item()
+        time.sleep(config.get("step_sleep_s", 0.0))
+    return total / len(loader)
 
 
 def line_rows(n: int):

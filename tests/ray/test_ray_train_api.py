@@ -15,6 +15,7 @@ from tests.helpers.ray_train_loops import (
     dataset_loop,
     line_rows,
     quickstart_loop,
+    registered_loop,
     standing_ids,
 )
 from tests.helpers.runs import FitThread, wait_until
@@ -45,6 +46,18 @@ def trainer(api_name, tmp_path, name, loop=quickstart_loop, *, config, workers=2
         resume_from_checkpoint=resume,
         datasets=datasets,
     )
+
+
+def kill_rank_1_after(run, reports: int) -> dict:
+    """SIGKILL rank 1's process from outside once the run made ``reports`` reports; the
+    ranks' pids before the kill."""
+    wait_until(
+        lambda: run.controller is not None and len(run.controller.result.records) >= reports,
+        f"{reports} reports",
+    )
+    workers = {w["rank"]: w["pid"] for w in run.controller.result.workers}
+    os.kill(workers[1], signal.SIGKILL)
+    return workers
 
 
 def epochs_of(result):
@@ -175,12 +188,7 @@ def test_a_sigkill_and_a_restarted_run_resume_the_dataset_shard_where_the_checkp
     )
     run = run_of("killed", max_failures=1, step_sleep_s=0.2)  # the reader dies mid-run
     with FitThread(run) as thread:
-        wait_until(
-            lambda: run.controller is not None and len(run.controller.result.records) >= 7,
-            "seven reports",
-        )
-        workers = {w["rank"]: w["pid"] for w in run.controller.result.workers}
-        os.kill(workers[1], signal.SIGKILL)
+        workers = kill_rank_1_after(run, reports=7)
         wait_until(lambda: len(run.controller.result.records) >= 12, "twelve reports")
         reader = ray.get_actor(reader_name("killed", "train"))
         os.kill(ray.get(reader.stats.remote())["pid"], signal.SIGKILL)  # Ray restarts it
@@ -200,4 +208,34 @@ def test_a_sigkill_and_a_restarted_run_resume_the_dataset_shard_where_the_checkp
     both = stopped.metrics_history + again.metrics_history
     assert standing_ids(both) == standing_ids(reference.metrics_history)
     assert again.metrics["loss"] == reference.metrics["loss"]
+    assert_nothing_left()
+
+
+@pytest.mark.slow
+@pytest.mark.chaos
+def test_a_registered_loop_heals_from_its_live_peer_with_nothing_redone(ray_local, tmp_path):
+    """A loop that registers its model, optimizer and progress and never checkpoints:
+    SIGKILL rank 1's process from outside mid-run.  The new group takes the state rank 0
+    copied at its last report (``restored_from`` peers), goes on after that report (no
+    epoch reported twice, none skipped), rank 0 keeps its process, and the final loss is
+    the uninterrupted run's to the bit."""
+    config = {"epochs": 8}
+    reference = fit(OURS, tmp_path, "reference", registered_loop, config=config)
+    run = trainer(
+        OURS, tmp_path, "killed", registered_loop, config={**config, "step_sleep_s": 0.03},
+        max_failures=1,
+    )  # fmt: skip
+    with FitThread(run) as thread:
+        workers = kill_rank_1_after(run, reports=3)
+        result = thread.join(timeout_s=180)
+    assert not isinstance(result, Exception), result
+    (recovery,) = result.summary["recoveries"]
+    assert recovery["decision"] == "replace" and recovery["restored_from"] == "peers"
+    assert recovery["steps_redone"] == 0
+    assert [m["epoch"] for m in result.metrics_history] == list(range(config["epochs"]))
+    assert {w["rank"]: w["pid"] for w in result.summary["workers"]}[0] == workers[0]
+    assert result.metrics["loss"] == reference.metrics["loss"]
+    assert [m["loss"] for m in result.metrics_history] == [
+        m["loss"] for m in reference.metrics_history
+    ]
     assert_nothing_left()

@@ -23,6 +23,7 @@ from raytrain_ext.user_loop.ray_train_config import (
     refuse_unsupported,
     worker_counts,
 )
+from raytrain_ext.user_loop.registered import Registration, SnapshotKeeper
 from raytrain_ext.user_loop.session import (
     LoopSession,
     ReportMismatch,
@@ -178,6 +179,7 @@ def session(tmp_path, exchange, stop=None, uploader=None):
         uploader=uploader or Uploader(),
         group_id="g2",
         datasets={},
+        registration=Registration("run", 4, None, SnapshotKeeper(), resume=None),
     )
     return loop_session, pushed, s
 
@@ -189,7 +191,7 @@ def test_a_report_copies_the_directory_and_persists_it_in_the_background(tmp_pat
     uploader.start_group("g2")
     loop_session, pushed, s = session(
         tmp_path,
-        lambda payload: [payload, ("report", 5, True, None, {})],
+        lambda payload: [payload, ("report", 5, True, None, {}, False)],
         uploader=uploader,
     )
     directory = user_dir(tmp_path, "mine", "rank zero")
@@ -207,9 +209,9 @@ def test_ranks_that_report_differently_are_named():
     with pytest.raises(ReportMismatch, match=r"ranks \[0, 2\] called report #3; ranks \[1\] "):
         loop_session.check_agreement(
             [
-                ("report", 3, False, None, {}),
-                ("returned", 2, False, None, {}),
-                ("report", 3, False, None, {}),
+                ("report", 3, False, None, {}, False),
+                ("returned", 2, False, None, {}, False),
+                ("report", 3, False, None, {}, False),
             ],
             "report",
             3,
@@ -217,14 +219,28 @@ def test_ranks_that_report_differently_are_named():
 
 
 def test_a_stop_asked_on_any_rank_stops_every_rank_at_the_next_checkpointed_report(tmp_path):
-    no_checkpoint = [("report", 5, False, None, {}), ("report", 5, False, "pause", {})]
+    no_checkpoint = [
+        ("report", 5, False, None, {}, False),
+        ("report", 5, False, "pause", {}, False),
+    ]
     assert stop_here(no_checkpoint) is None  # a pause waits for a checkpoint: nothing redone
-    assert stop_here([("report", 5, True, None, {}), ("report", 5, False, "pause", {})]) == "pause"
-    assert stop_here([("report", 5, False, "preempt-now", {}), ("report", 5, False, None, {})]) == (
+    assert (
+        stop_here([("report", 5, True, None, {}, False), ("report", 5, False, "pause", {}, False)])
+        == "pause"
+    )
+    assert stop_here(
+        [("report", 5, False, "preempt-now", {}, False), ("report", 5, False, None, {}, False)]
+    ) == (
         "preempt"  # the grace ran out: stop at once
     )
+    registered = [("report", 5, False, None, {}, True), ("report", 5, False, "pause", {}, True)]
+    assert stop_here(registered) == "pause"  # the grown group takes the live copies
+    half = [("report", 5, False, None, {}, False), ("report", 5, False, "pause", {}, True)]
+    assert stop_here(half) is None
+    preempted = [("report", 5, False, None, {}, True), ("report", 5, False, "preempt", {}, True)]
+    assert stop_here(preempted) is None  # a preemption needs a persisted checkpoint
     loop_session, pushed, _ = session(
-        tmp_path, lambda payload: [payload, ("report", 5, True, "pause", {})]
+        tmp_path, lambda payload: [payload, ("report", 5, True, "pause", {}, False)]
     )
     with pytest.raises(StopAtBoundary) as stop:
         loop_session.report({"loss": 1.0})
@@ -306,7 +322,10 @@ def test_ranks_at_different_places_in_a_dataset_are_named_and_positions_are_comm
     loop_session = LoopSession.__new__(LoopSession)
     with pytest.raises(ReportMismatch, match=r"different places in their dataset shards.*rank 1"):
         loop_session.check_agreement(
-            [("report", 3, False, None, {"train": [0, 8]}), ("report", 3, False, None, {})],
+            [
+                ("report", 3, False, None, {"train": [0, 8]}, False),
+                ("report", 3, False, None, {}, False),
+            ],
             "report",
             3,
         )

@@ -1,0 +1,105 @@
+"""One rank's nested state (dicts and lists of tensors and plain values) on every rank.
+
+Both ways a re-formed group takes state from live processes use it: the built-in loop's
+handover (``train.live_state``) and a user loop's registered state
+(``user_loop.registered``).  The structure travels once as a pickled skeleton in which
+each tensor is a placeholder; the tensors follow coalesced into one flat buffer per
+dtype, so a state of thousands of tensors costs a handful of broadcasts.
+
+Invariant: every rank of ``group`` calls :func:`broadcast_tree` with the same ``src``;
+receivers get new tensors (on ``device``) shaped as the sender's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+
+def map_leaves(value: Any, leaf: Callable[[Any], Any]) -> Any:
+    """``value``'s structure of dicts and lists, with ``leaf`` applied to everything else."""
+    if isinstance(value, dict):
+        return {k: map_leaves(v, leaf) for k, v in value.items()}
+    if isinstance(value, list):
+        return [map_leaves(v, leaf) for v in value]
+    return leaf(value)
+
+
+@dataclass(frozen=True)
+class _Placeholder:
+    """Where a broadcast tensor goes back into the state's structure."""
+
+    index: int
+    shape: Tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _split(value: Any, tensors: List[torch.Tensor], device: torch.device) -> Any:
+    """The structure of ``value`` with each tensor on ``device`` replaced by a placeholder
+    (collected into ``tensors``); other values (CPU scalars, ints) stay inline."""
+
+    def leaf(v: Any) -> Any:
+        if isinstance(v, torch.Tensor) and v.device == device and v.numel() > 1:
+            tensors.append(v)
+            return _Placeholder(len(tensors) - 1, tuple(v.shape), v.dtype)
+        return v
+
+    return map_leaves(value, leaf)
+
+
+def _join(value: Any, tensors: List[torch.Tensor]) -> Any:
+    return map_leaves(value, lambda v: tensors[v.index] if isinstance(v, _Placeholder) else v)
+
+
+def _placeholders(skeleton: Any) -> List[_Placeholder]:
+    """The skeleton's placeholders, in tensor order."""
+    found: List[_Placeholder] = []
+    map_leaves(skeleton, lambda v: found.append(v) if isinstance(v, _Placeholder) else None)
+    return sorted(found, key=lambda p: p.index)
+
+
+def _broadcast_tensors(
+    placeholders: List[_Placeholder],
+    tensors: List[torch.Tensor],
+    src: int,
+    device: torch.device,
+    group: Optional[dist.ProcessGroup],
+) -> List[torch.Tensor]:
+    """Broadcast the tensors from ``src``, coalesced into one flat buffer per dtype;
+    receivers get new tensors of the placeholders' shapes."""
+    out: List[Optional[torch.Tensor]] = [None] * len(placeholders)
+    dtypes = sorted({p.dtype for p in placeholders}, key=str)
+    for dtype in dtypes:
+        members = [p for p in placeholders if p.dtype == dtype]
+        if dist.get_rank() == src:
+            flat = _flatten_dense_tensors([tensors[p.index].detach() for p in members])
+        else:
+            numel = sum(int(torch.Size(p.shape).numel()) for p in members)
+            flat = torch.empty(numel, dtype=dtype, device=device)
+        dist.broadcast(flat, src=src, group=group)
+        shaped = [torch.empty(p.shape, dtype=dtype, device="meta") for p in members]
+        for p, t in zip(members, _unflatten_dense_tensors(flat, shaped), strict=True):
+            out[p.index] = t
+    return out
+
+
+def broadcast_tree(
+    value: Any,
+    src: int,
+    device: torch.device,
+    group: Optional[dist.ProcessGroup] = None,
+) -> Tuple[Any, int]:
+    """``src``'s ``value`` on every rank (``value`` is ignored elsewhere), and the bytes
+    of its tensors; ``src`` is a global rank.  Tensors on ``device`` travel coalesced,
+    everything else (and tensors elsewhere) in the skeleton."""
+    tensors: List[torch.Tensor] = []
+    box = [_split(value, tensors, device) if dist.get_rank() == src else None]
+    dist.broadcast_object_list(box, src=src, group=group)
+    skeleton = box[0]
+    received = _broadcast_tensors(_placeholders(skeleton), tensors, src, device, group)
+    sent = tensors if dist.get_rank() == src else received
+    return _join(skeleton, sent), sum(t.numel() * t.element_size() for t in sent)

@@ -1,0 +1,135 @@
+"""``register``'s pieces without Ray or a process group: the copy a rank keeps at each
+report, its restore into freshly built objects, where a re-formed group starts, and the
+refusals (user_loop/registered.py)."""
+
+import pytest
+import torch
+from torch import nn
+
+from raytrain_ext.user_loop.registered import (
+    LiveResume,
+    Registration,
+    SnapshotKeeper,
+    install,
+    live_start,
+)
+
+
+def built(seed: int = 0):
+    """A model, an Adam optimizer, a schedule and a progress dict, as a loop builds them."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    return {"model": model, "optimizer": optimizer, "lr_scheduler": schedule, "progress": {}}
+
+
+def train(objects, steps: int, start: int = 0) -> None:
+    model, optimizer = objects["model"], objects["optimizer"]
+    for step in range(start, start + steps):
+        x = torch.randn(16, 4, generator=torch.Generator().manual_seed(step))
+        loss = model(x).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        objects["lr_scheduler"].step()
+        objects["progress"]["step"] = step + 1
+
+
+def params(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_a_copy_taken_at_a_report_restores_fresh_objects_to_that_report():
+    """Train 3 steps, keep a copy, train 2 more (the copy must not move with the live
+    objects), then load the copy into newly built objects and train those 2 steps again:
+    the same parameters, optimizer moments and learning rate as the live run's."""
+    live = built()
+    train(live, 3)
+    keeper = SnapshotKeeper()
+    keeper.take("run", 3, {"train": (0, 24)}, live)
+    kept = [t.clone() for t in keeper.latest.state["model"].values()]
+    train(live, 2, start=3)
+    assert all(
+        torch.equal(a, b) for a, b in zip(kept, keeper.latest.state["model"].values(), strict=True)
+    )
+    fresh = built(seed=1)
+    install(fresh, keeper.latest.state)
+    assert fresh["progress"] == {"step": 3}
+    train(fresh, 2, start=3)
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(params(live["model"]), params(fresh["model"]), strict=True)
+    )
+    assert fresh["lr_scheduler"].get_last_lr() == live["lr_scheduler"].get_last_lr()
+    moments = [s["exp_avg_sq"] for s in fresh["optimizer"].state.values()]
+    assert all(
+        torch.equal(a, s["exp_avg_sq"])
+        for a, s in zip(moments, live["optimizer"].state.values(), strict=True)
+    )
+    assert keeper.offer("run") == (3, {"train": (0, 24)}) and keeper.offer("other") == (-1, {})
+
+
+def test_the_copy_reuses_its_buffers_and_never_aliases_the_restored_objects():
+    live = built()
+    train(live, 1)
+    keeper = SnapshotKeeper()
+    keeper.take("run", 1, {}, live)
+    buffers = [t.data_ptr() for t in keeper.latest.state["model"].values()]
+    train(live, 1, start=1)
+    keeper.take("run", 2, {}, live)
+    assert [t.data_ptr() for t in keeper.latest.state["model"].values()] == buffers
+    fresh = built()
+    install(fresh, keeper.latest.state)
+    kept = keeper.latest.state["optimizer"]["state"][0]["exp_avg"].clone()
+    train(fresh, 1, start=2)  # the restored optimizer's moments move; the copy's must not
+    assert torch.equal(keeper.latest.state["optimizer"]["state"][0]["exp_avg"], kept)
+
+
+def test_a_ddp_module_is_kept_by_its_own_keys():
+    """``prepare_model`` wraps in DDP only at world size > 1: the copy must load across."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    try:
+        objects = built()
+        objects["model"] = nn.parallel.DistributedDataParallel(objects["model"])
+        keeper = SnapshotKeeper()
+        keeper.take("run", 1, {}, objects)
+        assert not any(k.startswith("module.") for k in keeper.latest.state["model"])
+        plain = built(seed=3)
+        install(plain, keeper.latest.state)
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(params(objects["model"].module), params(plain["model"]), strict=True)
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_group_starts_from_the_newest_live_copy_unless_a_checkpoint_is_newer():
+    at = {"train": (1, 8)}
+    offers = [(-1, {}), (7, at), (7, at), (5, {})]
+    assert live_start(offers, committed=6) == LiveResume(7, holder=1, positions=at)
+    assert live_start(offers, committed=7) == LiveResume(7, holder=1, positions=at)
+    assert live_start(offers, committed=8) is None  # a restarted run's newer checkpoint
+    assert live_start([(-1, {}), (-1, {})], committed=0) is None  # nobody registered
+    assert live_start([(0, {}), (-1, {})], committed=0) is None  # nothing reported yet
+
+
+def test_register_refuses_what_it_cannot_keep_and_a_group_that_forgot_it():
+    fresh = Registration("run", 0, None, SnapshotKeeper(), resume=None)
+    with pytest.raises(TypeError, match=r"register\(data=\.\.\.\): a int has no state_dict"):
+        fresh.register({"model": nn.Linear(1, 1), "data": 3})
+    with pytest.raises(ValueError, match="needs the objects to keep"):
+        fresh.register({})
+    assert fresh.register({"model": nn.Linear(1, 1)}) == 0
+    with pytest.raises(RuntimeError, match="called twice"):
+        fresh.register({"model": nn.Linear(1, 1)})
+    resumed = Registration(
+        "run", 7, LiveResume(7, 1, {}), SnapshotKeeper(), resume=lambda start, objects: {}
+    )
+    with pytest.raises(RuntimeError, match=r"report\(\) before register\(\): .* report 7"):
+        resumed.check_registered("report()")
+    with pytest.raises(ValueError, match=r"registered \['model'\], the state it resumes holds"):
+        install({"model": nn.Linear(1, 1)}, {"model": {}, "optimizer": {}})
