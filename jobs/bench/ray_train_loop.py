@@ -11,8 +11,10 @@ Scenarios (``--scenario``, default all):
 - ``steady``: 2 workers, no fault.  Median epoch (report to report) without checkpoints,
   the time rank 0 is blocked in ``report(checkpoint=...)`` with a ``--state-mb`` state
   every 5 epochs, and the wall time of that run.
-- ``kill``: 2 workers on one node, SIGKILL rank 1's process at epoch FAULT_AT: fault ->
-  first report after, epochs redone, whether rank 0 kept its process.
+- ``kill``: 2 workers on one node, SIGKILL rank 1's process at epoch ``--fault-at``
+  (FAULT_AT, about 2 s into training, by default): fault -> first report after, epochs
+  redone, whether rank 0 kept its process.  A later fault (``--fault-at 100``, about 15 s)
+  finds the node's prestarted process warm, as a fault in a long run does.
 - ``data``: 2 workers, no fault, a loop fed by ``get_dataset_shard`` alone
   (``range_tensor`` rows of 256 floats, batches of DATA_BATCH, the same MLP step per
   batch, a report per epoch): the median epoch after the first, rows per second, and
@@ -264,10 +266,18 @@ def kill(api: str, work: Path, args) -> Dict[str, float]:
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         log_dir, run = trainer(
-            api, work, "kill", workers=2, every=5, state_mb=8, failures=1, register=args.register
+            api,
+            work,
+            "kill",
+            workers=2,
+            every=5,
+            state_mb=8,
+            failures=1,
+            epochs=max(EPOCHS, args.fault_at + 30),
+            register=args.register,
         )
         fit = Background(run.fit)
-        at_fault = wait_for(lambda: _epoch_rows(log_dir, FAULT_AT), fit, "the fault epoch")
+        at_fault = wait_for(lambda: _epoch_rows(log_dir, args.fault_at), fit, "the fault epoch")
         victim = next(r["pid"] for r in reversed(at_fault) if r["rank"] == 1)
         fault = time.time()
         os.kill(victim, signal.SIGKILL)
@@ -370,6 +380,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--state-mb", type=int, default=300)
     parser.add_argument("--register", action="store_true", help="ours: train.register(...)")
+    parser.add_argument("--fault-at", type=int, default=FAULT_AT, help="kill: the fault's epoch")
     args = parser.parse_args()
     every = [name for name in SCENARIOS if name != "kill-torchft"]  # torchft: installed by hand
     chosen = every if args.scenario == "all" else [args.scenario]

@@ -30,11 +30,11 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from raytrain_ext.checkpoint.state import REFERENCE_KEY, TRAIN_KEY, apply_train, train_items
 from raytrain_ext.checkpoint.train_state import TrainState
-from raytrain_ext.parallel.tree_broadcast import broadcast_tree, map_leaves
+from raytrain_ext.parallel.local_shards import local_view, module_state_like, optimizer_state_like
+from raytrain_ext.parallel.tree_broadcast import broadcast_tree
 
 PEERS = "peers"  # ``restored["tier"]`` of a state taken from live peers
 
@@ -66,17 +66,12 @@ def capture_live(
     return LiveState(
         state.progress.step,
         state.config_digest,
-        _local(state.strategy.unwrap(state.model).state_dict()),
-        _local(state.optimizer.state_dict()),
+        local_view(state.strategy.unwrap(state.model).state_dict()),
+        local_view(state.optimizer.state_dict()),
         items,
         None if state.reference is None else state.reference.to_bytes(),
         shard,
     )
-
-
-def _local(value: Any) -> Any:
-    """``value`` with each DTensor replaced by its local shard (a view, not a copy)."""
-    return map_leaves(value, lambda v: v.to_local() if isinstance(v, DTensor) else v)
 
 
 Offer = Tuple[int, Tuple[int, int]]  # (live step or -1, shard) of one rank
@@ -169,37 +164,10 @@ def _install(state: TrainState, whole: Dict[str, Any]) -> None:
     back into DTensors laid out like this rank's parameters)."""
     module = state.strategy.unwrap(state.model)
     with torch.no_grad():
-        module.load_state_dict(_like(whole["model"], module.state_dict()))
+        module.load_state_dict(module_state_like(whole["model"], module.state_dict()))
     params = [p for group in state.optimizer.param_groups for p in group["params"]]
-    optim = whole["optim"]
-    optim["state"] = {
-        index: {key: _as_param(value, params[int(index)]) for key, value in entry.items()}
-        for index, entry in optim["state"].items()
-    }
-    state.optimizer.load_state_dict(optim)
+    state.optimizer.load_state_dict(optimizer_state_like(whole["optim"], params))
     loaded = {TRAIN_KEY: io.BytesIO(json.dumps(whole[TRAIN_KEY]).encode())}
     if state.reference is not None:
         loaded[REFERENCE_KEY] = io.BytesIO(whole[REFERENCE_KEY])
     apply_train(state, loaded)
-
-
-def _like(values: Dict[str, Any], targets: Dict[str, Any]) -> Dict[str, Any]:
-    """``values`` with each local shard wrapped as a DTensor like its target."""
-    return {key: _as_param(value, targets.get(key)) for key, value in values.items()}
-
-
-def _as_param(value: Any, like: Any) -> Any:
-    """A local shard as a DTensor with ``like``'s mesh, placements and global shape, when
-    ``like`` is a DTensor and ``value`` has its local shape; else ``value`` as it is."""
-    if not (isinstance(like, DTensor) and isinstance(value, torch.Tensor)):
-        return value
-    if tuple(value.shape) != tuple(like.to_local().shape):
-        return value
-    return DTensor.from_local(
-        value,
-        like.device_mesh,
-        like.placements,
-        run_check=False,
-        shape=like.shape,
-        stride=like.stride(),
-    )

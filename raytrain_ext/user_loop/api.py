@@ -42,9 +42,11 @@ def register(**objects: Any) -> int:
     Each rank then keeps a copy of their state at every report, and a group re-formed after
     a failure or a resize loads the newest copy a live process holds into them (nothing
     redone but the interval the failure struck in) instead of resuming from the newest
-    checkpoint.  The state must be replicated (DDP or one rank).  A run restarted from
-    storage has no live copy: it resumes from ``get_checkpoint`` as before, so keep
-    reporting checkpoints for that."""
+    checkpoint.  Replicated state (DDP, one rank) loads at any world size; state sharded
+    by FSDP or HSDP (one mesh) loads into a group of the same size whose every shard a live
+    process holds (HSDP: another replica's rank), else the group resumes from the
+    checkpoint.  A run restarted from storage has no live copy: it resumes from
+    ``get_checkpoint`` as before, so keep reporting checkpoints for that."""
     return current_session("register").register(objects)
 
 

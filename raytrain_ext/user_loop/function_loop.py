@@ -115,6 +115,7 @@ class FunctionLoop:
             live,
             keeper,
             lambda start, objects: keeper.resume(run, start, objects, group),
+            self.env.world_size,
         )
         session = LoopSession(
             self._context(),
@@ -180,12 +181,13 @@ class FunctionLoop:
         if self.env.rank == 0:
             storage = self.spec.storage
             latest = storage.latest()
-            live = live_start(offers, 0 if latest is None else latest.index)
+            committed = 0 if latest is None else latest.index
+            live = live_start(offers, committed, self.env.world_size)
             index = live.index if live else 0 if latest is None else latest.index
             storage.discard_after(index)
             checkpoint = self.spec.resume_from if latest is None else latest.checkpoint
-            committed = None if latest is None else latest.positions
-            positions = live.positions if live else positions_of(committed)
+            record = None if latest is None else latest.positions
+            positions = live.positions if live else positions_of(record)
             found = [(index, checkpoint, uuid.uuid4().hex[:12], positions, live)]
         dist.broadcast_object_list(found, src=0, group=group)
         index, checkpoint, group_id, positions, live = found[0]

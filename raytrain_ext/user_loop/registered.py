@@ -3,19 +3,20 @@
 Why: without it, a user loop's re-formed group resumes from its newest committed
 checkpoint and redoes every report since.  With it, each rank keeps a copy of the
 registered objects' state as of its last report (host memory, the buffers reused from
-report to report), and a re-formed group starts at the newest report a live process
-holds: that process broadcasts its copy, every rank loads it into the objects its
+report to report), and a re-formed group starts at the newest report live processes
+hold: they broadcast their copies, every rank loads its part into the objects its
 function built again, and ``register`` returns the number of reports already made, where
 the loop goes on.  Only the interval in which the failure struck is redone, as a step is
 in the built-in loop, and a group can pause to grow at any report, not only at one that
 carries a checkpoint.
 
-Invariants: a copy is taken only once every rank agreed on its report, and registered
-state is replicated (DDP, or one rank), so all copies of one report are equal and any
-holder may send it.  A group starts from a copy only when it is at least as new as the
-newest committed checkpoint (:func:`live_start`), and only copies of the same run count.
-What a copy holds never aliases the live objects: it is copied out at the report and
-copied in at the restore.
+Invariants: a copy is taken only once every rank agreed on its report, so all copies of
+one report and one part of the state (``registered_state.Layout``: the whole for
+replicated state, a shard for FSDP/HSDP) are equal and any holder may send it.  A group
+starts from copies only when they are at least as new as the newest committed checkpoint
+and hold every part the group needs (:func:`live_start`), and only copies of the same run
+count.  What a copy holds never aliases the live objects: it is copied out at the report
+and copied in at the restore.
 """
 
 from __future__ import annotations
@@ -26,15 +27,21 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.distributed.checkpoint.stateful import Stateful
-from torch.distributed.tensor import DTensor
 
 from raytrain_ext.checkpoint.state import snapshot
+from raytrain_ext.parallel.local_shards import local_view
 from raytrain_ext.parallel.tree_broadcast import broadcast_tree, map_leaves
+from raytrain_ext.user_loop.registered_state import (
+    Layout,
+    check_registrable,
+    install,
+    layout_of,
+    state_of,
+)
 
 Positions = Dict[str, Tuple[int, int]]  # each dataset shard's (epoch, row)
-Offer = Tuple[int, Positions]  # (report index of this process's copy or -1, positions)
+# (report index of this process's copy or -1, its positions, its part of the whole)
+Offer = Tuple[int, Positions, Optional[Layout]]
 
 
 @dataclass
@@ -44,93 +51,44 @@ class Snapshot:
     run: str
     index: int
     positions: Positions
-    state: Dict[str, Any]
+    layout: Layout
+    state: Dict[str, Any]  # local shards, on the host
 
 
 @dataclass(frozen=True)
 class LiveResume:
-    """A group's start from a live copy: its report index, the rank that sends it and the
-    dataset positions of that report."""
+    """A group's start from live copies: their report index, the rank that sends each
+    part (``sources[i]`` sends part i) and the dataset positions of that report."""
 
     index: int
-    holder: int
+    sources: Tuple[int, ...]
     positions: Positions
 
 
-def _unwrapped(obj: Any) -> Any:
-    """A DDP-wrapped module's own module: its state has the same keys at any world size
-    (``prepare_model`` wraps only when the group has more than one rank)."""
-    return obj.module if isinstance(obj, nn.parallel.DistributedDataParallel) else obj
-
-
-def check_registrable(objects: Dict[str, Any]) -> None:
-    """Each value must carry a state: a module, an optimizer, a scheduler (anything with
-    ``state_dict``/``load_state_dict``) or a dict of plain values (restored in place)."""
-    if not objects:
-        raise ValueError(
-            "register() needs the objects to keep, by name: register(model=model, "
-            "optimizer=optimizer[, lr_scheduler=..., progress={'epoch': 0}])"
-        )
-    for name, obj in objects.items():
-        if not isinstance(obj, (Stateful, dict)):
-            raise TypeError(
-                f"register({name}=...): a {type(obj).__name__} has no state_dict() and "
-                "load_state_dict(); pass a module, an optimizer, a scheduler or a dict of "
-                "plain values (numbers, strings, lists) updated in place"
-            )
-
-
-def state_of(objects: Dict[str, Any]) -> Dict[str, Any]:
-    """The objects' states (references into the live objects, not copies)."""
-    out: Dict[str, Any] = {}
-    for name, obj in objects.items():
-        out[name] = dict(obj) if isinstance(obj, dict) else _unwrapped(obj).state_dict()
-        if any_dtensor(out[name]):
-            raise ValueError(
-                f"register({name}=...): its state is sharded (DTensor: FSDP or TP); "
-                "register keeps replicated state (DDP, or a single rank). Save sharded "
-                "state with report(checkpoint=...) and resume it from get_checkpoint()"
-            )
-    return out
-
-
-def any_dtensor(value: Any) -> bool:
-    found: List[bool] = []
-    map_leaves(value, lambda v: found.append(True) if isinstance(v, DTensor) else None)
-    return bool(found)
-
-
-def install(objects: Dict[str, Any], state: Dict[str, Any]) -> None:
-    """Load ``state`` (a copy: each tensor is copied again, so the copy stays this
-    process's own) into the freshly built objects; the same names must be registered."""
-    if set(state) != set(objects):
-        raise ValueError(
-            f"register(): this group registered {sorted(objects)}, the state it resumes "
-            f"holds {sorted(state)}; register the same objects, by the same names, in "
-            "every group of the run"
-        )
-    for name, obj in objects.items():
-        value = snapshot(state[name])
-        if isinstance(obj, dict):
-            obj.clear()
-            obj.update(value)
-        elif isinstance(_unwrapped(obj), nn.Module):
-            with torch.no_grad():
-                _unwrapped(obj).load_state_dict(value)
-        else:
-            obj.load_state_dict(value)
-
-
-def live_start(offers: List[Offer], committed: int) -> Optional[LiveResume]:
-    """Where a group starts when a live process holds a copy: the newest one, sent by its
-    lowest rank, when it is at least as new as the newest committed checkpoint
-    (``committed``, 0 for none); None to start from that checkpoint.  Pure, and the same
-    on every rank."""
-    newest = max((index for index, _ in offers), default=-1)
+def live_start(offers: List[Offer], committed: int, world: int) -> Optional[LiveResume]:
+    """Where a group of ``world`` ranks starts when live processes hold copies: the newest
+    report, each part sent by its lowest holder, when it is at least as new as the newest
+    committed checkpoint (``committed``, 0 for none) and its copies hold every part of a
+    layout that loads into this group; None to start from that checkpoint.  Pure, and the
+    same on every rank."""
+    newest = max((index for index, _, _ in offers), default=-1)
     if newest <= 0 or newest < committed:
         return None
-    holder = min(rank for rank, (index, _) in enumerate(offers) if index == newest)
-    return LiveResume(newest, holder, dict(offers[holder][1]))
+    held = [(rank, layout) for rank, (index, _, layout) in enumerate(offers) if index == newest]
+    layouts = [layout for _, layout in held if layout is not None]
+    first = layouts[0]
+    if any((layout.world, layout.shards) != (first.world, first.shards) for layout in layouts):
+        return None
+    if not first.loads_into(world):
+        return None
+    sources: Dict[int, int] = {}
+    for rank, layout in held:
+        if layout is not None:
+            sources.setdefault(layout.index, rank)
+    if len(sources) < first.shards:
+        return None  # a part died with its only holders: the checkpoint has it
+    order = tuple(sources[part] for part in range(first.shards))
+    return LiveResume(newest, order, dict(offers[order[0]][1]))
 
 
 @dataclass
@@ -141,35 +99,51 @@ class SnapshotKeeper:
     latest: Optional[Snapshot] = None
 
     def offer(self, run: str) -> Offer:
-        """(report index, positions) of this run's copy; (-1, {}) when there is none."""
+        """(report index, positions, layout) of this run's copy; (-1, {}, None) without."""
         if self.latest is None or self.latest.run != run:
-            return -1, {}
-        return self.latest.index, dict(self.latest.positions)
+            return -1, {}, None
+        return self.latest.index, dict(self.latest.positions), self.latest.layout
 
-    def take(self, run: str, index: int, positions: Positions, objects: Dict[str, Any]) -> None:
+    def take(
+        self, run: str, index: int, positions: Positions, objects: Dict[str, Any], world: int
+    ) -> None:
         """Copy the registered objects' state at report ``index`` (its buffers reused)."""
         reuse = self.latest.state if self.latest is not None and self.latest.run == run else None
         live = state_of(objects)
-        state = snapshot(live, reuse)
+        layout = layout_of(live, world)
+        state = snapshot(local_view(live), reuse)
         if any(t.device.type == "cuda" for t in _tensors(live)):
             torch.cuda.synchronize()  # the copies above were queued; a restore reads them
-        self.latest = Snapshot(run, index, dict(positions), state)
+        self.latest = Snapshot(run, index, dict(positions), layout, state)
 
     def resume(
         self, run: str, start: LiveResume, objects: Dict[str, Any], group: Any
     ) -> Dict[str, Any]:
-        """Every rank of ``group`` together: the holder sends its copy, every rank loads
-        it into ``objects`` and keeps it as its own copy.  Returns the restore record."""
+        """Every rank of ``group`` together: each part's holder sends its copy, every rank
+        loads its own part into ``objects`` and keeps it as its copy.  Returns the restore
+        record."""
         started = time.perf_counter()
-        mine = self.latest.state if dist.get_rank() == start.holder and self.latest else None
-        state, moved = broadcast_tree(mine, start.holder, torch.device("cpu"), group)
+        layout = layout_of(state_of(objects), dist.get_world_size(group))
+        if layout.shards != len(start.sources):
+            raise ValueError(
+                f"register(): this group's state is cut in {layout.shards} parts, the copies "
+                f"it resumes from in {len(start.sources)}; build the same layout in every "
+                "group of the run"
+            )
+        mine, moved = None, 0
+        for part, src in enumerate(start.sources):  # one part at a time: its holders keep it
+            held = self.latest.state if dist.get_rank() == src and self.latest else None
+            state, nbytes = broadcast_tree(held, src, torch.device("cpu"), group)
+            moved += nbytes
+            mine = state if part == layout.index else mine
         sent = time.perf_counter()
-        install(objects, state)
-        self.latest = Snapshot(run, start.index, dict(start.positions), state)
+        assert mine is not None  # sources name every part, this rank's among them
+        install(objects, mine)
+        self.latest = Snapshot(run, start.index, dict(start.positions), layout, mine)
         return {
             "step": start.index,
             "tier": "peers",
-            "source_rank": start.holder,
+            "source_rank": start.sources[layout.index],
             "bytes": moved,
             "total_s": time.perf_counter() - started,
             "phases": {"transfer": sent - started, "install": time.perf_counter() - sent},
@@ -179,7 +153,8 @@ class SnapshotKeeper:
 class Registration:
     """One group's side of ``register``: what its function registered, and where it starts
     (``start``: a live copy, or None to start from ``start_index``'s checkpoint).
-    ``resume(start, objects)``: the collective that loads the live copy on every rank."""
+    ``resume(start, objects)``: the collective that loads the live copies on every rank;
+    ``world``: the group's size."""
 
     def __init__(
         self,
@@ -188,9 +163,10 @@ class Registration:
         start: Optional[LiveResume],
         keeper: SnapshotKeeper,
         resume: Callable[[LiveResume, Dict[str, Any]], Dict[str, Any]],
+        world: int,
     ):
         self.run, self.start_index, self.start = run, start_index, start
-        self.keeper, self._resume = keeper, resume
+        self.keeper, self._resume, self.world = keeper, resume, world
         self.objects: Optional[Dict[str, Any]] = None
         self.restored: Optional[Dict[str, Any]] = None  # the live copy's restore record
         self.copy_s: List[float] = []  # what each report's copy took
@@ -231,7 +207,7 @@ class Registration:
         if self.objects is not None:
             started = time.perf_counter()
             at = {name: (int(epoch), int(row)) for name, (epoch, row) in positions.items()}
-            self.keeper.take(self.run, index, at, self.objects)
+            self.keeper.take(self.run, index, at, self.objects, self.world)
             self.copy_s.append(time.perf_counter() - started)
 
 

@@ -6,13 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from raytrain_ext.user_loop.registered import (
-    LiveResume,
-    Registration,
-    SnapshotKeeper,
-    install,
-    live_start,
-)
+from raytrain_ext.user_loop.registered import LiveResume, Registration, SnapshotKeeper, live_start
+from raytrain_ext.user_loop.registered_state import Layout, install
 
 
 def built(seed: int = 0):
@@ -47,7 +42,7 @@ def test_a_copy_taken_at_a_report_restores_fresh_objects_to_that_report():
     live = built()
     train(live, 3)
     keeper = SnapshotKeeper()
-    keeper.take("run", 3, {"train": (0, 24)}, live)
+    keeper.take("run", 3, {"train": (0, 24)}, live, world=2)
     kept = [t.clone() for t in keeper.latest.state["model"].values()]
     train(live, 2, start=3)
     assert all(
@@ -67,17 +62,18 @@ def test_a_copy_taken_at_a_report_restores_fresh_objects_to_that_report():
         torch.equal(a, s["exp_avg_sq"])
         for a, s in zip(moments, live["optimizer"].state.values(), strict=True)
     )
-    assert keeper.offer("run") == (3, {"train": (0, 24)}) and keeper.offer("other") == (-1, {})
+    assert keeper.offer("run") == (3, {"train": (0, 24)}, Layout(2))
+    assert keeper.offer("other") == (-1, {}, None)
 
 
 def test_the_copy_reuses_its_buffers_and_never_aliases_the_restored_objects():
     live = built()
     train(live, 1)
     keeper = SnapshotKeeper()
-    keeper.take("run", 1, {}, live)
+    keeper.take("run", 1, {}, live, world=2)
     buffers = [t.data_ptr() for t in keeper.latest.state["model"].values()]
     train(live, 1, start=1)
-    keeper.take("run", 2, {}, live)
+    keeper.take("run", 2, {}, live, world=2)
     assert [t.data_ptr() for t in keeper.latest.state["model"].values()] == buffers
     fresh = built()
     install(fresh, keeper.latest.state)
@@ -95,7 +91,7 @@ def test_a_ddp_module_is_kept_by_its_own_keys():
         objects = built()
         objects["model"] = nn.parallel.DistributedDataParallel(objects["model"])
         keeper = SnapshotKeeper()
-        keeper.take("run", 1, {}, objects)
+        keeper.take("run", 1, {}, objects, world=1)
         assert not any(k.startswith("module.") for k in keeper.latest.state["model"])
         plain = built(seed=3)
         install(plain, keeper.latest.state)
@@ -108,17 +104,30 @@ def test_a_ddp_module_is_kept_by_its_own_keys():
 
 
 def test_a_group_starts_from_the_newest_live_copy_unless_a_checkpoint_is_newer():
-    at = {"train": (1, 8)}
-    offers = [(-1, {}), (7, at), (7, at), (5, {})]
-    assert live_start(offers, committed=6) == LiveResume(7, holder=1, positions=at)
-    assert live_start(offers, committed=7) == LiveResume(7, holder=1, positions=at)
-    assert live_start(offers, committed=8) is None  # a restarted run's newer checkpoint
-    assert live_start([(-1, {}), (-1, {})], committed=0) is None  # nobody registered
-    assert live_start([(0, {}), (-1, {})], committed=0) is None  # nothing reported yet
+    at, whole = {"train": (1, 8)}, Layout(world=4)
+    offers = [(-1, {}, None), (7, at, whole), (7, at, whole), (5, {}, whole)]
+    assert live_start(offers, committed=6, world=3) == LiveResume(7, sources=(1,), positions=at)
+    assert live_start(offers, committed=7, world=5) == LiveResume(7, sources=(1,), positions=at)
+    assert live_start(offers, committed=8, world=4) is None  # a restarted run's newer checkpoint
+    assert live_start([(-1, {}, None)] * 2, committed=0, world=2) is None  # nobody registered
+    assert live_start([(0, {}, whole), (-1, {}, None)], committed=0, world=2) is None
+
+
+def test_sharded_copies_restore_only_a_group_of_their_layout_with_every_shard_held():
+    """HSDP on 4 ranks (2 replicas x 2 shards): rank 1 lost, its shard comes from rank 3;
+    FSDP on 4 ranks (4 shards): rank 1's shard died with it, so the checkpoint has it."""
+    hsdp = [Layout(4, 2, 0), Layout(4, 2, 1), Layout(4, 2, 0), Layout(4, 2, 1)]
+    offers = [(9, {}, layout) for layout in hsdp]
+    offers[1] = (-1, {}, None)
+    assert live_start(offers, committed=5, world=4).sources == (0, 3)
+    assert live_start(offers, committed=5, world=3) is None  # another size cuts other shards
+    fsdp = [(9, {}, Layout(4, 4, i)) for i in range(4)]
+    fsdp[1] = (-1, {}, None)
+    assert live_start(fsdp, committed=5, world=4) is None
 
 
 def test_register_refuses_what_it_cannot_keep_and_a_group_that_forgot_it():
-    fresh = Registration("run", 0, None, SnapshotKeeper(), resume=None)
+    fresh = Registration("run", 0, None, SnapshotKeeper(), resume=None, world=1)
     with pytest.raises(TypeError, match=r"register\(data=\.\.\.\): a int has no state_dict"):
         fresh.register({"model": nn.Linear(1, 1), "data": 3})
     with pytest.raises(ValueError, match="needs the objects to keep"):
@@ -127,7 +136,7 @@ def test_register_refuses_what_it_cannot_keep_and_a_group_that_forgot_it():
     with pytest.raises(RuntimeError, match="called twice"):
         fresh.register({"model": nn.Linear(1, 1)})
     resumed = Registration(
-        "run", 7, LiveResume(7, 1, {}), SnapshotKeeper(), resume=lambda start, objects: {}
+        "run", 7, LiveResume(7, (1,), {}), SnapshotKeeper(), lambda start, objects: {}, world=2
     )
     with pytest.raises(RuntimeError, match=r"report\(\) before register\(\): .* report 7"):
         resumed.check_registered("report()")

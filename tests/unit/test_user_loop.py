@@ -179,7 +179,7 @@ def session(tmp_path, exchange, stop=None, uploader=None):
         uploader=uploader or Uploader(),
         group_id="g2",
         datasets={},
-        registration=Registration("run", 4, None, SnapshotKeeper(), resume=None),
+        registration=Registration("run", 4, None, SnapshotKeeper(), resume=None, world=2),
     )
     return loop_session, pushed, s
 

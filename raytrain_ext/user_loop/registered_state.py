@@ -1,0 +1,124 @@
+"""The objects a user loop registers (``raytrain_ext.train.register``) and their state.
+
+What a value may be: a module (DDP-wrapped or not: kept by the module's own keys, so a copy
+loads at any world size), an optimizer, anything else with ``state_dict`` and
+``load_state_dict`` (a scheduler), or a dict of plain values restored in place.  Sharded
+state (FSDP's or HSDP's DTensors) is kept as this rank's local shards with its
+:class:`Layout`, the part of the whole they are; it loads back into a group of the same
+layout, each shard wrapped again like the tensor it replaces.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, List, Set, Tuple
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
+
+from raytrain_ext.checkpoint.state import snapshot
+from raytrain_ext.parallel.local_shards import module_state_like, optimizer_state_like
+from raytrain_ext.parallel.tree_broadcast import map_leaves
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Which part of the whole state a rank holds: part ``index`` of ``shards``, cut for a
+    group of ``world`` ranks.  Replicated state (DDP, one rank) is the one part of one,
+    which loads at any world size; sharded state only into a group of the same size
+    (the same code builds the same mesh there)."""
+
+    world: int
+    shards: int = 1
+    index: int = 0
+
+    def loads_into(self, world: int) -> bool:
+        return self.shards == 1 or self.world == world
+
+
+def _unwrapped(obj: Any) -> Any:
+    """A DDP-wrapped module's own module: its state has the same keys at any world size
+    (``prepare_model`` wraps only when the group has more than one rank)."""
+    return obj.module if isinstance(obj, nn.parallel.DistributedDataParallel) else obj
+
+
+def check_registrable(objects: Dict[str, Any]) -> None:
+    """Each value must carry a state (module doc)."""
+    if not objects:
+        raise ValueError(
+            "register() needs the objects to keep, by name: register(model=model, "
+            "optimizer=optimizer[, lr_scheduler=..., progress={'epoch': 0}])"
+        )
+    for name, obj in objects.items():
+        if not isinstance(obj, (Stateful, dict)):
+            raise TypeError(
+                f"register({name}=...): a {type(obj).__name__} has no state_dict() and "
+                "load_state_dict(); pass a module, an optimizer, a scheduler or a dict of "
+                "plain values (numbers, strings, lists) updated in place"
+            )
+
+
+def state_of(objects: Dict[str, Any]) -> Dict[str, Any]:
+    """The objects' states (references into the live objects, DTensors as they are)."""
+    return {
+        name: dict(obj) if isinstance(obj, dict) else _unwrapped(obj).state_dict()
+        for name, obj in objects.items()
+    }
+
+
+def layout_of(state: Dict[str, Any], world: int) -> Layout:
+    """The part of the whole ``state`` is on this rank: from its DTensors' mesh and
+    placements (all must share one), the mesh dimensions that shard giving the parts."""
+    found: List[DTensor] = []
+    map_leaves(state, lambda v: found.append(v) if isinstance(v, DTensor) else None)
+    if not found:
+        return Layout(world)
+    kinds: Set[Tuple[Any, ...]] = {
+        (tuple(t.device_mesh.mesh.flatten().tolist()), t.device_mesh.shape, t.placements)
+        for t in found
+    }
+    if len(kinds) > 1:
+        raise ValueError(
+            "register(): the state is sharded over more than one mesh or placement (tensor "
+            "parallelism with FSDP?); register keeps replicated state or state sharded by "
+            "FSDP/HSDP on one mesh. Save the rest with report(checkpoint=...)"
+        )
+    mesh, placements = found[0].device_mesh, found[0].placements
+    dims = [d for d, placement in enumerate(placements) if placement.is_shard()]
+    coordinate = mesh.get_coordinate()
+    if not dims or coordinate is None:
+        return Layout(world)
+    sizes = [mesh.size(d) for d in dims]
+    index = 0
+    for d, size in zip(dims, sizes, strict=True):
+        index = index * size + coordinate[d]
+    return Layout(world, math.prod(sizes), index)
+
+
+def install(objects: Dict[str, Any], state: Dict[str, Any]) -> None:
+    """Load ``state`` (a copy: each tensor is copied again, so the copy stays this
+    process's own) into the freshly built objects, local shards wrapped like the tensors
+    they replace; the same names must be registered."""
+    if set(state) != set(objects):
+        raise ValueError(
+            f"register(): this group registered {sorted(objects)}, the state it resumes "
+            f"holds {sorted(state)}; register the same objects, by the same names, in "
+            "every group of the run"
+        )
+    for name, obj in objects.items():
+        value = snapshot(state[name])
+        target = _unwrapped(obj)
+        if isinstance(obj, dict):
+            obj.clear()
+            obj.update(value)
+        elif isinstance(target, nn.Module):
+            with torch.no_grad():
+                target.load_state_dict(module_state_like(value, target.state_dict()))
+        elif isinstance(obj, torch.optim.Optimizer):
+            params = [p for group in obj.param_groups for p in group["params"]]
+            obj.load_state_dict(optimizer_state_like(value, params))
+        else:
+            obj.load_state_dict(value)
