@@ -46,7 +46,8 @@ def register(**objects: Any) -> int:
     by FSDP or HSDP (one mesh) loads into a group of the same size whose every shard a live
     process holds (HSDP: another replica's rank), else the group resumes from the
     checkpoint.  A run restarted from storage has no live copy: it resumes from
-    ``get_checkpoint`` as before, so keep reporting checkpoints for that."""
+    ``get_checkpoint`` as before, so keep reporting checkpoints for that and load them
+    before calling ``register``, whose restore of a newer live copy overwrites them."""
     return current_session("register").register(objects)
 
 

@@ -175,7 +175,8 @@ class FunctionLoop:
         this group, the same on every rank; the group starts instead at the newest report
         whose registered state a live process holds (``offers``, one per rank) when no
         committed checkpoint is newer (``registered.live_start``).  Rank 0 first removes
-        what earlier groups left beyond the starting report."""
+        what earlier groups left beyond the newest committed checkpoint (uncommitted
+        uploads never commit: every group has its own id)."""
         started = self.build_marks["restore_started_at"] = time.time()
         found: list = [None]
         if self.env.rank == 0:
@@ -183,8 +184,8 @@ class FunctionLoop:
             latest = storage.latest()
             committed = 0 if latest is None else latest.index
             live = live_start(offers, committed, self.env.world_size)
-            index = live.index if live else 0 if latest is None else latest.index
-            storage.discard_after(index)
+            index = live.index if live else committed
+            storage.discard_after(committed)  # uploads past it never commit: new group ids
             checkpoint = self.spec.resume_from if latest is None else latest.checkpoint
             record = None if latest is None else latest.positions
             positions = live.positions if live else positions_of(record)

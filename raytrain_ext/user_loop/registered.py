@@ -53,6 +53,7 @@ class Snapshot:
     positions: Positions
     layout: Layout
     state: Dict[str, Any]  # local shards, on the host
+    reusable: bool = True  # its buffers may take the next copy (a broadcast's may not: views)
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,7 @@ def live_start(offers: List[Offer], committed: int, world: int) -> Optional[Live
     held = [(rank, layout) for rank, (index, _, layout) in enumerate(offers) if index == newest]
     layouts = [layout for _, layout in held if layout is not None]
     first = layouts[0]
-    if any((layout.world, layout.shards) != (first.world, first.shards) for layout in layouts):
+    if not all(first.same_cut(layout) for layout in layouts):
         return None
     if not first.loads_into(world):
         return None
@@ -108,7 +109,10 @@ class SnapshotKeeper:
         self, run: str, index: int, positions: Positions, objects: Dict[str, Any], world: int
     ) -> None:
         """Copy the registered objects' state at report ``index`` (its buffers reused)."""
-        reuse = self.latest.state if self.latest is not None and self.latest.run == run else None
+        latest, self.latest = self.latest, None  # no offer while its buffers are rewritten
+        reuse = None
+        if latest is not None and latest.run == run and latest.reusable:
+            reuse = latest.state
         live = state_of(objects)
         layout = layout_of(live, world)
         state = snapshot(local_view(live), reuse)
@@ -139,7 +143,7 @@ class SnapshotKeeper:
         sent = time.perf_counter()
         assert mine is not None  # sources name every part, this rank's among them
         install(objects, mine)
-        self.latest = Snapshot(run, start.index, dict(start.positions), layout, mine)
+        self.latest = Snapshot(run, start.index, dict(start.positions), layout, mine, False)
         return {
             "step": start.index,
             "tier": "peers",
@@ -168,6 +172,7 @@ class Registration:
         self.run, self.start_index, self.start = run, start_index, start
         self.keeper, self._resume, self.world = keeper, resume, world
         self.objects: Optional[Dict[str, Any]] = None
+        self.resizable = False  # registered state that loads at any world size (not sharded)
         self.restored: Optional[Dict[str, Any]] = None  # the live copy's restore record
         self.copy_s: List[float] = []  # what each report's copy took
 
@@ -185,9 +190,11 @@ class Registration:
                 "the model and the optimizer and before the first report"
             )
         check_registrable(objects)
+        layout = layout_of(state_of(objects), self.world)  # refuses several meshes at once
         if self.start is not None:
             self.restored = self._resume(self.start, objects)
         self.objects = dict(objects)
+        self.resizable = not layout.sharded
         return self.start_index
 
     def check_registered(self, what: str) -> None:

@@ -28,15 +28,24 @@ from raytrain_ext.parallel.tree_broadcast import map_leaves
 class Layout:
     """Which part of the whole state a rank holds: part ``index`` of ``shards``, cut for a
     group of ``world`` ranks.  Replicated state (DDP, one rank) is the one part of one,
-    which loads at any world size; sharded state only into a group of the same size
-    (the same code builds the same mesh there)."""
+    which loads at any world size; sharded state (a ``Shard`` placement, even on a mesh
+    dimension of size 1) only into a group of the same size (the same code builds the
+    same mesh there)."""
 
     world: int
     shards: int = 1
     index: int = 0
+    sharded: bool = False
 
     def loads_into(self, world: int) -> bool:
-        return self.shards == 1 or self.world == world
+        return not self.sharded or self.world == world
+
+    def same_cut(self, other: "Layout") -> bool:
+        """Copies of one report that together make one whole (replicated copies taken at
+        different world sizes do)."""
+        if (self.sharded, self.shards) != (other.sharded, other.shards):
+            return False
+        return not self.sharded or self.world == other.world
 
 
 def _unwrapped(obj: Any) -> Any:
@@ -95,7 +104,7 @@ def layout_of(state: Dict[str, Any], world: int) -> Layout:
     index = 0
     for d, size in zip(dims, sizes, strict=True):
         index = index * size + coordinate[d]
-    return Layout(world, math.prod(sizes), index)
+    return Layout(world, math.prod(sizes), index, sharded=True)
 
 
 def install(objects: Dict[str, Any], state: Dict[str, Any]) -> None:

@@ -30,8 +30,9 @@ from raytrain_ext.user_loop.uploader import Uploader, UploadJob
 
 REPORT, RETURNED = "report", "returned"
 # a report's payload, gathered from every rank: (kind, index, has a checkpoint, the stop
-# it asks for, every dataset's position, whether its function registered its state)
-KIND, INDEX, HAS_CHECKPOINT, STOP, POSITIONS, REGISTERED = range(6)
+# it asks for, every dataset's position, whether it registered state that loads at any
+# world size: ``registered_state.Layout``)
+KIND, INDEX, HAS_CHECKPOINT, STOP, POSITIONS, RESIZABLE = range(6)
 PAUSE, PREEMPT, PREEMPT_NOW = "pause", "preempt", "preempt-now"
 
 
@@ -39,15 +40,16 @@ def stop_here(gathered: List[Tuple]) -> Optional[str]:
     """Whether the group stops at this report, and why: a pause or a preemption asked on
     any rank stops every rank at the next report that carries a checkpoint (nothing is
     then redone after the re-form), a preemption whose grace ran out at the next report.
-    A pause also stops at any report of a loop that registered its state (the grown
-    group takes it from the live processes); a loop that does neither is never paused."""
+    A pause also stops at any report of a loop that registered replicated state (the
+    grown group takes it from the live processes; sharded state would not load into it);
+    a loop that does neither is never paused."""
     asked = [g[STOP] for g in gathered if g[STOP] is not None]
     checkpointed = any(g[HAS_CHECKPOINT] for g in gathered)
     if PREEMPT_NOW in asked:
         return PREEMPT
     if asked and checkpointed:
         return asked[0]
-    if asked and set(asked) == {PAUSE} and all(g[REGISTERED] for g in gathered):
+    if asked and set(asked) == {PAUSE} and all(g[RESIZABLE] for g in gathered):
         return PAUSE
     return None
 
@@ -180,9 +182,9 @@ class LoopSession:
         started = time.time()
         staged = None if checkpoint is None else self._stage(checkpoint)
         positions = shard_positions(self._datasets)
-        registered = self.registration.registered
+        resizable = self.registration.resizable
         try:
-            payload = (REPORT, index, staged is not None, self._stop_asked(), positions, registered)
+            payload = (REPORT, index, staged is not None, self._stop_asked(), positions, resizable)
             gathered = self._exchange(payload)
             self.check_agreement(gathered, REPORT, index)
         except BaseException:

@@ -48,7 +48,10 @@ def _whole(objects: dict) -> dict:
     model, optimizer = objects["model"], objects["optimizer"]
     out = {name: p.full_tensor() for name, p in model.named_parameters()}
     for i, p in enumerate(model.parameters()):
-        out[f"exp_avg.{i}"] = optimizer.state[p]["exp_avg"].full_tensor()
+        state = optimizer.state[p]
+        out[f"exp_avg.{i}"] = state["exp_avg"].full_tensor()
+        out[f"exp_avg_sq.{i}"] = state["exp_avg_sq"].full_tensor()
+        out[f"step.{i}"] = state["step"].clone()
     return out
 
 
@@ -88,7 +91,12 @@ def _resume_after_a_lost_replica(rank: int, port: int, out_dir: str) -> None:
 def test_hsdp_shards_come_back_from_their_live_replicas(tmp_path):
     spawn_ranks(_resume_after_a_lost_replica, (free_port("127.0.0.1"), str(tmp_path)), nprocs=4)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
-    assert [r["layout"] for r in results] == [[4, 2, 0], None, [4, 2, 0], [4, 2, 1]]
+    assert [r["layout"] for r in results] == [
+        [4, 2, 0, True],
+        None,
+        [4, 2, 0, True],
+        [4, 2, 1, True],
+    ]
     assert all(r["sources"] == [0, 3] for r in results)  # shard 1 from rank 1's replica
     assert [r["source_rank"] for r in results] == [0, 3, 0, 3]
     assert all(r["equal"] for r in results)

@@ -99,8 +99,49 @@ def test_a_ddp_module_is_kept_by_its_own_keys():
             torch.equal(a, b)
             for a, b in zip(params(objects["model"].module), params(plain["model"]), strict=True)
         )
+        assert keeper.latest.layout == Layout(1) and keeper.latest.layout.loads_into(3)
+        sharded = _fsdp_on_one_rank()
+        registration = Registration("run", 0, None, SnapshotKeeper(), resume=None, world=1)
+        registration.register(sharded)
+        registration.at_report(1, {})
+        layout = registration.keeper.latest.layout
+        assert layout == Layout(1, 1, 0, sharded=True) and not layout.loads_into(2)
+        assert not registration.resizable  # a pause to grow waits for a checkpoint
     finally:
         dist.destroy_process_group()
+
+
+def _fsdp_on_one_rank() -> dict:
+    """FSDP2 on a mesh of one rank: sharded (``Shard(0)``), though into one part."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1))
+    fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+    return {"model": model, "optimizer": torch.optim.AdamW(model.parameters(), foreach=False)}
+
+
+class _BreaksOnSecondCall:
+    """A registered object whose state cannot be read the second time."""
+
+    calls = 0
+
+    def state_dict(self):
+        self.calls += 1
+        if self.calls > 1:
+            raise RuntimeError("state lost")
+        return {"w": torch.ones(3)}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def test_a_copy_that_fails_part_way_is_not_offered():
+    keeper, objects = SnapshotKeeper(), {"thing": _BreaksOnSecondCall()}
+    keeper.take("run", 1, {}, objects, world=1)
+    with pytest.raises(RuntimeError, match="state lost"):
+        keeper.take("run", 2, {}, objects, world=1)
+    assert keeper.offer("run") == (-1, {}, None)
 
 
 def test_a_group_starts_from_the_newest_live_copy_unless_a_checkpoint_is_newer():
@@ -111,17 +152,19 @@ def test_a_group_starts_from_the_newest_live_copy_unless_a_checkpoint_is_newer()
     assert live_start(offers, committed=8, world=4) is None  # a restarted run's newer checkpoint
     assert live_start([(-1, {}, None)] * 2, committed=0, world=2) is None  # nobody registered
     assert live_start([(0, {}, whole), (-1, {}, None)], committed=0, world=2) is None
+    resized = [(7, at, Layout(world=4)), (7, at, Layout(world=3))]  # a restore cut short
+    assert live_start(resized, committed=0, world=3) == LiveResume(7, (0,), at)
 
 
 def test_sharded_copies_restore_only_a_group_of_their_layout_with_every_shard_held():
     """HSDP on 4 ranks (2 replicas x 2 shards): rank 1 lost, its shard comes from rank 3;
     FSDP on 4 ranks (4 shards): rank 1's shard died with it, so the checkpoint has it."""
-    hsdp = [Layout(4, 2, 0), Layout(4, 2, 1), Layout(4, 2, 0), Layout(4, 2, 1)]
+    hsdp = [Layout(4, 2, i % 2, sharded=True) for i in range(4)]
     offers = [(9, {}, layout) for layout in hsdp]
     offers[1] = (-1, {}, None)
     assert live_start(offers, committed=5, world=4).sources == (0, 3)
     assert live_start(offers, committed=5, world=3) is None  # another size cuts other shards
-    fsdp = [(9, {}, Layout(4, 4, i)) for i in range(4)]
+    fsdp = [(9, {}, Layout(4, 4, i, sharded=True)) for i in range(4)]
     fsdp[1] = (-1, {}, None)
     assert live_start(fsdp, committed=5, world=4) is None
 
