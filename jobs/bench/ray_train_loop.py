@@ -76,7 +76,7 @@ def bench_loop(config: dict) -> None:
     blob = torch.ones(config["state_mb"] * 2**18)  # float32: state_mb MiB
     start = _restore(train.get_checkpoint(), model, optimizer)
     if config.get("register"):  # one report an epoch: the reports made are the epochs done
-        start = train.register(model=model, optimizer=optimizer, progress={"epoch": start})
+        start = train.register(model=model, optimizer=optimizer)
     every = config["every"]
     for epoch in range(start, config["epochs"]):
         begun = time.time()

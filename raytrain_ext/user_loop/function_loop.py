@@ -114,7 +114,7 @@ class FunctionLoop:
             index,
             live,
             keeper,
-            lambda start, objects: keeper.resume(run, start, objects, group),
+            lambda start, objects, layout: keeper.resume(run, start, objects, layout, group),
             self.env.world_size,
         )
         session = LoopSession(

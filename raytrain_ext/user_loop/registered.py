@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from raytrain_ext.checkpoint.state import snapshot
 from raytrain_ext.parallel.local_shards import local_view
-from raytrain_ext.parallel.tree_broadcast import broadcast_tree, map_leaves
+from raytrain_ext.parallel.tree_broadcast import broadcast_tree
 from raytrain_ext.user_loop.registered_state import (
     Layout,
     check_registrable,
@@ -106,28 +106,26 @@ class SnapshotKeeper:
         return self.latest.index, dict(self.latest.positions), self.latest.layout
 
     def take(
-        self, run: str, index: int, positions: Positions, objects: Dict[str, Any], world: int
+        self, run: str, index: int, positions: Positions, objects: Dict[str, Any], layout: Layout
     ) -> None:
-        """Copy the registered objects' state at report ``index`` (its buffers reused)."""
+        """Copy the registered objects' state at report ``index`` (its buffers reused);
+        ``layout``: the part of the whole they hold (``registered_state.layout_of``)."""
         latest, self.latest = self.latest, None  # no offer while its buffers are rewritten
         reuse = None
         if latest is not None and latest.run == run and latest.reusable:
             reuse = latest.state
-        live = state_of(objects)
-        layout = layout_of(live, world)
-        state = snapshot(local_view(live), reuse)
-        if any(t.device.type == "cuda" for t in _tensors(live)):
-            torch.cuda.synchronize()  # the copies above were queued; a restore reads them
+        state = snapshot(local_view(state_of(objects)), reuse)
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.current_stream().synchronize()  # GPU copies were queued; a restore reads them
         self.latest = Snapshot(run, index, dict(positions), layout, state)
 
     def resume(
-        self, run: str, start: LiveResume, objects: Dict[str, Any], group: Any
+        self, run: str, start: LiveResume, objects: Dict[str, Any], layout: Layout, group: Any
     ) -> Dict[str, Any]:
         """Every rank of ``group`` together: each part's holder sends its copy, every rank
-        loads its own part into ``objects`` and keeps it as its copy.  Returns the restore
-        record."""
+        loads its own part (``layout``'s) into ``objects`` and keeps it as its copy.  Returns
+        the restore record."""
         started = time.perf_counter()
-        layout = layout_of(state_of(objects), dist.get_world_size(group))
         if layout.shards != len(start.sources):
             raise ValueError(
                 f"register(): this group's state is cut in {layout.shards} parts, the copies "
@@ -157,8 +155,8 @@ class SnapshotKeeper:
 class Registration:
     """One group's side of ``register``: what its function registered, and where it starts
     (``start``: a live copy, or None to start from ``start_index``'s checkpoint).
-    ``resume(start, objects)``: the collective that loads the live copies on every rank;
-    ``world``: the group's size."""
+    ``resume(start, objects, layout)``: the collective that loads the live copies on every
+    rank; ``world``: the group's size."""
 
     def __init__(
         self,
@@ -166,19 +164,24 @@ class Registration:
         start_index: int,
         start: Optional[LiveResume],
         keeper: SnapshotKeeper,
-        resume: Callable[[LiveResume, Dict[str, Any]], Dict[str, Any]],
+        resume: Callable[[LiveResume, Dict[str, Any], Layout], Dict[str, Any]],
         world: int,
     ):
         self.run, self.start_index, self.start = run, start_index, start
         self.keeper, self._resume, self.world = keeper, resume, world
         self.objects: Optional[Dict[str, Any]] = None
-        self.resizable = False  # registered state that loads at any world size (not sharded)
+        self.layout: Optional[Layout] = None  # the part of the whole the objects hold
         self.restored: Optional[Dict[str, Any]] = None  # the live copy's restore record
         self.copy_s: List[float] = []  # what each report's copy took
 
     @property
     def registered(self) -> bool:
         return self.objects is not None
+
+    @property
+    def resizable(self) -> bool:
+        """Registered state that loads at any world size (replicated, not sharded)."""
+        return self.layout is not None and not self.layout.sharded
 
     def register(self, objects: Dict[str, Any]) -> int:
         """Keep ``objects`` from now on; load the live copy the group starts from into them
@@ -192,9 +195,8 @@ class Registration:
         check_registrable(objects)
         layout = layout_of(state_of(objects), self.world)  # refuses several meshes at once
         if self.start is not None:
-            self.restored = self._resume(self.start, objects)
-        self.objects = dict(objects)
-        self.resizable = not layout.sharded
+            self.restored = self._resume(self.start, objects, layout)
+        self.objects, self.layout = dict(objects), layout
         return self.start_index
 
     def check_registered(self, what: str) -> None:
@@ -211,17 +213,11 @@ class Registration:
     def at_report(self, index: int, positions: Dict[str, List[int]]) -> None:
         """The report was agreed by every rank (``positions``: each dataset's [epoch, row]
         there): keep a copy of the registered state."""
-        if self.objects is not None:
+        if self.objects is not None and self.layout is not None:
             started = time.perf_counter()
             at = {name: (int(epoch), int(row)) for name, (epoch, row) in positions.items()}
-            self.keeper.take(self.run, index, at, self.objects, self.world)
+            self.keeper.take(self.run, index, at, self.objects, self.layout)
             self.copy_s.append(time.perf_counter() - started)
-
-
-def _tensors(value: Any) -> List[torch.Tensor]:
-    found: List[torch.Tensor] = []
-    map_leaves(value, lambda v: found.append(v) if isinstance(v, torch.Tensor) else None)
-    return found
 
 
 _KEEPER = SnapshotKeeper()

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from raytrain_ext.user_loop.registered import SnapshotKeeper, live_start
+from raytrain_ext.user_loop.registered_state import layout_of, state_of
 from raytrain_ext.worker.dist_env import destroy_distributed
 from raytrain_ext.worker.rendezvous import free_port
 from tests.helpers.dist import init_local_rank, spawn_ranks
@@ -64,7 +65,7 @@ def _resume_after_a_lost_replica(rank: int, port: int, out_dir: str) -> None:
         objects = _hsdp_objects(mesh, seed=0)
         _train(objects, 2)
         keeper = SnapshotKeeper()
-        keeper.take("run", 2, {"train": (0, 16)}, objects, world=4)
+        keeper.take("run", 2, {"train": (0, 16)}, objects, layout_of(state_of(objects), 4))
         expected = _whole(objects)
         _train(objects, 1)  # the live objects move on; the copy stays at report 2
         if rank == 1:
@@ -73,7 +74,8 @@ def _resume_after_a_lost_replica(rank: int, port: int, out_dir: str) -> None:
         dist.all_gather_object(offers, keeper.offer("run"))
         start = live_start(offers, committed=0, world=4)
         fresh = _hsdp_objects(mesh, seed=1)
-        record = keeper.resume("run", start, fresh, group=None)
+        layout = layout_of(state_of(fresh), 4)
+        record = keeper.resume("run", start, fresh, layout, group=None)
         got = _whole(fresh)
         result = {
             "sources": list(start.sources),

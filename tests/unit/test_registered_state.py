@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from raytrain_ext.user_loop.registered import LiveResume, Registration, SnapshotKeeper, live_start
-from raytrain_ext.user_loop.registered_state import Layout, install
+from raytrain_ext.user_loop.registered_state import Layout, install, layout_of, state_of
 
 
 def built(seed: int = 0):
@@ -17,6 +17,11 @@ def built(seed: int = 0):
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
     return {"model": model, "optimizer": optimizer, "lr_scheduler": schedule, "progress": {}}
+
+
+def take(keeper: SnapshotKeeper, index: int, positions, objects, world: int) -> None:
+    """A report's copy, as ``Registration.at_report`` takes it (its layout computed once)."""
+    keeper.take("run", index, positions, objects, layout_of(state_of(objects), world))
 
 
 def train(objects, steps: int, start: int = 0) -> None:
@@ -42,7 +47,7 @@ def test_a_copy_taken_at_a_report_restores_fresh_objects_to_that_report():
     live = built()
     train(live, 3)
     keeper = SnapshotKeeper()
-    keeper.take("run", 3, {"train": (0, 24)}, live, world=2)
+    take(keeper, 3, {"train": (0, 24)}, live, world=2)
     kept = [t.clone() for t in keeper.latest.state["model"].values()]
     train(live, 2, start=3)
     assert all(
@@ -70,10 +75,10 @@ def test_the_copy_reuses_its_buffers_and_never_aliases_the_restored_objects():
     live = built()
     train(live, 1)
     keeper = SnapshotKeeper()
-    keeper.take("run", 1, {}, live, world=2)
+    take(keeper, 1, {}, live, world=2)
     buffers = [t.data_ptr() for t in keeper.latest.state["model"].values()]
     train(live, 1, start=1)
-    keeper.take("run", 2, {}, live, world=2)
+    take(keeper, 2, {}, live, world=2)
     assert [t.data_ptr() for t in keeper.latest.state["model"].values()] == buffers
     fresh = built()
     install(fresh, keeper.latest.state)
@@ -91,7 +96,7 @@ def test_a_ddp_module_is_kept_by_its_own_keys():
         objects = built()
         objects["model"] = nn.parallel.DistributedDataParallel(objects["model"])
         keeper = SnapshotKeeper()
-        keeper.take("run", 1, {}, objects, world=1)
+        take(keeper, 1, {}, objects, world=1)
         assert not any(k.startswith("module.") for k in keeper.latest.state["model"])
         plain = built(seed=3)
         install(plain, keeper.latest.state)
@@ -138,9 +143,9 @@ class _BreaksOnSecondCall:
 
 def test_a_copy_that_fails_part_way_is_not_offered():
     keeper, objects = SnapshotKeeper(), {"thing": _BreaksOnSecondCall()}
-    keeper.take("run", 1, {}, objects, world=1)
+    keeper.take("run", 1, {}, objects, Layout(1))
     with pytest.raises(RuntimeError, match="state lost"):
-        keeper.take("run", 2, {}, objects, world=1)
+        keeper.take("run", 2, {}, objects, Layout(1))
     assert keeper.offer("run") == (-1, {}, None)
 
 
