@@ -19,6 +19,7 @@ DESCRIPTION = (
 
 
 def _train(args: argparse.Namespace) -> int:
+    from raytrain_ext.checkpoint.save_failure import failed_save_alarms
     from raytrain_ext.checkpoint.tiers.base import TierError
     from raytrain_ext.config import ConfigError, load_config
     from raytrain_ext.elastic.controller import TrainingFailed
@@ -72,6 +73,8 @@ def _train(args: argparse.Namespace) -> int:
             f"so the run's {trainer.run_dir / 'summary.json'} keeps the earlier attempt's):"
         )
     print(json.dumps(shown, indent=2))
+    for alarm in failed_save_alarms(summary["checkpoint"]):
+        print(alarm, file=sys.stderr)
     return 0
 
 

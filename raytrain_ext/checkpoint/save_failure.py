@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, List, Mapping, Optional
 
 import torch
 
@@ -60,6 +60,22 @@ def save_failure_text(
             f"{next_} Free space there, or point {key} at a larger disk."
         )
     return f"checkpoint of step {step} failed: {one_line(error)}. {next_}"
+
+
+def failed_save_alarms(stats: Optional[Mapping[str, Any]]) -> List[str]:
+    """A run's failed saves (rank 0's checkpoint stats), one ``ALARM:`` line each, for the
+    driver to print when the run ends.
+
+    Why: rank 0 logs each failure as it happens, but that line reaches the console through
+    Ray's log forwarding, which holds back a line repeated but for its numbers (the next
+    save to the same full disk) and loses what is still in flight when a private Ray shuts
+    down (the final save's).  The driver's own lines are neither."""
+    return [
+        f"ALARM: step {f['step']} not committed to tier {f['tier']}: {f['error']}"
+        if "tier" in f
+        else f"ALARM: {f['error']}"
+        for f in (stats or {}).get("failed", [])
+    ]
 
 
 def _says_disk_full(error: BaseException) -> bool:
