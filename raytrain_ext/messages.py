@@ -73,6 +73,10 @@ class StepReport:
     first_of_group: bool = False
     restored: Optional[Dict[str, Any]] = None
     start_marks: Optional[Dict[str, float]] = None
+    # a report a dead rank 0 made that the controller may not have read, handed over again
+    # by the next group's rank 0 (``user_loop.report_log``): kept only when it is newer
+    # than the controller's newest record
+    replayed: bool = False
 
     def to_record(self, **extra: Any) -> Dict[str, Any]:
         """The flat record the sinks write (``metrics.jsonl``, TensorBoard, the summary):
@@ -106,6 +110,8 @@ class StepReport:
             record["restored"] = self.restored
         if self.start_marks is not None:
             record["start_marks"] = self.start_marks
+        if self.replayed:
+            record["replayed"] = True
         return {**record, **extra}
 
 

@@ -15,6 +15,9 @@ holds when no committed checkpoint is newer.
 from __future__ import annotations
 
 import datetime
+import os
+import shutil
+import tempfile
 import time
 import traceback
 import uuid
@@ -28,6 +31,7 @@ from raytrain_ext.errors.text import is_peer_loss
 from raytrain_ext.messages import FitResult, StepReport
 from raytrain_ext.user_loop.checkpoint import Checkpoint
 from raytrain_ext.user_loop.dataset_shard import DatasetShard, positions_of
+from raytrain_ext.user_loop.held_reports import HeldReport, HeldReports
 from raytrain_ext.user_loop.loop_function import LoopFunction
 from raytrain_ext.user_loop.registered import (
     LiveResume,
@@ -36,6 +40,7 @@ from raytrain_ext.user_loop.registered import (
     live_start,
     process_snapshots,
 )
+from raytrain_ext.user_loop.report_log import LoggedReport, merged, process_report_log
 from raytrain_ext.user_loop.session import (
     PAUSE,
     PREEMPT,
@@ -91,6 +96,9 @@ class FunctionLoop:
         self.restored: Optional[Dict[str, Any]] = None
         self.registration: Optional[Registration] = None
         self._first = True
+        # the run's memory tier, which holds each reported checkpoint (``held_reports``)
+        memory = cfg.checkpoint.memory
+        self.held = HeldReports(cfg.run.name, cfg.checkpoint.keep_in_memory) if memory else None
 
     def live_state(self) -> None:
         return None
@@ -102,12 +110,19 @@ class FunctionLoop:
         timeout = datetime.timedelta(seconds=self.cfg.parallel.timeout_s)
         group = dist.new_group(backend="gloo", timeout=timeout)
         uploader = process_uploader()
-        # a survivor's uploads of the last group land first, every rank's before rank 0
-        # reads the newest (bounded: well within the group's collective timeout)
-        uploader.drain(self.cfg.parallel.timeout_s / 4)
+        # a survivor's memory copies (without a memory tier: its uploads) of the last group
+        # land first, every rank's before rank 0 reads the newest (bounded: well within the
+        # group's collective timeout)
+        drain = uploader.drain if self.held is None else uploader.drain_holds
+        drain(self.cfg.parallel.timeout_s / 4)
         keeper, run = process_snapshots(), self.spec.storage.root
-        offers = [o for _, o in self._all_gather(("drained", keeper.offer(run)), group)]
+        logged = process_report_log().reports(run)
+        gathered = self._all_gather((keeper.offer(run), logged), group)
+        offers = [offer for offer, _ in gathered]
         index, checkpoint, group_id, positions, live = self._starting_point(group, offers)
+        if self.env.rank == 0:  # what a dead rank 0 reported that the records may lack
+            for report in merged([log for _, log in gathered], through=index):
+                self._push_report(report, replayed=True)
         uploader.start_group(group_id)
         self.registration = Registration(
             run,
@@ -128,6 +143,7 @@ class FunctionLoop:
             group_id=group_id,
             datasets=self._dataset_shards(group_id, positions),
             registration=self.registration,
+            held=self.held,
         )
         set_session(session)
         self._mark("compute")
@@ -170,32 +186,61 @@ class FunctionLoop:
     def _starting_point(
         self, group, offers: List[Offer]
     ) -> Tuple[int, Optional[Checkpoint], str, Positions, Optional[LiveResume]]:
-        """Rank 0's newest committed checkpoint (index 0 and ``resume_from_checkpoint``
-        when the run has none), the dataset positions committed with it, and a new id for
-        this group, the same on every rank; the group starts instead at the newest report
-        whose registered state a live process holds (``offers``, one per rank) when no
-        committed checkpoint is newer (``registered.live_start``).  Rank 0 first removes
-        what earlier groups left beyond the newest committed checkpoint (uncommitted
-        uploads never commit: every group has its own id)."""
+        """Where this group starts, the same on every rank: the newest committed checkpoint
+        (index 0 and ``resume_from_checkpoint`` when the run has none) or the newest report
+        the memory tier holds when it is newer (``held_reports``), the dataset positions
+        recorded with it, and a new id for this group; the group starts instead at the
+        newest report whose registered state a live process holds (``offers``, one per
+        rank) when neither is newer (``registered.live_start``).  Rank 0 first removes what
+        earlier groups left beyond the newest committed checkpoint (uncommitted uploads
+        never commit: every group has its own id) and beyond where the group starts in
+        memory."""
         started = self.build_marks["restore_started_at"] = time.time()
         found: list = [None]
         if self.env.rank == 0:
-            storage = self.spec.storage
-            latest = storage.latest()
-            committed = 0 if latest is None else latest.index
-            live = live_start(offers, committed, self.env.world_size)
-            index = live.index if live else committed
-            storage.discard_after(committed)  # uploads past it never commit: new group ids
-            checkpoint = self.spec.resume_from if latest is None else latest.checkpoint
-            record = None if latest is None else latest.positions
-            positions = live.positions if live else positions_of(record)
-            found = [(index, checkpoint, uuid.uuid4().hex[:12], positions, live)]
+            found = [self._choose_start(offers)]
         dist.broadcast_object_list(found, src=0, group=group)
-        index, checkpoint, group_id, positions, live = found[0]
+        index, checkpoint, group_id, positions, live, held = found[0]
+        tier = "storage"
+        if held is not None and self.held is not None:  # chosen only with a memory tier
+            checkpoint, tier = self._materialize(self.held, held), "memory"
         self.build_marks["restored_at"] = time.time()
         if index and live is None:
-            self.restored = {"step": index, "tier": "storage", "total_s": time.time() - started}
+            self.restored = {"step": index, "tier": tier, "total_s": time.time() - started}
         return index, checkpoint, group_id, positions, live
+
+    def _choose_start(self, offers: List[Offer]) -> Tuple:
+        """Rank 0's part of ``_starting_point``: (index, checkpoint, group id, positions,
+        live resume, held report)."""
+        storage = self.spec.storage
+        latest = storage.latest()
+        committed = 0 if latest is None else latest.index
+        held = None if self.held is None else self.held.newest()
+        if held is not None and held.index <= committed:
+            held = None
+        newest = committed if held is None else held.index
+        live = live_start(offers, newest, self.env.world_size)
+        storage.discard_after(committed)  # uploads past it never commit: new group ids
+        checkpoint = self.spec.resume_from if latest is None else latest.checkpoint
+        positions = positions_of(None if latest is None else latest.positions)
+        if live is not None:
+            index, positions, held = live.index, live.positions, None
+        elif held is not None:
+            index, positions = held.index, positions_of(held.positions)
+        else:
+            index = committed
+        if self.held is not None:
+            self.held.discard_after(index)
+        return index, checkpoint, uuid.uuid4().hex[:12], positions, live, held
+
+    def _materialize(self, held_reports: HeldReports, held: HeldReport) -> Checkpoint:
+        """The held report's files in this process's directory for them (the one an earlier
+        group took is replaced)."""
+        target = os.path.join(
+            tempfile.gettempdir(), f"raytrain-ext-{self.cfg.run.name}-held-{os.getpid()}"
+        )
+        shutil.rmtree(target, ignore_errors=True)
+        return held_reports.materialize(held, target)
 
     def _dataset_shards(self, group_id: str, positions: Positions) -> Dict[str, DatasetShard]:
         """This rank's shard of each dataset, read from the run's reader of it
@@ -241,18 +286,25 @@ class FunctionLoop:
         return PREEMPT_NOW if deadline is not None and time.time() >= deadline else PREEMPT
 
     def _push(self, index: int, metrics: Dict[str, Any], interval_s: float) -> None:
-        loss = metrics.get("loss")
+        self._push_report(LoggedReport(index, time.time(), interval_s, metrics))
+
+    def _push_report(self, logged: LoggedReport, replayed: bool = False) -> None:
+        """Hand a report to the controller's records (``replayed``: one made by an earlier
+        group's rank 0, ``report_log``)."""
+        loss = logged.metrics.get("loss")
+        first = self._first and not replayed
         report = StepReport(
-            step=index,
-            time=time.time(),
-            step_time_s=interval_s,
+            step=logged.index,
+            time=logged.time,
+            step_time_s=logged.interval_s,
             loss=float(loss) if isinstance(loss, (int, float)) else float("nan"),
             world_size=self.env.world_size,
-            metrics={"reported": metrics},
-            first_of_group=self._first,
-            restored=self._restore_record() if self._first else None,
+            metrics={"reported": logged.metrics},
+            first_of_group=first,
+            restored=self._restore_record() if first else None,
+            replayed=replayed,
         )
-        self._first = False
+        self._first = self._first and replayed
         self._report(report)
 
     def _restore_record(self) -> Optional[Dict[str, Any]]:

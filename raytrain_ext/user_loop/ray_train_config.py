@@ -14,6 +14,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
+import pyarrow.fs as pafs
+
 from raytrain_ext.errors import ConfigError
 from raytrain_ext.user_loop.storage import Retention
 
@@ -134,7 +136,9 @@ def overrides_for(
         "run.output_dir": output_dir,
         "run.max_steps": NO_STEP_LIMIT,
         "checkpoint.enabled": True,
-        "checkpoint.memory": False,
+        # each reported checkpoint is also held in memory (``held_reports``) where that beats
+        # storage after a fault: storage is remote, or a node may be lost (>1 node: null)
+        "checkpoint.memory": True if remote_storage(run) else None,
         "checkpoint.dir": os.path.join(output_dir, name, "unused-builtin-checkpoints"),
     }
     if parallel_timeout_s is not None:
@@ -156,6 +160,15 @@ def run_name(run: Any) -> str:
     if run.name:
         return str(run.name)
     return "TorchTrainer_" + datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+
+
+def remote_storage(run: Any) -> bool:
+    """Whether the run's checkpoints persist anywhere but the local filesystem (a URI, or
+    a ``storage_filesystem`` of another kind)."""
+    filesystem = run.storage_filesystem
+    if filesystem is not None:
+        return not isinstance(filesystem, pafs.LocalFileSystem)
+    return "://" in storage_path_of(run)
 
 
 def storage_path_of(run: Any) -> str:

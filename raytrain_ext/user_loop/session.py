@@ -23,7 +23,9 @@ import torch
 
 from raytrain_ext.user_loop.checkpoint import Checkpoint
 from raytrain_ext.user_loop.dataset_shard import DatasetShard, shard_positions
+from raytrain_ext.user_loop.held_reports import HeldReports
 from raytrain_ext.user_loop.registered import Registration
+from raytrain_ext.user_loop.report_log import LoggedReport, process_report_log
 from raytrain_ext.user_loop.staging import Staged, stage
 from raytrain_ext.user_loop.storage import RunStorage
 from raytrain_ext.user_loop.uploader import Uploader, UploadJob
@@ -31,8 +33,9 @@ from raytrain_ext.user_loop.uploader import Uploader, UploadJob
 REPORT, RETURNED = "report", "returned"
 # a report's payload, gathered from every rank: (kind, index, has a checkpoint, the stop
 # it asks for, every dataset's position, whether it registered state that loads at any
-# world size: ``registered_state.Layout``)
-KIND, INDEX, HAS_CHECKPOINT, STOP, POSITIONS, RESIZABLE = range(6)
+# world size: ``registered_state.Layout``, and on rank 0 the report as the run's records
+# take it: a ``report_log.LoggedReport``)
+KIND, INDEX, HAS_CHECKPOINT, STOP, POSITIONS, RESIZABLE, LOGGED = range(7)
 PAUSE, PREEMPT, PREEMPT_NOW = "pause", "preempt", "preempt-now"
 
 
@@ -162,6 +165,7 @@ class LoopSession:
         group_id: str,
         datasets: Dict[str, DatasetShard],
         registration: Registration,
+        held: Optional[HeldReports] = None,
     ):
         self.context = context
         self.index = start_index
@@ -170,6 +174,8 @@ class LoopSession:
         self._uploader, self._group_id = uploader, group_id
         self._datasets = datasets
         self.registration = registration
+        self._held = held  # the run's memory tier: each reported checkpoint goes there first
+        self._log, self._run = process_report_log(), context.storage.root
         self._last = time.time()
         self.blocked_s: List[float] = []  # what each report with a checkpoint blocked for
 
@@ -183,37 +189,42 @@ class LoopSession:
         staged = None if checkpoint is None else self._stage(checkpoint)
         positions = shard_positions(self._datasets)
         resizable = self.registration.resizable
+        now = time.time()
+        logged = LoggedReport(index, now, now - self._last, plain)
+        mine = logged if self.context.world_rank == 0 else None
         try:
             payload = (REPORT, index, staged is not None, self._stop_asked(), positions, resizable)
-            gathered = self._exchange(payload)
+            gathered = self._exchange((*payload, mine))
             self.check_agreement(gathered, REPORT, index)
         except BaseException:
             if staged is not None:  # never queued: nobody else removes it
                 shutil.rmtree(staged.directory, ignore_errors=True)
             raise
         self.index = index
+        self._log.add(self._run, gathered[0][LOGGED])
         self.registration.at_report(index, positions)
         rank = self.context.world_rank
         uploading = [r for r, g in enumerate(gathered) if g[HAS_CHECKPOINT]]
         commit = uploading if rank == 0 else []
         if staged is not None or commit:
+            storage, group = self.context.storage, self._group_id
             job = UploadJob(
-                self.context.storage, index, rank, self._group_id, staged, commit, plain, positions
+                storage, index, rank, group, staged, commit, plain, positions, self._held
             )
             self._uploader.submit(job)
         if staged is not None:
             self.blocked_s.append(time.time() - started)
-        now = time.time()
-        self._push(index, plain, now - self._last)
+        self._push(index, plain, logged.interval_s)
         self._last = now
         stop_now = stop_here(gathered)
         if stop_now is not None:
             raise StopAtBoundary(index, stop_now)
 
     def get_checkpoint(self) -> Optional[Checkpoint]:
-        """The newest committed checkpoint when this group started (or the trainer's
-        ``resume_from_checkpoint`` before any), the same on every rank; None for a fresh
-        run."""
+        """The newest reported checkpoint when this group started, the same on every rank:
+        the newest committed one in storage, or a newer one the memory tier holds (then a
+        local copy of its files); the trainer's ``resume_from_checkpoint`` before any; None
+        for a fresh run."""
         return self._checkpoint
 
     def get_dataset_shard(self, name: str) -> DatasetShard:
@@ -231,7 +242,7 @@ class LoopSession:
     def finish(self) -> None:
         """The function returned: agree that every rank did, at the same report."""
         self.registration.check_registered("the function returned")
-        gathered = self._exchange((RETURNED, self.index, False, None, {}, False))
+        gathered = self._exchange((RETURNED, self.index, False, None, {}, False, None))
         self.check_agreement(gathered, RETURNED, self.index)
 
     def check_agreement(self, gathered: List[Tuple], kind: str, index: int) -> None:

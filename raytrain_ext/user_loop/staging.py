@@ -28,10 +28,11 @@ class RewrittenDuringUpload(RuntimeError):
 
 @dataclass(frozen=True)
 class Staged:
-    """``directory``: the private copy; ``stamps``: each hard-linked file (relative path)
-    as it was when reported."""
+    """``directory``: the private copy; ``names``: every file in it (relative paths);
+    ``stamps``: each hard-linked file as it was when reported."""
 
     directory: str
+    names: Tuple[str, ...]
     stamps: Dict[str, Stamp]
 
 
@@ -44,6 +45,7 @@ def stage(directory: str, run_name: str) -> Staged:
     """``directory``'s files in a new private directory, linked where possible."""
     root = tempfile.mkdtemp(prefix=f"raytrain-ext-{run_name}-report-")
     stamps: Dict[str, Stamp] = {}
+    names = []
     try:
         for here, _, files in os.walk(directory):
             relative = os.path.relpath(here, directory)
@@ -51,12 +53,13 @@ def stage(directory: str, run_name: str) -> Staged:
             for name in files:
                 source = os.path.join(here, name)
                 target = os.path.normpath(os.path.join(root, relative, name))
+                names.append(os.path.relpath(target, root))
                 if _link_or_copy(source, target):
-                    stamps[os.path.relpath(target, root)] = _stamp(target)
+                    stamps[names[-1]] = _stamp(target)
     except BaseException:
         shutil.rmtree(root, ignore_errors=True)
         raise
-    return Staged(root, stamps)
+    return Staged(root, tuple(names), stamps)
 
 
 def _link_or_copy(source: str, target: str) -> bool:

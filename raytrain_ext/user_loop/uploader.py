@@ -1,14 +1,19 @@
 """Reported checkpoints persisted off the training thread: one uploader per process.
 
 ``report`` only stages the user's directory (``staging``: hard links, as the directory may
-be deleted as soon as ``report`` returns) and queues it here; this thread uploads it,
+be deleted as soon as ``report`` returns) and queues it here.  Two threads take each job in
+turn.  The first holds the files in the run's memory tier when it has one
+(``held_reports``: a memory copy on this node and another, and on rank 0 the report's
+record), so a re-formed group can resume from it at once.  The second uploads them,
 writes the rank's marker, and, on rank 0, commits the report once every uploading rank's
 marker of this group landed (``storage.RunStorage.commit``: it gives up at once on a
-failed upload or when a new group starts), then applies retention.  Jobs run in order,
-so a commit never overtakes its own rank's upload.  The uploader outlives a group: at a
-new group's start every rank waits a bounded time for what it queued (``drain``) before
-rank 0 reads the newest committed checkpoint.  A failed upload is logged and listed in
-``failures``; its report is never committed.
+failed upload or when a new group starts), then applies retention; it removes the staged
+files.  Jobs run in order in each thread, so a commit never overtakes its own rank's
+upload, and a slow upload never holds back the next report's memory copy.  The uploader
+outlives a group: at a new group's start every rank waits a bounded time for what it
+queued (``drain``, or only the memory copies with ``drain_holds``) before rank 0 reads the
+newest checkpoint.  A failed upload is logged and listed in ``failures``; its report is
+never committed.
 """
 
 from __future__ import annotations
@@ -17,9 +22,11 @@ import logging
 import queue
 import shutil
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
+from raytrain_ext.user_loop.held_reports import HeldReport, HeldReports
 from raytrain_ext.user_loop.staging import Staged, check_unchanged
 from raytrain_ext.user_loop.storage import RunStorage
 
@@ -31,7 +38,8 @@ COMMIT_TIMEOUT_S = 600.0  # how long rank 0 waits for the other ranks' uploads
 @dataclass(frozen=True)
 class UploadJob:
     """Report ``index``: this rank's staged files (None: it passed no checkpoint) and, on
-    rank 0, the commit of the ranks in ``commit_ranks`` (empty: no commit to make)."""
+    rank 0, the commit of the ranks in ``commit_ranks`` (empty: no commit to make);
+    ``held``: the run's memory tier, which takes the files first (None: it has none)."""
 
     storage: RunStorage
     index: int
@@ -41,15 +49,17 @@ class UploadJob:
     commit_ranks: Sequence[int] = ()
     metrics: Dict[str, Any] = field(default_factory=dict)
     positions: Dict[str, List[int]] = field(default_factory=dict)  # of each dataset shard
+    held: Optional[HeldReports] = None
 
 
 class Uploader:
     def __init__(self) -> None:
+        self._holds: "queue.Queue[UploadJob]" = queue.Queue()
         self._jobs: "queue.Queue[UploadJob]" = queue.Queue()
         self.failures: List[str] = []
         self.group: Optional[str] = None  # the current group: older commits are abandoned
-        self._thread = threading.Thread(target=self._run, name="ckpt-upload", daemon=True)
-        self._thread.start()
+        for target, name in ((self._hold_all, "ckpt-hold"), (self._run, "ckpt-upload")):
+            threading.Thread(target=target, name=name, daemon=True).start()
 
     def start_group(self, group: str) -> None:
         """A new group formed: a commit of an earlier group still waiting gives up (its
@@ -57,15 +67,28 @@ class Uploader:
         self.group = group
 
     def submit(self, job: UploadJob) -> None:
-        self._jobs.put(job)
+        self._holds.put(job)
 
     def drain(self, timeout_s: float) -> bool:
-        """Wait until every queued job is done; False when ``timeout_s`` passed first.
-        (``Queue.join`` with a timeout: the queue's own condition, no waiting thread left
-        behind when it times out.)"""
-        jobs = self._jobs
-        with jobs.all_tasks_done:
-            return jobs.all_tasks_done.wait_for(lambda: jobs.unfinished_tasks == 0, timeout_s)
+        """Wait until every queued job is done; False when ``timeout_s`` passed first."""
+        deadline = time.monotonic() + timeout_s
+        return self.drain_holds(timeout_s) and _join(self._jobs, deadline - time.monotonic())
+
+    def drain_holds(self, timeout_s: float) -> bool:
+        """Wait until every queued job's memory copy is done (its upload may go on)."""
+        return _join(self._holds, timeout_s)
+
+    def _hold_all(self) -> None:
+        while True:
+            job = self._holds.get()
+            try:
+                if job.held is not None:
+                    _hold(job, job.held)
+            except Exception as e:  # a holder's node lost mid-copy: the upload goes on
+                log.warning("checkpoint of report %d not held in memory: %s", job.index, e)
+            finally:
+                self._jobs.put(job)  # before task_done: a drain never sees it nowhere
+                self._holds.task_done()
 
     def _run(self) -> None:
         while True:
@@ -81,6 +104,8 @@ class Uploader:
                 self._jobs.task_done()
 
     def _do(self, job: UploadJob) -> None:
+        if self.group is not None and job.group != self.group:
+            return  # an earlier group's report: it can no longer commit
         staged = job.staged
         if staged is not None:
             job.storage.upload(
@@ -105,6 +130,26 @@ class Uploader:
             job.storage.prune()
         else:
             self.failures.append(f"report {job.index}: not every rank's upload landed")
+
+
+def _hold(job: UploadJob, held: HeldReports) -> None:
+    """This rank's files of the report into memory, and on rank 0 the report's record,
+    then retention (rank 0)."""
+    if job.commit_ranks:
+        held.record(
+            HeldReport(job.index, job.group, tuple(job.commit_ranks), job.metrics, job.positions)
+        )
+    if job.staged is not None:
+        held.hold(job.index, job.group, job.rank, job.staged)
+    if job.commit_ranks:
+        held.retain()
+
+
+def _join(jobs: "queue.Queue[UploadJob]", timeout_s: float) -> bool:
+    """``Queue.join`` with a timeout (the queue's own condition, no waiting thread left
+    behind when it times out); False when ``timeout_s`` passed first."""
+    with jobs.all_tasks_done:
+        return jobs.all_tasks_done.wait_for(lambda: jobs.unfinished_tasks == 0, max(0.0, timeout_s))
 
 
 _PROCESS_UPLOADER: Optional[Uploader] = None

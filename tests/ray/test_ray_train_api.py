@@ -232,10 +232,70 @@ def test_a_registered_loop_heals_from_its_live_peer_with_nothing_redone(ray_loca
     (recovery,) = result.summary["recoveries"]
     assert recovery["decision"] == "replace" and recovery["restored_from"] == "peers"
     assert recovery["steps_redone"] == 0
+    replayed = [r["step"] for r in run.controller.result.records if r.get("replayed")]
+    assert all(step <= recovery["restored_step"] for step in replayed)  # here: [1, 2, 3]
     assert [m["epoch"] for m in result.metrics_history] == list(range(config["epochs"]))
     assert {w["rank"]: w["pid"] for w in result.summary["workers"]}[0] == workers[0]
     assert result.metrics["loss"] == reference.metrics["loss"]
     assert [m["loss"] for m in result.metrics_history] == [
         m["loss"] for m in reference.metrics_history
     ]
+    assert_nothing_left()
+
+
+@pytest.mark.slow
+@pytest.mark.chaos
+def test_a_report_held_in_memory_is_resumed_from_while_its_upload_is_still_on_its_way(
+    ray_local, tmp_path
+):
+    """Storage (an fsspec store passed as ``storage_filesystem``, so the memory tier is on)
+    takes 120 s to take report 3, as a large checkpoint on its way to a remote store would.
+    Rank 0, the only rank that saves, is SIGKILLed from outside once report 3 is held in
+    memory (at once: the controller may not have read its last reports yet).  The next
+    group resumes from the newest held report without waiting for any upload: the restore
+    record names the memory tier, every epoch is in the history once (those rank 0
+    reported before it died included), report 3 never reached storage, and the Result
+    names the newest persisted checkpoint."""
+    import raytrain_ext.train as train
+    from raytrain_ext.train.torch import TorchTrainer
+    from raytrain_ext.user_loop.held_reports import HeldReports
+    from tests.helpers.slow_storage import slow_storage
+
+    run = TorchTrainer(
+        quickstart_loop,
+        train_loop_config={"api": OURS, "epochs": 6, "checkpoint_every": 1, "step_sleep_s": 0.02},
+        scaling_config=train.ScalingConfig(num_workers=2),
+        run_config=train.RunConfig(
+            name="held",
+            storage_path=str(tmp_path / "storage"),
+            storage_filesystem=slow_storage(3, delay_s=120.0),
+            failure_config=train.FailureConfig(max_failures=1),
+        ),
+    )
+    held = HeldReports("held", keep=2)
+
+    def held_through_3() -> bool:
+        try:
+            newest = held.newest()
+        except ValueError:  # the run's memory tier is not started yet
+            return False
+        return newest is not None and newest.index >= 3
+
+    with FitThread(run) as thread:
+        wait_until(held_through_3, "report 3 held in memory")
+        workers = {w["rank"]: w["pid"] for w in run.controller.result.workers}
+        os.kill(workers[0], signal.SIGKILL)
+        result = thread.join(timeout_s=100)  # well before report 3's upload could end
+    assert not isinstance(result, Exception), result
+    (recovery,) = result.summary["recoveries"]
+    assert recovery["restored_from"] == "memory" and recovery["restored_step"] >= 3
+    assert recovery["steps_redone"] == 0
+    replayed = [r["step"] for r in run.controller.result.records if r.get("replayed")]
+    assert all(step <= recovery["restored_step"] for step in replayed)  # here: [1, 2, 3]
+    epochs = [m["epoch"] for m in result.metrics_history]
+    assert epochs == list(range(6)), epochs  # none redone, none lost with rank 0's process
+    assert {w["rank"]: w["pid"] for w in result.summary["workers"]}[1] == workers[1]
+    persisted = sorted(p.name for p in (tmp_path / "storage" / "held").glob("checkpoint_*"))
+    assert "checkpoint_000003" not in persisted, persisted
+    assert result.checkpoint.path.endswith("checkpoint_000006")
     assert_nothing_left()

@@ -119,6 +119,8 @@ class FakeGroup:
         self.preempted_at: Optional[int] = None
         self.fault: Optional[Fault] = None
         self.start_marks: Dict[str, float] = {}  # set by each start and reform
+        # attempt -> the steps its rank 0 hands over again before its first (``replayed``)
+        self.replays: Dict[int, List[int]] = {}
 
     @property
     def world_size(self) -> int:
@@ -159,6 +161,10 @@ class FakeGroup:
         self.stopping, self.preempted_at = False, None
         self.pausing, self.paused_at = False, None
         self.fault = next((f for f in self.faults if f.attempt == attempt), None)
+        self.pending += [
+            StepReport(step=step, time=self.clock(), step_time_s=0.0, loss=1.0, replayed=True)
+            for step in self.replays.get(attempt, [])
+        ]
 
     def wait_fit(self, timeout_s):
         self.clock.sleep(timeout_s)
@@ -398,6 +404,25 @@ def test_failure_with_survivors_reforms_in_place():
     assert recovery["restored_step"] == 3 and recovery["steps_redone"] == 0
     starts = [c for c in run.group.calls if c[0] in ("start", "reform", "shutdown")]
     assert starts == [("start", 2), ("reform", [0], 2), ("shutdown",)]  # no restart between
+
+
+def test_reports_a_dead_rank_0_made_unread_are_recorded_once_when_handed_over_again():
+    """Rank 0 dies after step 5, its report of step 5 never read; the new group resumes
+    from the survivor's state at step 5, and its rank 0 hands steps 3-5 over again before
+    its first: 3 and 4 were recorded already and are dropped, 5 is recorded, once."""
+    run = make_run(
+        {"n1": 1, "n2": 1},
+        ["elastic.max_failures=1"],
+        faults=[Fault(0, 5, rank=0, error=WorkerDied("gone"))],
+    )
+    run.group.evidence = Evidence(2, healthy=[1], fates={0: Fate.PROCESS_DIED})
+    run.group.at_step[5] = lambda: run.group.pending.clear()  # died with rank 0's process
+    run.group.replays[1] = [3, 4, 5]
+    result = run.controller.run()
+    assert run.steps() == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert [r["step"] for r in result.records if r.get("replayed")] == [5]
+    (recovery,) = result.recoveries
+    assert recovery["restored_step"] == 5 and recovery["steps_redone"] == 0
 
 
 def test_node_loss_with_survivors_shrinks_in_place_then_grows_back_in_place():

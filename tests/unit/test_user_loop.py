@@ -24,6 +24,7 @@ from raytrain_ext.user_loop.ray_train_config import (
     worker_counts,
 )
 from raytrain_ext.user_loop.registered import Registration, SnapshotKeeper
+from raytrain_ext.user_loop.report_log import KEPT, LoggedReport, ReportLog, merged
 from raytrain_ext.user_loop.session import (
     LoopSession,
     ReportMismatch,
@@ -360,3 +361,19 @@ def test_a_read_that_breaks_once_is_tried_again_and_a_missing_file_is_not(tmp_pa
     assert s.latest().metrics == {"loss": 1.0}
     assert handler.broken  # the marker and the commit record each broke once
     assert s._read(str(tmp_path / "run" / "absent")) is None
+
+
+def test_the_report_log_keeps_the_newest_reports_and_merges_the_latest_of_each_index():
+    """A process keeps the newest KEPT reports of a run; merging every rank's logs takes
+    for each index the report made last (a group that rewound made it again) and none past
+    where the next group starts."""
+    log = ReportLog()
+    for index in range(1, KEPT + 6):
+        log.add("run", LoggedReport(index, time=float(index), interval_s=1.0))
+    log.add("other", LoggedReport(1, time=0.0, interval_s=1.0))
+    assert [r.index for r in log.reports("run")] == list(range(6, KEPT + 6))
+    first_run = [LoggedReport(i, float(i), 1.0, {"loss": 1.0}) for i in (3, 4, 5)]
+    rewound = [LoggedReport(i, 10.0 + i, 1.0, {"loss": 2.0}) for i in (4, 5)]
+    joined_later: list = []
+    found = merged([first_run, first_run[:2] + rewound, joined_later], through=4)
+    assert [(r.index, r.metrics["loss"]) for r in found] == [(3, 1.0), (4, 2.0)]

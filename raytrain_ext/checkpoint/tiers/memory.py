@@ -260,26 +260,42 @@ class MemoryTier(Tier):
         return (local if local in found else None), found
 
     def upload(self, step: int, src_dir: Path, names: List[str]) -> None:
-        """Have this node's holder read each file, and a holder on another node copy it.
+        self.hold_files(step, {name: src_dir / name for name in names})
+
+    def hold_files(self, step: int, files: Dict[str, Path]) -> None:
+        """Hold each file (name -> its path on this node) under the step: this node's holder
+        reads it, and a holder on another node copies it.
 
         Without a holder on this node (it joined after the tier started) the
         writer puts the bytes itself and every holder copies them.
         """
         local, holders = self._holders()
         pending = []
-        for name in names:
+        for name, path in files.items():
             if local is not None:
-                wrapped = holders[local].hold_file.remote(step, name, str(src_dir / name))
+                wrapped = holders[local].hold_file.remote(step, name, str(path))
                 replicas = [h for key, h in holders.items() if key != local]
                 pending += [wrapped] + [h.hold.remote(step, name, wrapped) for h in replicas]
             else:
-                wrapped = [ray.put(file_bytes(src_dir / name))]
+                wrapped = [ray.put(file_bytes(path))]
                 pending += [h.hold.remote(step, name, wrapped) for h in holders.values()]
             pending.append(self.registry.add_locations.remote(step, name, list(holders)))
         ray.get(pending)
 
+    def mark(self, step: int, name: str) -> None:
+        """List ``name`` under the step with no file held (a marker its reader looks for)."""
+        ray.get(self.registry.add_locations.remote(step, name, []))
+
+    def where(self, step: int) -> Dict[str, List[str]]:
+        """Each file held under the step, with the holders listed for it."""
+        return ray.get(self.registry.where.remote(step))
+
     def commit(self, manifest: Manifest) -> None:
-        ray.get(self.registry.commit.remote(manifest.step, manifest.to_json()))
+        self.commit_text(manifest.step, manifest.to_json())
+
+    def commit_text(self, step: int, text: str) -> None:
+        """Record the step's manifest as text (``manifest_text`` returns it)."""
+        ray.get(self.registry.commit.remote(step, text))
 
     def committed_steps(self) -> List[int]:
         return ray.get(self.registry.committed_steps.remote())
@@ -311,7 +327,7 @@ class MemoryTier(Tier):
         Every file is asked for at once (one round trip to the holders, one get of all
         the objects); when any is missing there, file by file, trying each holder.
         """
-        where = ray.get(self.registry.where.remote(step))
+        where = self.where(step)
         here = holder_name(self.run, ray.get_runtime_context().get_node_id())
         holders = {name: _local_first(where.get(name, []), here) for name in names}
         try:
