@@ -23,6 +23,12 @@ Scenarios (``--scenario``, default all):
 - ``kill-torchft``: ``kill`` against Ray Train with torchft (``torchft_peer.py``: each
   worker its own replica group, the survivor going on alone), instead of plain Ray Train;
   ``replaced_s``: fault -> the first epoch the replacement process ends.
+- ``kill-slow-storage``: ``kill``'s run with storage that takes ``--upload-s`` to take
+  each checkpoint (a large model going to a remote store: an fsspec filesystem passed as
+  ``storage_filesystem``), SIGKILLing rank 0, the rank that saves, ``--fault-delay-s``
+  (0.5) after it reported the checkpoint of epoch FAULT_AT - 1 (``0`` : as soon as it
+  did): Ray Train's report waited for the upload, ours holds it in memory and goes on, so
+  its upload is still in flight when the fault comes.
 - ``node-loss``: a 3-node cluster (1 CPU each), ``num_workers=(2, 3)``, rank 2's node
   SIGKILLed at epoch FAULT_AT and a fresh node added 3 s later: fault -> first report
   after, epochs redone, and the grow-back (the last report at 2 workers -> the first at 3).
@@ -31,7 +37,7 @@ Scenarios (``--scenario``, default all):
 ``raytrain_ext.train.register`` (Ray Train has no such call), so a re-formed group goes on
 from the newest report a live process holds instead of the newest checkpoint.
 
-Usage: ``python jobs/bench/ray_train_loop.py [--scenario steady|kill|kill-torchft|data|node-loss|all]
+Usage: ``python jobs/bench/ray_train_loop.py [--scenario steady|kill|kill-torchft|kill-slow-storage|data|node-loss|all]
 [--repeats 1] [--state-mb 300] [--register]``.  Nothing else should run on the machine.
 """
 
@@ -199,9 +205,11 @@ def trainer(
     failures=0,
     epochs=EPOCHS,
     register=False,
+    storage=None,
     **scale,
 ):
-    """The same TorchTrainer call through either API (``register``: ours only)."""
+    """The same TorchTrainer call through either API (``register``: ours only;
+    ``storage``: a pyarrow filesystem for ``storage_path``)."""
     train = importlib.import_module(api)
     log_dir = work / name
     log_dir.mkdir(parents=True)
@@ -220,6 +228,7 @@ def trainer(
         run_config=train.RunConfig(
             name=name,
             storage_path=str(work / "storage"),
+            storage_filesystem=storage,
             failure_config=train.FailureConfig(max_failures=failures),
             checkpoint_config=train.CheckpointConfig(num_to_keep=2),
         ),
@@ -287,6 +296,37 @@ def kill(api: str, work: Path, args) -> Dict[str, float]:
     return {**after_fault(rows(log_dir), fault), **our_phases(result), "wall_s": fit.wall_s}
 
 
+def kill_slow_storage(api: str, work: Path, args) -> Dict[str, float]:
+    import ray
+    from slow_storage import slow_storage
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        storage = slow_storage(args.upload_s)
+        log_dir, run = trainer(
+            api, work, "slow", workers=2, every=5, state_mb=8, failures=1, storage=storage
+        )
+        fit = Background(run.fit)
+        saved = wait_for(lambda: _epoch_rows(log_dir, FAULT_AT - 1), fit, "the saving epoch")
+        victim = next(r["pid"] for r in reversed(saved) if r["rank"] == 0)
+        time.sleep(args.fault_delay_s)
+        fault = time.time()
+        os.kill(victim, signal.SIGKILL)
+        result = fit.result()
+    finally:
+        ray.shutdown()
+    log = rows(log_dir)
+    blocked = [r["blocked_s"] for r in log if r["blocked_s"] is not None]
+    figures = after_fault(log, fault)
+    figures.pop("rank0_kept")  # rank 0 is the one killed here
+    return {
+        **figures,
+        **our_phases(result),
+        "blocked_s": statistics.median(blocked),
+        "wall_s": fit.wall_s,
+    }
+
+
 def node_loss(api: str, work: Path, args) -> Dict[str, float]:
     with ray_cluster(3) as cluster:
         log_dir, run = trainer(
@@ -350,6 +390,7 @@ SCENARIOS: Dict[str, Callable] = {
     "kill": kill,
     "kill-torchft": kill_vs_torchft,
     "data": data,
+    "kill-slow-storage": kill_slow_storage,
     "node-loss": node_loss,
 }
 
@@ -381,6 +422,15 @@ def main() -> None:
     parser.add_argument("--state-mb", type=int, default=300)
     parser.add_argument("--register", action="store_true", help="ours: train.register(...)")
     parser.add_argument("--fault-at", type=int, default=FAULT_AT, help="kill: the fault's epoch")
+    parser.add_argument(
+        "--upload-s", type=float, default=3.0, help="kill-slow-storage: seconds per checkpoint"
+    )
+    parser.add_argument(
+        "--fault-delay-s",
+        type=float,
+        default=0.5,
+        help="kill-slow-storage: from the checkpointed report to the fault",
+    )
     args = parser.parse_args()
     every = [name for name in SCENARIOS if name != "kill-torchft"]  # torchft: installed by hand
     chosen = every if args.scenario == "all" else [args.scenario]

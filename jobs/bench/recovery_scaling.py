@@ -139,7 +139,8 @@ def wait_for(probe: Callable[[], Any], run: Background, what: str, timeout_s: fl
         if value:
             return value
         time.sleep(0.02)
-    raise RuntimeError(f"gave up waiting for {what} (run alive: {run.alive()})")
+    ended = "" if run.alive() else f"; it ended with {run.outcome!r}"
+    raise RuntimeError(f"gave up waiting for {what} (run alive: {run.alive()}{ended})")
 
 
 def ours_at_step(trainer, step: int) -> bool:

@@ -530,7 +530,7 @@ class Controller:
     def _forward(self, reports: List[StepReport]) -> None:
         for report in reports:
             if report.replayed and report.step <= self._last_step():
-                continue  # recorded when it was made (``StepReport.replayed``)
+                continue  # delivered when it was made (``StepReport.replayed``)
             if not self.result.records:  # the first step: when rank 0's loop was built
                 self.result.start_marks.update(report.start_marks or {})
             self.result.stragglers.extend(self.notices.observe_step(report))

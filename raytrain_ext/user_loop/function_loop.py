@@ -3,24 +3,27 @@
 The worker actor builds one per group, exactly as it builds a ``TrainLoop``, so the
 controller drives both alike: a failed rank's peers raise out of the user's collective,
 their processes are kept, and the next group enters the function again in them (imports,
-CUDA context and caches kept), resuming from the newest committed checkpoint
-(``get_checkpoint``); a pause (growing) or a preemption stops every rank at the same
-``report``, the next one with a checkpoint (``session.stop_here``).  A user loop keeps no
-state between groups for the controller (``live_state`` is None); a loop that
-registers its state (``register``) keeps a copy of it at each report in the process
-(``user_loop.registered``), and the next group starts from the newest copy a live process
-holds when no committed checkpoint is newer.
+CUDA context and caches kept), resuming from the newest reported checkpoint
+(``get_checkpoint``: committed in storage, or held in the memory tier, ``starting_point``);
+a pause (growing) or a preemption stops every rank at the same ``report``, the next one
+with a checkpoint (``session.stop_here``).  A user loop keeps no state between groups for
+the controller (``live_state`` is None); a loop that registers its state (``register``)
+keeps a copy of it at each report in the process (``user_loop.registered``), and the next
+group starts from the newest copy a live process holds when no checkpoint is newer.  Each
+group's rank 0 first hands the controller the reports a dead rank 0 may not have
+delivered (``report_log``).
 """
 
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import shutil
 import tempfile
 import time
 import traceback
-import uuid
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import torch.distributed as dist
@@ -30,14 +33,12 @@ from raytrain_ext.data.row_input import reader_name
 from raytrain_ext.errors.text import is_peer_loss
 from raytrain_ext.messages import FitResult, StepReport
 from raytrain_ext.user_loop.checkpoint import Checkpoint
-from raytrain_ext.user_loop.dataset_shard import DatasetShard, positions_of
+from raytrain_ext.user_loop.dataset_shard import DatasetShard
 from raytrain_ext.user_loop.held_reports import HeldReport, HeldReports
 from raytrain_ext.user_loop.loop_function import LoopFunction
 from raytrain_ext.user_loop.registered import (
-    LiveResume,
     Offer,
     Registration,
-    live_start,
     process_snapshots,
 )
 from raytrain_ext.user_loop.report_log import LoggedReport, merged, process_report_log
@@ -50,10 +51,13 @@ from raytrain_ext.user_loop.session import (
     TrainContext,
     set_session,
 )
+from raytrain_ext.user_loop.starting_point import Start, choose_start
 from raytrain_ext.user_loop.uploader import COMMIT_TIMEOUT_S, process_uploader
 
 if TYPE_CHECKING:
     from raytrain_ext.worker.rendezvous import WorkerEnv
+
+log = logging.getLogger(__name__)
 
 
 Positions = Dict[str, Tuple[int, int]]
@@ -99,6 +103,10 @@ class FunctionLoop:
         # the run's memory tier, which holds each reported checkpoint (``held_reports``)
         memory = cfg.checkpoint.memory
         self.held = HeldReports(cfg.run.name, cfg.checkpoint.keep_in_memory) if memory else None
+        # where a held report's files are written for get_checkpoint (one per process)
+        self._held_copy = os.path.join(
+            tempfile.gettempdir(), f"raytrain-ext-{cfg.run.name}-held-{os.getpid()}"
+        )
 
     def live_state(self) -> None:
         return None
@@ -116,32 +124,30 @@ class FunctionLoop:
         drain = uploader.drain if self.held is None else uploader.drain_holds
         drain(self.cfg.parallel.timeout_s / 4)
         keeper, run = process_snapshots(), self.spec.storage.root
-        logged = process_report_log().reports(run)
-        gathered = self._all_gather((keeper.offer(run), logged), group)
-        offers = [offer for offer, _ in gathered]
-        index, checkpoint, group_id, positions, live = self._starting_point(group, offers)
-        if self.env.rank == 0:  # what a dead rank 0 reported that the records may lack
-            for report in merged([log for _, log in gathered], through=index):
-                self._push_report(report, replayed=True)
+        offers = self._all_gather(keeper.offer(run), group)
+        start = self._starting_point(group, offers)
+        self._settle(group, start, uploader)
+        self._replay(group, run, start.index)
+        index, group_id = start.index, start.group_id
         uploader.start_group(group_id)
         self.registration = Registration(
             run,
             index,
-            live,
+            start.live,
             keeper,
-            lambda start, objects, layout: keeper.resume(run, start, objects, layout, group),
+            lambda at, objects, layout: keeper.resume(run, at, objects, layout, group),
             self.env.world_size,
         )
         session = LoopSession(
             self._context(),
             start_index=index,
-            start_checkpoint=checkpoint,
+            start_checkpoint=start.checkpoint,
             exchange=lambda payload: self._all_gather(payload, group),
             push=self._push,
             stop_asked=self._stop_asked,
             uploader=uploader,
             group_id=group_id,
-            datasets=self._dataset_shards(group_id, positions),
+            datasets=self._dataset_shards(group_id, start.positions),
             registration=self.registration,
             held=self.held,
         )
@@ -158,6 +164,7 @@ class FunctionLoop:
             return self._result(session, preempted_at=stop.index)
         finally:
             set_session(None)
+            shutil.rmtree(self._held_copy, ignore_errors=True)
         uploader.drain(COMMIT_TIMEOUT_S)  # the result names persisted checkpoints only
         dist.destroy_process_group(group)
         self.finished = True
@@ -183,64 +190,61 @@ class FunctionLoop:
         deadline = self.requests.deadline
         return 0.0 if deadline is None else max(0.0, deadline - time.time())
 
-    def _starting_point(
-        self, group, offers: List[Offer]
-    ) -> Tuple[int, Optional[Checkpoint], str, Positions, Optional[LiveResume]]:
-        """Where this group starts, the same on every rank: the newest committed checkpoint
-        (index 0 and ``resume_from_checkpoint`` when the run has none) or the newest report
-        the memory tier holds when it is newer (``held_reports``), the dataset positions
-        recorded with it, and a new id for this group; the group starts instead at the
-        newest report whose registered state a live process holds (``offers``, one per
-        rank) when neither is newer (``registered.live_start``).  Rank 0 first removes what
-        earlier groups left beyond the newest committed checkpoint (uncommitted uploads
-        never commit: every group has its own id) and beyond where the group starts in
-        memory."""
+    def _starting_point(self, group, offers: List[Offer]) -> Start:
+        """Where this group starts, the same on every rank (``starting_point``); a held
+        report's files are written here on every rank, and when any rank cannot read them
+        every rank starts from storage's newest instead."""
         started = self.build_marks["restore_started_at"] = time.time()
         found: list = [None]
         if self.env.rank == 0:
-            found = [self._choose_start(offers)]
+            spec = self.spec
+            found = [
+                choose_start(spec.storage, self.held, offers, self.env.world_size, spec.resume_from)
+            ]
         dist.broadcast_object_list(found, src=0, group=group)
-        index, checkpoint, group_id, positions, live, held = found[0]
+        start: Start = found[0]
         tier = "storage"
-        if held is not None and self.held is not None:  # chosen only with a memory tier
-            checkpoint, tier = self._materialize(self.held, held), "memory"
+        if start.held is not None and self.held is not None:  # chosen only with a memory tier
+            checkpoint = self._materialize(self.held, start.held)
+            if all(self._all_gather(checkpoint is not None, group)):
+                start, tier = replace(start, checkpoint=checkpoint), "memory"
+            else:
+                start = start.from_storage()
         self.build_marks["restored_at"] = time.time()
-        if index and live is None:
-            self.restored = {"step": index, "tier": tier, "total_s": time.time() - started}
-        return index, checkpoint, group_id, positions, live
+        if start.index and start.live is None:
+            self.restored = {"step": start.index, "tier": tier, "total_s": time.time() - started}
+        return start
 
-    def _choose_start(self, offers: List[Offer]) -> Tuple:
-        """Rank 0's part of ``_starting_point``: (index, checkpoint, group id, positions,
-        live resume, held report)."""
-        storage = self.spec.storage
-        latest = storage.latest()
-        committed = 0 if latest is None else latest.index
-        held = None if self.held is None else self.held.newest()
-        if held is not None and held.index <= committed:
-            held = None
-        newest = committed if held is None else held.index
-        live = live_start(offers, newest, self.env.world_size)
-        storage.discard_after(committed)  # uploads past it never commit: new group ids
-        checkpoint = self.spec.resume_from if latest is None else latest.checkpoint
-        positions = positions_of(None if latest is None else latest.positions)
-        if live is not None:
-            index, positions, held = live.index, live.positions, None
-        elif held is not None:
-            index, positions = held.index, positions_of(held.positions)
-        else:
-            index = committed
-        if self.held is not None:
-            self.held.discard_after(index)
-        return index, checkpoint, uuid.uuid4().hex[:12], positions, live, held
-
-    def _materialize(self, held_reports: HeldReports, held: HeldReport) -> Checkpoint:
+    def _materialize(self, held_reports: HeldReports, held: HeldReport) -> Optional[Checkpoint]:
         """The held report's files in this process's directory for them (the one an earlier
-        group took is replaced)."""
-        target = os.path.join(
-            tempfile.gettempdir(), f"raytrain-ext-{self.cfg.run.name}-held-{os.getpid()}"
-        )
-        shutil.rmtree(target, ignore_errors=True)
-        return held_reports.materialize(held, target)
+        group took is replaced); None when one cannot be read (its holders are gone)."""
+        shutil.rmtree(self._held_copy, ignore_errors=True)
+        try:
+            return held_reports.materialize(held, self._held_copy)
+        except Exception as e:  # noqa: BLE001 - every rank then starts from storage
+            log.warning("report %d held in memory is not readable here (%s)", held.index, e)
+            return None
+
+    def _settle(self, group, start: Start, uploader) -> None:
+        """Nothing of an earlier group lands after this group's rank 0 removed what earlier
+        groups left beyond its start (``Uploader.settle``, bounded): uploads past the newest
+        commit never commit (every group has its own id), and held reports past the start
+        are reported again."""
+        uploader.settle(start.index, self.cfg.parallel.timeout_s / 4)
+        dist.barrier(group=group)
+        if self.env.rank == 0:
+            self.spec.storage.discard_after(start.committed)
+            if self.held is not None:
+                self.held.discard_after(start.index)
+
+    def _replay(self, group, run: str, index: int) -> None:
+        """Rank 0 hands the controller every rank's logged reports up to ``index`` again:
+        those a dead rank 0 made that the records may lack (``report_log``)."""
+        logs: list = [None] * self.env.world_size if self.env.rank == 0 else []
+        dist.gather_object(process_report_log().reports(run), logs or None, dst=0, group=group)
+        if self.env.rank == 0:
+            for report in merged(logs, through=index):
+                self._push_report(report, replayed=True)
 
     def _dataset_shards(self, group_id: str, positions: Positions) -> Dict[str, DatasetShard]:
         """This rank's shard of each dataset, read from the run's reader of it
@@ -272,7 +276,7 @@ class FunctionLoop:
         )
 
     @staticmethod
-    def _all_gather(payload: Tuple, group) -> list:
+    def _all_gather(payload: Any, group) -> list:
         gathered: list = [None] * dist.get_world_size(group)
         dist.all_gather_object(gathered, payload, group=group)
         return gathered

@@ -18,8 +18,11 @@ What the tier's registry holds under a report's index:
   the metrics and each dataset shard's position, written at the report.
 
 Invariant: a report is held (``newest`` returns it) only when its record and the marker of
-every uploading rank of the record's group are there, so ``materialize`` finds every file.
-Nothing waits on another rank: completeness is read when a group starts.
+every uploading rank of the record's group are there, so every file was put on two nodes
+(one, on a single node); ``materialize`` raises when the nodes holding a file were lost
+since, and the group then starts from storage (``starting_point``).  Nothing waits on
+another rank: completeness is read when a group starts.  Two ranks that report a file of
+the same name keep one of them, as storage keeps the last upload.
 """
 
 from __future__ import annotations

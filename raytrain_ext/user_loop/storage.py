@@ -136,6 +136,8 @@ class RunStorage:
             if not still_wanted() or time.monotonic() > deadline:
                 return False
             time.sleep(0.1)
+        if not still_wanted():  # a new group began meanwhile: it may remove these files
+            return False
         record = {"index": index, "metrics": metrics, "ranks": list(ranks), "positions": positions}
         self._write(self._commit_record(index), json.dumps(record).encode())
         return True

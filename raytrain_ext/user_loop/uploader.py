@@ -33,6 +33,7 @@ from raytrain_ext.user_loop.storage import RunStorage
 log = logging.getLogger(__name__)
 
 COMMIT_TIMEOUT_S = 600.0  # how long rank 0 waits for the other ranks' uploads
+ABANDONED = ""  # the group between two groups: every job queued before is an earlier one's
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,8 @@ class Uploader:
         self._jobs: "queue.Queue[UploadJob]" = queue.Queue()
         self.failures: List[str] = []
         self.group: Optional[str] = None  # the current group: older commits are abandoned
+        self._running: Optional[UploadJob] = None  # the upload thread's job, under _idle
+        self._idle = threading.Condition()
         for target, name in ((self._hold_all, "ckpt-hold"), (self._run, "ckpt-upload")):
             threading.Thread(target=target, name=name, daemon=True).start()
 
@@ -65,6 +68,16 @@ class Uploader:
         """A new group formed: a commit of an earlier group still waiting gives up (its
         ranks were re-formed; the new group resumes from what was committed)."""
         self.group = group
+
+    def settle(self, start: int, timeout_s: float) -> bool:
+        """A new group starts after report ``start``: the last group's uploads not begun
+        are skipped and its commits give up, and this waits (bounded) for the job in
+        flight when it could still write where the new group will (a report after
+        ``start``) or commit (rank 0), so nothing of the last group lands after the new
+        group's rank 0 removed its leftovers.  False when ``timeout_s`` passed first."""
+        self.group = ABANDONED
+        with self._idle:
+            return self._idle.wait_for(lambda: not _may_collide(self._running, start), timeout_s)
 
     def submit(self, job: UploadJob) -> None:
         self._holds.put(job)
@@ -82,7 +95,7 @@ class Uploader:
         while True:
             job = self._holds.get()
             try:
-                if job.held is not None:
+                if job.held is not None and self.group in (None, job.group):  # else: stale
                     _hold(job, job.held)
             except Exception as e:  # a holder's node lost mid-copy: the upload goes on
                 log.warning("checkpoint of report %d not held in memory: %s", job.index, e)
@@ -93,6 +106,8 @@ class Uploader:
     def _run(self) -> None:
         while True:
             job = self._jobs.get()
+            with self._idle:
+                self._running = job
             try:
                 self._do(job)
             except Exception as e:  # storage down, disk full: that report stays uncommitted
@@ -101,6 +116,9 @@ class Uploader:
             finally:
                 if job.staged is not None:
                     shutil.rmtree(job.staged.directory, ignore_errors=True)
+                with self._idle:
+                    self._running = None
+                    self._idle.notify_all()
                 self._jobs.task_done()
 
     def _do(self, job: UploadJob) -> None:
@@ -130,6 +148,12 @@ class Uploader:
             job.storage.prune()
         else:
             self.failures.append(f"report {job.index}: not every rank's upload landed")
+
+
+def _may_collide(job: Optional[UploadJob], start: int) -> bool:
+    """Whether a last group's job in flight could write where a group starting after
+    report ``start`` will, or commit."""
+    return job is not None and (job.index > start or bool(job.commit_ranks))
 
 
 def _hold(job: UploadJob, held: HeldReports) -> None:

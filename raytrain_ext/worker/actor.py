@@ -69,6 +69,12 @@ class EventBuffer:
             if keep:
                 self._reports.append(report)
 
+    def replay(self, report: StepReport) -> None:
+        """Keep an earlier group's report handed over again (``StepReport.replayed``) for
+        the records alone: this rank's step and heartbeat stay as they are."""
+        with self._lock:
+            self._reports.append(report)
+
     def mark(self, phase: str) -> None:
         self.phase = phase
 
@@ -285,6 +291,9 @@ class TrainWorker:
         built: Dict[str, float] = {"fit_started_at": time.time()}  # for the first record
 
         def report(step_report: StepReport) -> None:
+            if step_report.replayed:  # for the records alone: no marks, metrics or step
+                self.events.replay(step_report)
+                return
             if built:  # the group's first step: when this rank's loop was built, and how
                 marks = self._loop.build_marks if self._loop is not None else {}
                 step_report.start_marks = {**marks, **built}

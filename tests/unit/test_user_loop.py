@@ -5,6 +5,7 @@ Train's config objects translated or refused by name."""
 import os
 import shutil
 import time
+from dataclasses import replace
 
 import numpy as np
 import pyarrow.fs as pafs
@@ -15,6 +16,7 @@ from raytrain_ext.config import load_config
 from raytrain_ext.errors import ConfigError
 from raytrain_ext.user_loop.checkpoint import Checkpoint
 from raytrain_ext.user_loop.function_loop import where
+from raytrain_ext.user_loop.held_reports import HeldReport
 from raytrain_ext.user_loop.loop_function import takes_config
 from raytrain_ext.user_loop.ray_train_config import (
     RunConfig,
@@ -34,6 +36,7 @@ from raytrain_ext.user_loop.session import (
     stop_here,
 )
 from raytrain_ext.user_loop.staging import RewrittenDuringUpload, check_unchanged, stage
+from raytrain_ext.user_loop.starting_point import choose_start
 from raytrain_ext.user_loop.storage import Retention, RunStorage
 from raytrain_ext.user_loop.uploader import Uploader
 
@@ -377,3 +380,19 @@ def test_the_report_log_keeps_the_newest_reports_and_merges_the_latest_of_each_i
     joined_later: list = []
     found = merged([first_run, first_run[:2] + rewound, joined_later], through=4)
     assert [(r.index, r.metrics["loss"]) for r in found] == [(3, 1.0), (4, 2.0)]
+
+
+def test_a_start_from_a_held_report_falls_back_to_storages_newest(tmp_path):
+    """A run with checkpoints 1 and 2 committed in storage starts from 2; a start from a
+    held report 3 that a rank cannot read becomes that start, positions included."""
+    storage = RunStorage(pafs.LocalFileSystem(), str(tmp_path / "run"), Retention())
+    for index in (1, 2):
+        storage.commit(index, [], {"loss": 1.0}, {"train": [0, 4 * index]}, "g", lambda: True, 1)
+    start = choose_start(storage, None, offers=[], world_size=2, resume_from=None)
+    assert (start.index, start.positions, start.held) == (2, {"train": (0, 8)}, None)
+    assert start.checkpoint == Checkpoint(str(tmp_path / "run" / "checkpoint_000002"))
+    from_memory = replace(
+        start, index=3, checkpoint=Checkpoint("/held"), positions={"train": (0, 12)},
+        held=HeldReport(3, "g", (0,)),
+    )  # fmt: skip
+    assert from_memory.from_storage() == start

@@ -12,8 +12,10 @@ both cores.  A named, detached ``CheckpointRegistry`` records which steps are
 committed, their manifests and where each file is held, and releases steps
 beyond ``keep_in_memory``.
 
-Invariant: a step is listed by ``committed_steps`` only after every rank's
-files have been replicated and rank 0 committed its manifest.
+Invariant: the checkpoint manager commits a step's manifest (``commit``) only after every
+rank's files have been replicated, so a step it lists in ``committed_steps`` is whole.
+(``user_loop.held_reports`` records a report's text with ``commit_text`` at once and
+decides wholeness from its ranks' markers instead.)
 """
 
 from __future__ import annotations
