@@ -529,13 +529,18 @@ class Controller:
 
     def _forward(self, reports: List[StepReport]) -> None:
         for report in reports:
-            if report.replayed and report.step <= self._last_step():
-                continue  # delivered when it was made (``StepReport.replayed``)
+            if report.replayed:  # an earlier group's: the records alone, if they lack it
+                if report.step > self._last_step():
+                    self._record(report)
+                continue
             if not self.result.records:  # the first step: when rank 0's loop was built
                 self.result.start_marks.update(report.start_marks or {})
             self.result.stragglers.extend(self.notices.observe_step(report))
             if report.first_of_group:
                 self._close_books(report)
-            row = report.to_record(recoveries=len(self.result.recovery_log))
-            self.result.records.append(row)
-            self.sink.write(report.step, row)
+            self._record(report)
+
+    def _record(self, report: StepReport) -> None:
+        row = report.to_record(recoveries=len(self.result.recovery_log))
+        self.result.records.append(row)
+        self.sink.write(report.step, row)

@@ -51,7 +51,7 @@ from raytrain_ext.user_loop.session import (
     TrainContext,
     set_session,
 )
-from raytrain_ext.user_loop.starting_point import Start, choose_start
+from raytrain_ext.user_loop.starting_point import Start, choose_start, fall_back
 from raytrain_ext.user_loop.uploader import COMMIT_TIMEOUT_S, process_uploader
 
 if TYPE_CHECKING:
@@ -123,6 +123,7 @@ class FunctionLoop:
         # group's collective timeout)
         drain = uploader.drain if self.held is None else uploader.drain_holds
         drain(self.cfg.parallel.timeout_s / 4)
+        uploader.abandon(self.cfg.parallel.timeout_s / 4)
         keeper, run = process_snapshots(), self.spec.storage.root
         offers = self._all_gather(keeper.offer(run), group)
         start = self._starting_point(group, offers)
@@ -209,7 +210,7 @@ class FunctionLoop:
             if all(self._all_gather(checkpoint is not None, group)):
                 start, tier = replace(start, checkpoint=checkpoint), "memory"
             else:
-                start = start.from_storage()
+                start = fall_back(start, offers, self.env.world_size)
         self.build_marks["restored_at"] = time.time()
         if start.index and start.live is None:
             self.restored = {"step": start.index, "tier": tier, "total_s": time.time() - started}
@@ -227,11 +228,18 @@ class FunctionLoop:
 
     def _settle(self, group, start: Start, uploader) -> None:
         """Nothing of an earlier group lands after this group's rank 0 removed what earlier
-        groups left beyond its start (``Uploader.settle``, bounded): uploads past the newest
-        commit never commit (every group has its own id), and held reports past the start
-        are reported again."""
-        uploader.settle(start.index, self.cfg.parallel.timeout_s / 4)
-        dist.barrier(group=group)
+        groups left beyond its start (``Uploader.settle``, bounded; past the bound every
+        rank raises, and the group re-forms): uploads past the newest commit never commit
+        (every group has its own id), and held reports past the start are reported
+        again."""
+        settled = uploader.settle(start.index, self.cfg.parallel.timeout_s / 2)
+        late = [rank for rank, ok in enumerate(self._all_gather(settled, group)) if not ok]
+        if late:
+            raise RuntimeError(
+                f"ranks {late} still upload a checkpoint of the last group past report "
+                f"{start.index}, where this group will write: this group gives up and the "
+                "next one waits for them again (storage slower than parallel.timeout_s / 2)"
+            )
         if self.env.rank == 0:
             self.spec.storage.discard_after(start.committed)
             if self.held is not None:

@@ -51,6 +51,17 @@ class Start:
         )
 
 
+def fall_back(start: Start, offers: List[Offer], world_size: int) -> Start:
+    """``start`` with its held report given up (unreadable on some rank): storage's newest,
+    or the live copies when they are newer (the same ``offers`` on every rank, so the same
+    choice)."""
+    stored = start.from_storage()
+    live = live_start(offers, stored.committed, world_size)
+    if live is None:
+        return stored
+    return replace(stored, index=live.index, positions=live.positions, live=live)
+
+
 def choose_start(
     storage: RunStorage,
     held_reports: Optional[HeldReports],

@@ -143,8 +143,9 @@ class RunStorage:
         return True
 
     def discard_after(self, index: int) -> None:
-        """Remove the uncommitted checkpoints and markers of reports after ``index``."""
-        for base in (self.root, f"{self.root}/{UPLOADS}"):
+        """Remove the checkpoints, markers and commit records of reports after ``index``
+        (records first: a checkpoint is never listed without its files)."""
+        for base in (f"{self.root}/{COMMITS}", self.root, f"{self.root}/{UPLOADS}"):
             selector = pafs.FileSelector(base, allow_not_found=True)
             for info in self.fs.get_file_info(selector):
                 name = info.base_name

@@ -24,7 +24,7 @@ import shutil
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from raytrain_ext.user_loop.held_reports import HeldReport, HeldReports
 from raytrain_ext.user_loop.staging import Staged, check_unchanged
@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 COMMIT_TIMEOUT_S = 600.0  # how long rank 0 waits for the other ranks' uploads
 ABANDONED = ""  # the group between two groups: every job queued before is an earlier one's
+HOLD, UPLOAD = "ckpt-hold", "ckpt-upload"  # the two threads
 
 
 @dataclass(frozen=True)
@@ -59,9 +60,9 @@ class Uploader:
         self._jobs: "queue.Queue[UploadJob]" = queue.Queue()
         self.failures: List[str] = []
         self.group: Optional[str] = None  # the current group: older commits are abandoned
-        self._running: Optional[UploadJob] = None  # the upload thread's job, under _idle
+        self._busy: Dict[str, UploadJob] = {}  # each thread's job in flight, under _idle
         self._idle = threading.Condition()
-        for target, name in ((self._hold_all, "ckpt-hold"), (self._run, "ckpt-upload")):
+        for target, name in ((self._hold_all, HOLD), (self._run, UPLOAD)):
             threading.Thread(target=target, name=name, daemon=True).start()
 
     def start_group(self, group: str) -> None:
@@ -69,15 +70,35 @@ class Uploader:
         ranks were re-formed; the new group resumes from what was committed)."""
         self.group = group
 
-    def settle(self, start: int, timeout_s: float) -> bool:
-        """A new group starts after report ``start``: the last group's uploads not begun
-        are skipped and its commits give up, and this waits (bounded) for the job in
-        flight when it could still write where the new group will (a report after
-        ``start``) or commit (rank 0), so nothing of the last group lands after the new
-        group's rank 0 removed its leftovers.  False when ``timeout_s`` passed first."""
+    def abandon(self, timeout_s: float) -> bool:
+        """A new group is forming (before its rank 0 reads storage): the last group's jobs
+        not begun are skipped, its commits give up, and this waits (bounded) for one in
+        flight, so none lands after rank 0 chose where the group starts.  False when
+        ``timeout_s`` passed first."""
         self.group = ABANDONED
+        return self._wait_idle(lambda job: bool(job.commit_ranks), timeout_s)
+
+    def settle(self, start: int, timeout_s: float) -> bool:
+        """The new group starts after report ``start``: wait (bounded) for a job of the last
+        group in flight that could still write where the new group will (a report after
+        ``start``), so none lands after rank 0 removed what earlier groups left there.
+        False when ``timeout_s`` passed first."""
+        return self._wait_idle(lambda job: job.index > start, timeout_s)
+
+    def _wait_idle(self, matters: Callable[[UploadJob], bool], timeout_s: float) -> bool:
         with self._idle:
-            return self._idle.wait_for(lambda: not _may_collide(self._running, start), timeout_s)
+            return self._idle.wait_for(
+                lambda: not any(matters(job) for job in self._busy.values()), timeout_s
+            )
+
+    def _begin(self, thread: str, job: UploadJob) -> None:
+        with self._idle:
+            self._busy[thread] = job
+
+    def _end(self, thread: str) -> None:
+        with self._idle:
+            self._busy.pop(thread, None)
+            self._idle.notify_all()
 
     def submit(self, job: UploadJob) -> None:
         self._holds.put(job)
@@ -94,20 +115,21 @@ class Uploader:
     def _hold_all(self) -> None:
         while True:
             job = self._holds.get()
+            self._begin(HOLD, job)
             try:
                 if job.held is not None and self.group in (None, job.group):  # else: stale
                     _hold(job, job.held)
             except Exception as e:  # a holder's node lost mid-copy: the upload goes on
                 log.warning("checkpoint of report %d not held in memory: %s", job.index, e)
             finally:
+                self._end(HOLD)
                 self._jobs.put(job)  # before task_done: a drain never sees it nowhere
                 self._holds.task_done()
 
     def _run(self) -> None:
         while True:
             job = self._jobs.get()
-            with self._idle:
-                self._running = job
+            self._begin(UPLOAD, job)
             try:
                 self._do(job)
             except Exception as e:  # storage down, disk full: that report stays uncommitted
@@ -116,9 +138,7 @@ class Uploader:
             finally:
                 if job.staged is not None:
                     shutil.rmtree(job.staged.directory, ignore_errors=True)
-                with self._idle:
-                    self._running = None
-                    self._idle.notify_all()
+                self._end(UPLOAD)
                 self._jobs.task_done()
 
     def _do(self, job: UploadJob) -> None:
@@ -148,12 +168,6 @@ class Uploader:
             job.storage.prune()
         else:
             self.failures.append(f"report {job.index}: not every rank's upload landed")
-
-
-def _may_collide(job: Optional[UploadJob], start: int) -> bool:
-    """Whether a last group's job in flight could write where a group starting after
-    report ``start`` will, or commit."""
-    return job is not None and (job.index > start or bool(job.commit_ranks))
 
 
 def _hold(job: UploadJob, held: HeldReports) -> None:

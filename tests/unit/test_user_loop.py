@@ -38,7 +38,7 @@ from raytrain_ext.user_loop.session import (
 from raytrain_ext.user_loop.staging import RewrittenDuringUpload, check_unchanged, stage
 from raytrain_ext.user_loop.starting_point import choose_start
 from raytrain_ext.user_loop.storage import Retention, RunStorage
-from raytrain_ext.user_loop.uploader import Uploader
+from raytrain_ext.user_loop.uploader import Uploader, UploadJob
 
 
 def storage(tmp_path, **retention) -> RunStorage:
@@ -396,3 +396,29 @@ def test_a_start_from_a_held_report_falls_back_to_storages_newest(tmp_path):
         held=HeldReport(3, "g", (0,)),
     )  # fmt: skip
     assert from_memory.from_storage() == start
+
+
+def test_a_new_group_waits_only_for_a_last_groups_upload_past_its_start(tmp_path):
+    """Storage takes 1 s for report 3 (tests/helpers/slow_storage.py); its upload is in
+    flight, report 4's queued, when a new group forms.  Abandoning the last group skips
+    report 4 (it could never commit) without waiting for report 3, whose upload cannot
+    collide with a group starting after report 3; one starting after report 2 waits for it
+    (here: gives up after 0.1 s, then waits until it landed)."""
+    from tests.helpers.slow_storage import slow_storage
+
+    s = RunStorage(slow_storage(3, delay_s=1.0), str(tmp_path / "run"), Retention())
+    uploader = Uploader()
+    uploader.start_group("g1")
+    for index in (3, 4):
+        staged = stage(user_dir(tmp_path, f"r{index}", str(index)), "settle")
+        uploader.submit(UploadJob(s, index, 0, "g1", staged))
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "run" / "checkpoint_000003").exists():  # report 3 in flight
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert uploader.abandon(timeout_s=0.0)  # no commit in flight
+    assert uploader.settle(3, timeout_s=0.0)
+    assert not uploader.settle(2, timeout_s=0.1)
+    assert uploader.settle(2, timeout_s=30)
+    assert uploader.drain(30)
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [".uploads", "checkpoint_000003"]
