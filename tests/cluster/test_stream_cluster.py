@@ -27,7 +27,14 @@ from raytrain_ext.data.stream_reader import StreamReader
 from raytrain_ext.data.stream_samples import SamplePacker
 from raytrain_ext.train.ledger import SampleLedger
 from tests.helpers.leaks import assert_nothing_left
-from tests.helpers.runs import FAST_MODEL, FitThread, last_step, tiny_overrides, wait_until
+from tests.helpers.runs import (
+    FAST_MODEL,
+    FitThread,
+    last_step,
+    recovered,
+    tiny_overrides,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 
@@ -154,10 +161,22 @@ def test_a_parquet_stream_on_s3_is_consumed_once_through_kills_a_lost_node_and_a
         wait_until(lambda: last_step(trainer) >= killed_at + 2 * AHEAD + 2, "the reader's restart")
         restarted = reader_stats("streamed")
         lost = trainer.controller.group.infos[2].node_id
+        before = len(trainer.controller.result.recovery_log)
         ray_cluster.remove_node(nodes.pop(lost), allow_graceful=False)
-        wait_until(lambda: running_at(trainer, 2, killed_at + 2 * AHEAD + 2), "the shrink")
-        ray_cluster.add_node(num_cpus=3, object_store_memory=100 * 2**20)
-        wait_until(lambda: running_at(trainer, 3, killed_at + 2 * AHEAD + 4), "the grow-back", 180)
+        wait_until(
+            lambda: (
+                recovered(trainer, before + 1) and last_step(trainer) > killed_at + 2 * AHEAD + 2
+            ),
+            "the recovery from the node loss",
+        )
+        # a shrink to 2 as a rule; under load Ray may have re-placed the lost node's bundle
+        # on a survivor with a CPU free by the time capacity is measured: replaced at 3
+        shrunk = trainer.controller.group.world_size == 2
+        if shrunk:
+            ray_cluster.add_node(num_cpus=3, object_store_memory=100 * 2**20)
+            wait_until(
+                lambda: running_at(trainer, 3, killed_at + 2 * AHEAD + 4), "the grow-back", 180
+            )
         trainer.interrupt("the test stops it")
         first = run.summary(timeout_s=120)
     stopped = first["steps_completed"]
@@ -166,7 +185,11 @@ def test_a_parquet_stream_on_s3_is_consumed_once_through_kills_a_lost_node_and_a
     # machine may add a re-form at 3 before the loss: a rank timed out; it is named below)
     sizes = [h["world_size"] for h in first["world_size_history"]]
     reasons = [r.reason for r in trainer.controller.result.recovery_log]
-    assert len(sizes) >= 4 and set(sizes[:-2]) == {3} and sizes[-2:] == [2, 3], (sizes, reasons)
+    grown_back = sizes[-2:] == [2, 3] if shrunk else sizes[-1] == 3
+    assert len(sizes) >= 3 and set(sizes[: -2 if shrunk else -1]) == {3} and grown_back, (
+        sizes,
+        reasons,
+    )
     assert restarted["pid"] != lost_reader["pid"] and restarted["skipped_steps"] > 0
     steps = stopped + AFTER
     resumed = Trainer(
