@@ -144,7 +144,7 @@ class FunctionLoop:
             start_index=index,
             start_checkpoint=start.checkpoint,
             exchange=lambda payload: self._all_gather(payload, group),
-            push=self._push,
+            push=self._push_report,
             stop_asked=self._stop_asked,
             uploader=uploader,
             group_id=group_id,
@@ -296,9 +296,6 @@ class FunctionLoop:
             return None
         deadline = self.requests.deadline
         return PREEMPT_NOW if deadline is not None and time.time() >= deadline else PREEMPT
-
-    def _push(self, index: int, metrics: Dict[str, Any], interval_s: float) -> None:
-        self._push_report(LoggedReport(index, time.time(), interval_s, metrics))
 
     def _push_report(self, logged: LoggedReport, replayed: bool = False) -> None:
         """Hand a report to the controller's records (``replayed``: one made by an earlier

@@ -80,15 +80,16 @@ class HeldReports:
     def newest(self) -> Optional[HeldReport]:
         """The newest report whose every uploading rank's files are held, or None."""
         for index in reversed(self.tier.committed_steps()):
-            report = self._read(index)
-            if report is not None and self._complete(report):
+            report = self._held_report(index)
+            if report is not None:
                 return report
         return None
 
     def retain(self) -> List[int]:
         """Keep the newest ``keep`` held reports and anything newer (still arriving);
         release everything older.  Returns the released indices."""
-        held = [i for i in reversed(self.tier.committed_steps()) if self._held(i)]
+        committed = reversed(self.tier.committed_steps())
+        held = [i for i in committed if self._held_report(i) is not None]
         if not held:
             return []
         oldest_kept = held[: self.keep][-1]
@@ -117,17 +118,14 @@ class HeldReports:
                 out.write(data)
         return Checkpoint(target)
 
-    def _held(self, index: int) -> bool:
-        report = self._read(index)
-        return report is not None and self._complete(report)
-
-    def _read(self, index: int) -> Optional[HeldReport]:
+    def _held_report(self, index: int) -> Optional[HeldReport]:
+        """Report ``index``'s record when every uploading rank's marker is there, else None."""
         text = self.tier.manifest_text(index)
         if text is None:
             return None
         fields = json.loads(text)
-        return HeldReport(**{**fields, "ranks": tuple(fields["ranks"])})
-
-    def _complete(self, report: HeldReport) -> bool:
+        report = HeldReport(**{**fields, "ranks": tuple(fields["ranks"])})
         names = self.tier.where(report.index)
-        return all(f"{report.group}/{MARKER}{rank}" in names for rank in report.ranks)
+        if all(f"{report.group}/{MARKER}{rank}" in names for rank in report.ranks):
+            return report
+        return None

@@ -147,7 +147,7 @@ class LoopSession:
     """One rank's side of the user's function for one group.
 
     ``exchange(payload)``: the all-gather of every rank's report payload;
-    ``push(index, metrics, interval_s)``: hand a report to the controller's records;
+    ``push(logged)``: hand a report to the controller's records;
     ``stop_asked()``: a stop the controller asked for (``PAUSE``, ``PREEMPT``, or
     ``PREEMPT_NOW`` once a preemption's grace ran out), taken at a report (``stop_here``).
     """
@@ -159,7 +159,7 @@ class LoopSession:
         start_index: int,
         start_checkpoint: Optional[Checkpoint],
         exchange: Callable[[Tuple], List[Tuple]],
-        push: Callable[[int, Dict[str, Any], float], None],
+        push: Callable[[LoggedReport], None],
         stop_asked: Callable[[], Optional[str]],
         uploader: Uploader,
         group_id: str,
@@ -214,7 +214,7 @@ class LoopSession:
             self._uploader.submit(job)
         if staged is not None:
             self.blocked_s.append(time.time() - started)
-        self._push(index, plain, logged.interval_s)
+        self._push(logged)
         self._last = now
         stop_now = stop_here(gathered)
         if stop_now is not None:

@@ -178,7 +178,7 @@ def session(tmp_path, exchange, stop=None, uploader=None):
         start_index=4,
         start_checkpoint=None,
         exchange=exchange,
-        push=lambda index, metrics, interval: pushed.append((index, metrics)),
+        push=lambda logged: pushed.append((logged.index, logged.metrics)),
         stop_asked=lambda: stop,
         uploader=uploader or Uploader(),
         group_id="g2",
