@@ -50,7 +50,7 @@ from raytrain_ext.checkpoint.manifest import (
 from raytrain_ext.checkpoint.peer_loss_latch import PeerLossLatch
 from raytrain_ext.checkpoint.recycle import POOL
 from raytrain_ext.checkpoint.restore import Restorer
-from raytrain_ext.checkpoint.save_failure import save_failure_text, snapshot_bytes
+from raytrain_ext.checkpoint.save_failure import save_failure_text
 from raytrain_ext.checkpoint.snapshot_policy import SnapshotPolicy
 from raytrain_ext.checkpoint.tiers import build_tiers
 from raytrain_ext.checkpoint.tiers.base import Tier, prune
@@ -384,7 +384,12 @@ class CheckpointManager:
         committed = [s for s in self.stats["committed"].values() if s is not None]
         key = "checkpoint.dir" if self.cfg.local else "the temporary directory"
         text = save_failure_text(
-            error, step, self.staging, key, snapshot_bytes(snap), max(committed, default=None)
+            error,
+            step,
+            self.staging,
+            key,
+            ckpt_state.tensor_bytes(snap),
+            max(committed, default=None),
         )
         self.stats["failed"].append({"step": step, "error": text})
         log.log(logging.ERROR if self.rank == 0 else logging.DEBUG, "ALARM: %s", text)

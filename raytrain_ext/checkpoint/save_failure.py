@@ -6,6 +6,9 @@ its partial files are removed so the space they took is free again, the newest
 committed step stays loadable, and the next due save tries again.  DCP's own error
 (``CheckpointException``, a ``BaseException``) carries every rank's traceback in its
 text; that goes to the debug log, not the console.
+
+Invariant: this module imports no torch, since the CLI imports it before it starts Ray
+(torch's import is a second of the command's start).
 """
 
 from __future__ import annotations
@@ -14,20 +17,7 @@ import shutil
 from pathlib import Path
 from typing import Any, List, Mapping, Optional
 
-import torch
-
 from raytrain_ext.errors.text import one_line
-
-
-def snapshot_bytes(snap: Any) -> int:
-    """The bytes of the tensors in one rank's snapshot (what its files need, about)."""
-    if isinstance(snap, torch.Tensor):
-        return snap.numel() * snap.element_size()
-    if isinstance(snap, dict):
-        return sum(snapshot_bytes(v) for v in snap.values())
-    if isinstance(snap, (list, tuple)):
-        return sum(snapshot_bytes(v) for v in snap)
-    return 0
 
 
 def free_bytes(directory: Path) -> Optional[int]:

@@ -215,7 +215,7 @@ def tensor_bytes(state: Any) -> int:
         return state.numel() * state.element_size()
     if isinstance(state, dict):
         return sum(tensor_bytes(value) for value in state.values())
-    if isinstance(state, list):
+    if isinstance(state, (list, tuple)):
         return sum(tensor_bytes(value) for value in state)
     return 0
 

@@ -238,3 +238,18 @@ def test_the_driver_checks_a_config_and_builds_its_trainer_without_torch():
         "check_objective(cfg)\n"
     )
     assert modules_imported_by(code, ("torch",)) == []
+
+
+def test_the_train_command_imports_no_torch_before_its_fit(tmp_path):
+    """The ``train`` command itself, up to ``Trainer.fit`` (stopped there): what it imports
+    on its own path counts too (the failed-save lines' module imported torch, 0.8 s of every
+    start, which the list of modules above did not see)."""
+    code = (
+        "import raytrain_ext.trainer\n"
+        "def stop_at_fit(self):\n"
+        "    raise KeyboardInterrupt\n"
+        "raytrain_ext.trainer.Trainer.fit = stop_at_fit\n"
+        "from raytrain_ext.cli import main\n"
+        f"assert main(['train', 'run.output_dir={tmp_path}']) == 130\n"
+    )
+    assert modules_imported_by(code, ("torch",)) == []
