@@ -117,14 +117,8 @@ class FunctionLoop:
         try:
             return self._fit()
         finally:
-            self._release_copy()
-
-    def _release_copy(self) -> None:
-        """This process is done with its node's copy of a held report; the node's last user
-        of it removes it."""
-        if self._node_copy is not None:
-            self._node_copy.release()
-            self._node_copy = None
+            if self._node_copy is not None:  # the node's last user of it removes it
+                self._node_copy.release()
 
     def _fit(self) -> FitResult:
         timeout = datetime.timedelta(seconds=self.cfg.parallel.timeout_s)
@@ -222,7 +216,6 @@ class FunctionLoop:
                 start, tier = replace(start, checkpoint=checkpoint), "memory"
             else:
                 start = fall_back(start, offers, self.env.world_size)
-                self._release_copy()  # not this group's start after all
         self.build_marks["restored_at"] = time.time()
         if start.index and start.live is None:
             self.restored = {"step": start.index, "tier": tier, "total_s": time.time() - started}

@@ -11,16 +11,13 @@ meets a half-written or older copy).  Under an exclusive ``flock`` on ``<root>/.
 per run and node: one group starts at a time) the first rank writes it into a private
 directory and renames it into place; the others find it there.  Each rank that uses it
 leaves ``<root>/<group>.users/<pid>``; releasing removes that, and the last live user
-removes the copy (a user's process that died is not counted: its pid is gone).  A failed
-write leaves ``<root>/<group>.failed``, and the node's other ranks give up at once (every
-rank then starts from storage).  Each take first sweeps what earlier groups left with no
-live user (ranks killed before they released) and writes whose process died.  The lock file
-stays (empty): removing it could let a rank that waits on it and a later one hold two
+removes the copy (a user's process that died is not counted: its pid is gone).  The lock
+file stays (empty): removing it could let a rank that waits on it and a later one hold two
 different locks.
 
-Invariants: a rank sees the copy only once it is complete (the rename) and registers as its
-user under the same lock; a failed write leaves no copy and no half of one; a copy is
-removed only when no live process of the node uses it.
+Invariants: a rank sees the copy only once it is complete (the rename); a rank whose write
+fails leaves nothing behind, and the next rank tries again itself; the copy is removed only
+when no live process of the node uses it.
 """
 
 from __future__ import annotations
@@ -46,75 +43,42 @@ class NodeCopy:
     """This process's use of its node's copy for group ``group`` under ``root``."""
 
     def __init__(self, root: str, group: str):
-        self.root, self.group = root, group
         self.directory = os.path.join(root, group)
         self._lock = os.path.join(root, ".lock")
         self._users = os.path.join(root, f"{group}.users")
-        self._failed = os.path.join(root, f"{group}.failed")
         self._mine = os.path.join(self._users, str(os.getpid()))
 
     @contextmanager
     def _locked(self) -> Iterator[None]:
-        os.makedirs(self.root, exist_ok=True)
+        os.makedirs(self._users, exist_ok=True)
         with open(self._lock, "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or its process dies
             yield
 
     def take(self, write: Callable[[str], Any]) -> str:
         """The copy's directory, written by ``write(directory)`` if no rank of the node has
-        written it yet; raises what ``write`` raised (nothing is then left behind), and at
-        once on the node's other ranks: one failure makes every rank start from storage, so
-        they need not wait in turn for the same unreadable holders."""
+        written it yet; raises what ``write`` raised (nothing is then left behind)."""
         with self._locked():
-            self._sweep()
-            if os.path.exists(self._failed):
-                raise OSError(f"another rank of this node could not read {self.group}'s files")
             if not os.path.isdir(self.directory):
                 partial = f"{self.directory}.partial-{os.getpid()}"
+                shutil.rmtree(partial, ignore_errors=True)
                 try:
-                    os.makedirs(partial)
                     write(partial)
                     os.rename(partial, self.directory)
                 except BaseException:
                     shutil.rmtree(partial, ignore_errors=True)
-                    open(self._failed, "w").close()
                     raise
-            os.makedirs(self._users, exist_ok=True)
             open(self._mine, "w").close()
         return self.directory
 
     def release(self) -> None:
         """This process no longer uses the copy; the last live user removes it."""
+        if not os.path.isdir(self._users):
+            return
         with self._locked():
-            if not os.path.isdir(self._users):
-                return
             if os.path.exists(self._mine):
                 os.remove(self._mine)
-            if not _in_use(self._users):
-                shutil.rmtree(self.directory, ignore_errors=True)
-                shutil.rmtree(self._users, ignore_errors=True)
-
-    def _sweep(self) -> None:
-        """Under the lock: what earlier groups left on this node with no live user (their
-        ranks were killed, so nobody released), and writes whose process died."""
-        for name in os.listdir(self.root):
-            path = os.path.join(self.root, name)
-            base, _, pid = name.partition(".partial-")
-            if pid:
-                if not _alive(int(pid)):
-                    shutil.rmtree(path, ignore_errors=True)
-                continue
-            group = base.split(".", 1)[0]
-            if not group or group == self.group:  # the lock file; this group's own
-                continue
-            if _in_use(os.path.join(self.root, f"{group}.users")):
-                continue
-            if os.path.isdir(path):
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                os.remove(path)
-
-
-def _in_use(users: str) -> bool:
-    """Whether a live process left its pid in ``users``."""
-    return os.path.isdir(users) and any(_alive(int(pid)) for pid in os.listdir(users))
+            if any(_alive(int(pid)) for pid in os.listdir(self._users)):
+                return
+            shutil.rmtree(self.directory, ignore_errors=True)
+            shutil.rmtree(self._users, ignore_errors=True)
