@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import shutil
 import tempfile
 import time
 import traceback
@@ -35,7 +36,6 @@ from raytrain_ext.user_loop.checkpoint import Checkpoint
 from raytrain_ext.user_loop.dataset_shard import DatasetShard
 from raytrain_ext.user_loop.held_reports import HeldReport, HeldReports
 from raytrain_ext.user_loop.loop_function import LoopFunction
-from raytrain_ext.user_loop.node_copy import NodeCopy
 from raytrain_ext.user_loop.registered import (
     Offer,
     Registration,
@@ -103,9 +103,10 @@ class FunctionLoop:
         # the run's memory tier, which holds each reported checkpoint (``held_reports``)
         memory = cfg.checkpoint.memory
         self.held = HeldReports(cfg.run.name, cfg.checkpoint.keep_in_memory) if memory else None
-        # where a held report's files are written for get_checkpoint (one copy per node)
-        self._held_root = os.path.join(tempfile.gettempdir(), f"raytrain-ext-{cfg.run.name}-held")
-        self._node_copy: Optional[NodeCopy] = None  # this group's, once taken
+        # where a held report's files are written for get_checkpoint (one per process)
+        self._held_copy = os.path.join(
+            tempfile.gettempdir(), f"raytrain-ext-{cfg.run.name}-held-{os.getpid()}"
+        )
 
     def live_state(self) -> None:
         return None
@@ -114,13 +115,6 @@ class FunctionLoop:
         return None
 
     def fit(self) -> FitResult:
-        try:
-            return self._fit()
-        finally:
-            if self._node_copy is not None:  # the node's last user of it removes it
-                self._node_copy.release()
-
-    def _fit(self) -> FitResult:
         timeout = datetime.timedelta(seconds=self.cfg.parallel.timeout_s)
         group = dist.new_group(backend="gloo", timeout=timeout)
         uploader = process_uploader()
@@ -171,6 +165,7 @@ class FunctionLoop:
             return self._result(session, preempted_at=stop.index)
         finally:
             set_session(None)
+            shutil.rmtree(self._held_copy, ignore_errors=True)
         uploader.drain(COMMIT_TIMEOUT_S)  # the result names persisted checkpoints only
         dist.destroy_process_group(group)
         self.finished = True
@@ -211,7 +206,7 @@ class FunctionLoop:
         start: Start = found[0]
         tier = "storage"
         if start.held is not None and self.held is not None:  # chosen only with a memory tier
-            checkpoint = self._materialize(self.held, start.held, start.group_id)
+            checkpoint = self._materialize(self.held, start.held)
             if all(self._all_gather(checkpoint is not None, group)):
                 start, tier = replace(start, checkpoint=checkpoint), "memory"
             else:
@@ -221,17 +216,12 @@ class FunctionLoop:
             self.restored = {"step": start.index, "tier": tier, "total_s": time.time() - started}
         return start
 
-    def _materialize(
-        self, held_reports: HeldReports, held: HeldReport, group_id: str
-    ) -> Optional[Checkpoint]:
-        """The held report's files in this node's copy for group ``group_id`` (``node_copy``:
-        written by the node's first rank); None when one cannot be read (its holders are
-        gone)."""
-        copy = NodeCopy(self._held_root, group_id)
+    def _materialize(self, held_reports: HeldReports, held: HeldReport) -> Optional[Checkpoint]:
+        """The held report's files in this process's directory for them (the one an earlier
+        group took is replaced); None when one cannot be read (its holders are gone)."""
+        shutil.rmtree(self._held_copy, ignore_errors=True)
         try:
-            directory = copy.take(lambda target: held_reports.materialize(held, target))
-            self._node_copy = copy
-            return Checkpoint(directory)
+            return held_reports.materialize(held, self._held_copy)
         except Exception as e:  # noqa: BLE001 - every rank then starts from storage
             log.warning("report %d held in memory is not readable here (%s)", held.index, e)
             return None

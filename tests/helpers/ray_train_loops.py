@@ -35,10 +35,9 @@ def quickstart_loop(config):
     """The TorchTrainer quick start: a model, an optimizer, prepare_model,
     prepare_data_loader over a synthetic dataset, report with metrics every epoch; with
     ``checkpoint_every``, rank 0 saves a directory and the loop resumes from
-    get_checkpoint (with ``starts_to``, each rank that resumed writes the checkpoint's path
-    into a file of that directory); ``step_sleep_s`` slows each batch (fault tests); with
-    ``rows``, each epoch also iterates ``get_dataset_shard("train")`` (Ray Data) and
-    reports the rows it saw."""
+    get_checkpoint; ``step_sleep_s`` slows each batch (fault tests); with ``rows``, each
+    epoch also iterates ``get_dataset_shard("train")`` (Ray Data) and reports the rows it
+    saw."""
     train, train_torch, Checkpoint = api(config)
     torch.manual_seed(0)
     model = train_torch.prepare_model(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)))
@@ -49,10 +48,6 @@ def quickstart_loop(config):
     state = _restored(train, model, optimizer)
     start = 0 if state is None else state["epoch"] + 1
     context = train.get_context()
-    if config.get("starts_to") and state is not None:  # where each rank's checkpoint was
-        name = f"rank-{context.get_world_rank()}-pid-{os.getpid()}"
-        with open(os.path.join(config["starts_to"], name), "w") as f:
-            f.write(train.get_checkpoint().path)
     for epoch in range(start, config["epochs"]):
         if context.get_world_size() > 1:
             loader.sampler.set_epoch(epoch)
