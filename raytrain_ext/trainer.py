@@ -170,7 +170,8 @@ class Trainer:
             if self.cfg.data.format == DataFormat.prompts:
                 from raytrain_ext.rollout.run_service import start_run_rollout
 
-                rollout = start_run_rollout(self.cfg, self._reward_fns)
+                niceness = with_niceness(None, self.cfg.scaling.worker_niceness)
+                rollout = start_run_rollout(self.cfg, self._reward_fns, niceness)
                 run_actors.append(rollout)
             sink = FanOut(self._sinks())
             self._controller = Controller(

@@ -44,9 +44,10 @@ class ScalingConfig:
     placement_strategy: PlacementStrategy = PlacementStrategy.PACK
     placement_timeout_s: float = positive(60.0)
     ray_address: Optional[str] = None
-    # the CPU priority of the ranks, their spares and the memory tier's holders: Ray's
-    # worker processes run at nice 15 below the node's daemons, ours at this (19: lowest;
-    # 15: Ray's own, to share nodes with other Ray work on equal terms; worker/priority.py)
+    # the CPU priority of the ranks, their spares, the memory tier's holders and the rollout
+    # engines: Ray's worker processes run at nice 15 below the node's daemons, ours at this
+    # (19: lowest; 15: Ray's own, to share nodes with other Ray work on equal terms;
+    # worker/priority.py)
     worker_niceness: int = within(0, 19, 0)
 
 

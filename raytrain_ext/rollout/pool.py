@@ -41,6 +41,7 @@ from raytrain_ext.rollout.engine import (
     RolloutEngine,
     RolloutSettings,
 )
+from raytrain_ext.rollout.weights_wire import WireState, from_wire, to_wire
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,12 @@ EngineBuilder = Callable[[RolloutSettings, Optional[torch.nn.Module]], RolloutEn
 SPARE_ANSWER_S = 1.0  # a spare that does not answer within this is taken for lost
 FATE_WAIT_S = 10.0  # the longest wait for Ray's verdict on a lost engine (its groups are
 # issued again before it is asked)
+
+
+def put_weights(state: Mapping[str, torch.Tensor]) -> ray.ObjectRef:
+    """``state`` in the object store as the engines read it (``rollout.weights_wire``),
+    owned by the caller: it lives while the caller holds the reference."""
+    return ray.put(to_wire(state))
 
 
 class EngineActor:
@@ -71,8 +78,8 @@ class EngineActor:
             else backend(settings, scorer)
         )
 
-    def load_weights(self, state: Mapping[str, torch.Tensor], version: int) -> int:
-        self.engine.load_weights(state, version)
+    def load_weights(self, wire: WireState, version: int) -> int:
+        self.engine.load_weights(from_wire(wire), version)
         return version
 
     def generate(self, requests: Sequence[GroupRequest]) -> List[GroupCompletions]:
@@ -174,16 +181,16 @@ class EnginePool:
                 self._start_spare()
         return None
 
-    def load_weights(self, state: Mapping[str, torch.Tensor], version: int) -> None:
-        """Every engine takes ``state`` (put in the object store once, read by each) before
-        its next ``generate``: Ray runs an actor's calls in the order they were submitted,
-        so nothing here waits for an engine (a replacement still building its model, a
-        lost one whose verdict takes seconds).  A lost engine is found, replaced and
-        recorded by the next ``generate``."""
-        ref = ray.put({k: v.detach().cpu() for k, v in state.items()})
-        self._weights = (ref, version)
+    def load_weights(self, weights: ray.ObjectRef, version: int) -> None:
+        """Every engine takes ``weights`` (a ``WireState`` in the object store, put by its
+        owner, :func:`put_weights`, read by each in place) before its next ``generate``:
+        Ray runs an actor's calls in the order they were submitted, so nothing here waits
+        for an engine (a replacement still building its model, a lost one whose verdict
+        takes seconds).  A lost engine is found, replaced and recorded by the next
+        ``generate``."""
+        self._weights = (weights, version)
         for actor in self.actors:
-            actor.load_weights.remote(ref, version)
+            actor.load_weights.remote(weights, version)
 
     def generate(self, requests: Sequence[GroupRequest]) -> List[GroupCompletions]:
         """Every request's group, whole, in request order, through engine losses (an

@@ -90,20 +90,31 @@ def rollout_settings(cfg, eos_token_id: int, pad_token_id: int) -> RolloutSettin
     )
 
 
-def engine_options(resources: Dict[str, float]) -> Dict[str, Any]:
-    """``rollout.resources_per_engine`` as Ray actor options."""
+def engine_options(
+    resources: Dict[str, float], runtime_env: Optional[Dict[str, Any]] = None
+) -> Dict[str, Any]:
+    """``rollout.resources_per_engine`` as Ray actor options, the engines' processes
+    started in ``runtime_env``."""
     other = {k: v for k, v in resources.items() if k not in ("CPU", "GPU")}
     options: Dict[str, Any] = {
         "num_cpus": resources.get("CPU", 1.0),
         "num_gpus": resources.get("GPU", 0.0),
     }
+    if runtime_env is not None:
+        options["runtime_env"] = runtime_env
     if other:
         options["resources"] = other
     return options
 
 
-def start_run_rollout(cfg, reward_fns: Optional[Sequence[Callable]] = None) -> Any:
-    """The run's service actor, named for the run (:func:`find_run_rollout`)."""
+def start_run_rollout(
+    cfg,
+    reward_fns: Optional[Sequence[Callable]] = None,
+    engine_env: Optional[Dict[str, Any]] = None,
+) -> Any:
+    """The run's service actor, named for the run (:func:`find_run_rollout`); its engines'
+    processes start in ``engine_env`` (the trainer's sets the ranks' CPU priority,
+    ``worker.priority``: an engine is on the step's path as a rank is)."""
     from raytrain_ext.data.open import tokenizer_spec
     from raytrain_ext.prepare.tokenizer import load_tokenizer
 
@@ -123,7 +134,7 @@ def start_run_rollout(cfg, reward_fns: Optional[Sequence[Callable]] = None) -> A
         ),
         engines=r.engines,
         spare_engines=r.spare_engines,
-        engine_options=engine_options(dict(r.resources_per_engine)),
+        engine_options=engine_options(dict(r.resources_per_engine), engine_env),
         decode=TokenizerDecode(spec, cfg.data.eos_token),
         timeout_s=r.timeout_s,
         reference=HFReferenceBuilder(cfg.model, cfg.run.seed) if cfg.objective.grpo.beta else None,

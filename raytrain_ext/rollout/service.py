@@ -45,6 +45,7 @@ from raytrain_ext.rollout.rewards import (
     score_groups,
 )
 from raytrain_ext.rollout.schedule import WeightsSchedule
+from raytrain_ext.rollout.weights_wire import WireState
 
 KEEP_STEPS = 4  # results kept for re-formed trainers asking again
 KEEP_VERSIONS = 3  # pushed weights kept: the next generations need one of the newest two
@@ -129,7 +130,7 @@ class RolloutService:
         self.version = -1  # the step whose weights the engines have
         self.schedule = spec.schedule
         self.anchor = 0  # a trainer group's start off the schedule (rollout.schedule)
-        self._pushed: Dict[int, Dict[str, torch.Tensor]] = {}  # version -> the trainers' weights
+        self._pushed: Dict[int, ray.ObjectRef] = {}  # version -> the trainers' weights
         self._lock = threading.Condition()
         self._generating = threading.Lock()
         self._results: Dict[int, "_Pending"] = {}
@@ -139,7 +140,7 @@ class RolloutService:
     @ray.method(concurrency_group=WEIGHTS)
     def load_weights(
         self,
-        state: Dict[str, torch.Tensor],
+        state: WireState,
         version: int,
         start: bool = False,
         carried: Sequence[RolloutResult] = (),
@@ -148,12 +149,14 @@ class RolloutService:
         trainer group's ``start`` that ``begin_start`` found needs them), kept until the
         schedule names them for a generation (``_generate`` loads them then, so a push
         never overtakes a generation that needs older weights).  Kept: the newest
-        ``KEEP_VERSIONS`` versions that some generation needs, and the anchor's.  Returns
-        the anchor."""
+        ``KEEP_VERSIONS`` versions that some generation needs, and the anchor's, each in
+        the object store under this service's ownership (the trainer whose call brought
+        them may die; the engines read them in place).  Returns the anchor."""
+        weights = ray.put(state)  # this service's own copy
         with self._lock:
             keeps = self._apply_start(version, carried) if start else True
             if not start or not keeps or self.schedule.pushes_after(version):
-                self._pushed[version] = state
+                self._pushed[version] = weights
             if start:
                 self.starts.append({"step": version, "kept": keeps, "weights": True})
             kept = set(sorted(self._pushed)[-KEEP_VERSIONS:]) | {self.anchor}
@@ -256,13 +259,13 @@ class RolloutService:
                     f"(load_weights({due()}) never came; the service holds "
                     f"{sorted(self._pushed)})"
                 )
-            version, state = due(), self._pushed[due()]
+            version, weights = due(), self._pushed[due()]
             pending.version = version  # under way: a group's start counts it generated
         weights_in = time.perf_counter()
         requests = [GroupRequest(p.index, p.prompt_ids, step) for p in prompts]
         with self._generating:  # one generation at a time (a re-formed group may overlap)
             if self.version != version:  # the engines take them before this call
-                self.pool.load_weights(state, version)
+                self.pool.load_weights(weights, version)
                 self.version = version
             groups = self.pool.generate(requests)
         generated = time.perf_counter()

@@ -57,6 +57,7 @@ from raytrain_ext.rollout.reference import CompletionLogps, logp_rows
 from raytrain_ext.rollout.schedule import WeightsSchedule
 from raytrain_ext.rollout.service import RolloutResult
 from raytrain_ext.rollout.waits import arm, wait_for
+from raytrain_ext.rollout.weights_wire import to_wire
 
 EXTRA_WAIT_S = 60.0  # beyond the service's own waits (weights, engines, rewards)
 
@@ -245,8 +246,7 @@ class RolloutInput:
             return
         params = strategy.full_parameters(model)
         if rank == 0:
-            state = {name: t.detach().to("cpu") for name, t in params.items()}
-            self.service.load_weights.remote(state, version, start, carried)
+            self.service.load_weights.remote(to_wire(params), version, start, carried)
 
     def _start_needs_weights(self, version: int, rank: int, carried: List[RolloutResult]) -> bool:
         """Rank 0 begins the group's start at the service (``RolloutService.begin_start``,

@@ -127,6 +127,8 @@ def test_grpo_learns_and_a_lost_engine_and_trainer_change_nothing(
         # as soon as the engines are up (a step's record reaches the driver a poll late, and
         # this run generates only 3 times): a later generation always meets the loss
         engines = wait_until(lambda: engine_placements("faulted"), "the engines", timeout_s=120)
+        # at the trainers' CPU priority (scaling.worker_niceness), not Ray's nice 15
+        assert {os.getpriority(os.PRIO_PROCESS, pid) for _, pid in engines} == {0}
         os.kill(engines[0][1], signal.SIGKILL)
         faulted = run.summary(timeout_s=300)
     assert faulted["status"] == "finished"

@@ -17,6 +17,7 @@ from raytrain_ext.objectives.grpo import ScaleRewards, combined_rewards, group_a
 from raytrain_ext.rollout.engine import GroupRequest, HFGenerateEngine, RolloutSettings
 from raytrain_ext.rollout.prompts import PromptGroup
 from raytrain_ext.rollout.service import RewardSpec, RolloutSpec, start_rollout_service
+from raytrain_ext.rollout.weights_wire import to_wire
 from tests.helpers.hf_models import tiny_policy
 from tests.helpers.leaks import assert_nothing_left
 from tests.helpers.runs import wait_until
@@ -50,7 +51,7 @@ def test_one_generation_per_step_scored_in_tasks_through_a_killed_engine(ray_loc
     reference = HFGenerateEngine(tiny_policy(), SETTINGS)
     try:
         weights = {1: tiny_policy(seed=6).state_dict(), 2: tiny_policy(seed=7).state_dict()}
-        ray.get(service.load_weights.remote(weights[1], 1))
+        ray.get(service.load_weights.remote(to_wire(weights[1]), 1))
         first, second = ray.get([service.rollout.remote(2, PROMPTS) for _ in range(2)])  # 2 ranks
         reference.load_weights(weights[1], 1)
         expected = reference.generate([GroupRequest(p.index, p.prompt_ids, 2) for p in PROMPTS])
@@ -63,7 +64,7 @@ def test_one_generation_per_step_scored_in_tasks_through_a_killed_engine(ray_loc
         assert torch.equal(first.advantages, group_advantages(rewards_, 4, ScaleRewards.group))
         with pytest.raises(ray.exceptions.RayTaskError, match=r"load_weights\(2\) never came"):
             ray.get(service.rollout.remote(3, PROMPTS, wait_s=1.0))
-        ray.get(service.load_weights.remote(weights[2], 2))
+        ray.get(service.load_weights.remote(to_wire(weights[2]), 2))
         (_, lost), (_, kept) = ray.get(service.engine_placements.remote())
         (_, dead_spare), (_, spare) = ray.get(service.spare_placements.remote())  # models built
         os.kill(dead_spare, signal.SIGKILL)  # a spare lost while idle is passed over
@@ -93,7 +94,9 @@ def test_one_generation_per_step_scored_in_tasks_through_a_killed_engine(ray_loc
         assert len(new_spares) == stats["spares"] == 2  # two new ones started
         assert not new_spares & {lost, kept, spare, dead_spare}
         reference_4 = reference.generate([GroupRequest(p.index, p.prompt_ids, 4) for p in PROMPTS])
-        ray.get(service.load_weights.remote(weights[2], 3))  # the replacement takes them too
+        ray.get(
+            service.load_weights.remote(to_wire(weights[2]), 3)
+        )  # the replacement takes them too
         fourth = ray.get(service.rollout.remote(4, PROMPTS)).groups
         assert fourth == [replace(g, weights_version=3) for g in reference_4]
     finally:
