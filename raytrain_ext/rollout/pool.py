@@ -28,7 +28,7 @@ import os
 import threading
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import ray
 import torch
@@ -41,7 +41,7 @@ from raytrain_ext.rollout.engine import (
     RolloutEngine,
     RolloutSettings,
 )
-from raytrain_ext.rollout.weights_wire import WireState, from_wire, to_wire
+from raytrain_ext.rollout.weights_wire import WireState, from_wire
 
 log = logging.getLogger(__name__)
 
@@ -51,12 +51,6 @@ EngineBuilder = Callable[[RolloutSettings, Optional[torch.nn.Module]], RolloutEn
 SPARE_ANSWER_S = 1.0  # a spare that does not answer within this is taken for lost
 FATE_WAIT_S = 10.0  # the longest wait for Ray's verdict on a lost engine (its groups are
 # issued again before it is asked)
-
-
-def put_weights(state: Mapping[str, torch.Tensor]) -> ray.ObjectRef:
-    """``state`` in the object store as the engines read it (``rollout.weights_wire``),
-    owned by the caller: it lives while the caller holds the reference."""
-    return ray.put(to_wire(state))
 
 
 class EngineActor:
@@ -182,8 +176,8 @@ class EnginePool:
         return None
 
     def load_weights(self, weights: ray.ObjectRef, version: int) -> None:
-        """Every engine takes ``weights`` (a ``WireState`` in the object store, put by its
-        owner, :func:`put_weights`, read by each in place) before its next ``generate``:
+        """Every engine takes ``weights`` (a ``WireState`` in the object store, put by the
+        caller, who owns it; each engine reads it in place) before its next ``generate``:
         Ray runs an actor's calls in the order they were submitted, so nothing here waits
         for an engine (a replacement still building its model, a lost one whose verdict
         takes seconds).  A lost engine is found, replaced and recorded by the next

@@ -40,7 +40,10 @@ def requests(step: int):
 def test_a_lost_engine_node_costs_no_group_and_the_replacement_lands_on_a_free_node(
     ray_cluster,
 ):
-    from raytrain_ext.rollout.pool import EnginePool, put_weights
+    import ray
+
+    from raytrain_ext.rollout.pool import EnginePool
+    from raytrain_ext.rollout.weights_wire import to_wire
 
     nodes = {}
     for _ in range(3):
@@ -55,7 +58,7 @@ def test_a_lost_engine_node_costs_no_group_and_the_replacement_lands_on_a_free_n
     options = {"num_cpus": 1, "resources": {"rollout": 1}}
     pool = EnginePool(tiny_policy, SETTINGS, engines=2, actor_options=options)
     try:
-        pool.load_weights(put_weights(trained), version=2)
+        pool.load_weights(ray.put(to_wire(trained)), version=2)
         (kept_node, kept_pid), (lost_node, _) = pool.placements()
         assert kept_node != lost_node
         lose(ray_cluster, nodes.pop(lost_node))
