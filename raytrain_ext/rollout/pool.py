@@ -7,8 +7,9 @@ process killed, its node lost), the groups it had not returned are issued again,
 to the engines still alive, and a replacement takes the lost engine's place and the
 weights the others have (a warm spare when the pool keeps one, ``spares``: its process
 started and its model built before the loss, and a new spare then starts off the step's
-path; else a new engine): the pool keeps the newest weights in Ray's object store, the
-trainers' own (no checkpoint is read, no file written).  Because every completion is drawn from its
+path; else a new engine): the pool keeps a reference to the newest weights, the
+trainers' own, which the rollout service holds in Ray's object store (no checkpoint is
+read, no file written).  Because every completion is drawn from its
 own seed (``rollout.sampling``), what the re-issued groups generate is what the lost
 engine would have generated.
 

@@ -15,9 +15,11 @@ the ranks, their warm spares, the memory tier's holders and GRPO's rollout engin
 ``rollout.overlap``, an engine at nice 15 beside a rank at 0 took 131-147 ms to generate a
 step against 121-122 ms at 0, and the step 147-158 ms against 139-140 ms, measured
 here).  All of them share one priority, so none of ours starves another (a spare warming
-up, a holder taking shards); a Ray worker of someone else's stays at Ray's 15.  The raylet starts the process at that
-niceness, so raising priority this way needs no privilege.  A runtime environment that
-sets the key itself keeps it.
+up, a holder taking shards); a Ray worker of someone else's stays at Ray's 15.  The
+raylet starts the process at that niceness, so raising priority this way needs no
+privilege.  A runtime environment given to :func:`with_niceness` that sets the key keeps
+it; a job's own (``ray.init(runtime_env=...)``) does not reach our actors' key, which
+Ray's merge takes from the actor's environment: ``scaling.worker_niceness`` is the knob.
 """
 
 from __future__ import annotations
