@@ -7,10 +7,14 @@ imported the trainer and the trainer the data pipeline.
 
 from __future__ import annotations
 
+import logging
 import os
+import subprocess
 from typing import Optional
 
 from raytrain_ext.worker.priority import yield_auxiliary_daemons
+
+log = logging.getLogger(__name__)
 
 
 def connect_ray(address: Optional[str]) -> bool:
@@ -32,6 +36,33 @@ def connect_ray(address: Optional[str]) -> bool:
     )
     yield_auxiliary_daemons()
     return True
+
+
+def stop_private_ray() -> None:
+    """Stop the private Ray :func:`connect_ray` started (it returned True).
+
+    Why the autoscaler's monitor goes first, by SIGKILL: ``ray.shutdown`` stops the raylet
+    and the GCS before it, and the monitor answers SIGTERM by reporting its own failure to
+    the GCS that is already gone, so Ray waits out its 1 s grace before killing it
+    (measured here: shutdown 1.32 s, 0.32 s without that wait).  On a private single-node
+    Ray the monitor scales nothing and holds no state.  Best effort, as
+    :func:`yield_auxiliary_daemons` is: Ray's node handle is private API."""
+    import ray
+
+    _kill_autoscaler_monitor()
+    ray.shutdown()
+
+
+def _kill_autoscaler_monitor() -> None:
+    try:
+        from ray._private import worker as ray_worker
+
+        monitors = ray_worker._global_node.all_processes.get("monitor", [])
+        for info in monitors:
+            info.process.kill()
+            info.process.wait(timeout=5)
+    except (AttributeError, OSError, subprocess.TimeoutExpired) as e:
+        log.debug("the autoscaler monitor is left to ray.shutdown: %s", e)
 
 
 def _pin_local_ray_to_loopback() -> None:

@@ -36,7 +36,7 @@ from raytrain_ext.models.sources import model_source
 from raytrain_ext.objectives import check_objective, objective_name
 from raytrain_ext.ray_group.cluster import RayCluster
 from raytrain_ext.ray_group.port import RayGroup
-from raytrain_ext.ray_session import connect_ray
+from raytrain_ext.ray_session import connect_ray, stop_private_ray
 from raytrain_ext.rollout.config import check_rollout
 from raytrain_ext.run_dir import METRICS, SUMMARY, RunDirectory, refuse_finished_run
 from raytrain_ext.user_code import UserCode
@@ -194,9 +194,7 @@ class Trainer:
             stop_memory_tier(run_actors)
             self._pinned = []
             if started_ray:
-                import ray
-
-                ray.shutdown()
+                stop_private_ray()
 
     def _summary(self, result: Optional[ControllerResult], start: float) -> Dict[str, Any]:
         summary = build_summary(self.cfg, result, start, self._marks, self._user.loss_fn)

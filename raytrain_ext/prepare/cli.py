@@ -96,9 +96,9 @@ def _prepare(args: argparse.Namespace) -> int:
         return 2
     finally:
         if started_ray:
-            import ray
+            from raytrain_ext.ray_session import stop_private_ray
 
-            ray.shutdown()
+            stop_private_ray()
     index = done.index
     written_tokens = sum(index.shards[k].tokens for k in done.written)
     rate = written_tokens / done.seconds if written_tokens and done.seconds > 0 else 0.0

@@ -2,13 +2,14 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
 PROBE = """
 import json, os
 from ray._private import worker
-from raytrain_ext.ray_session import connect_ray
+from raytrain_ext.ray_session import connect_ray, stop_private_ray
 from raytrain_ext.worker.priority import AUXILIARY_AGENT, children_named, threads_of
 
 assert connect_ray(None)  # started here
@@ -19,21 +20,34 @@ pids["dashboard_agent"] = children_named(raylet, AUXILIARY_AGENT)
 pids["runtime_env_agent"] = children_named(raylet, ("ray::RuntimeEnvAgent", "agent/main.py"))
 def niceness(pid):  # every thread's: Linux keeps one per thread
     return sorted({os.getpriority(os.PRIO_PROCESS, t) for t in threads_of(pid)})
-print(json.dumps({t: [niceness(p) for p in ps] for t, ps in pids.items()}))
+found = {t: [niceness(p) for p in ps] for t, ps in pids.items()}
+monitor = processes["monitor"][0].process
+terminated = []  # Ray's shutdown terminates, then waits up to 1 s for, what still runs
+monitor.terminate = lambda: terminated.append(monitor.pid)
+stop_private_ray()
+exits = {"monitor": monitor.returncode, "terminated_by_ray": terminated}
+print(json.dumps({"niceness": found, "exits": exits}))
 """
 
 
-def test_a_private_ray_runs_its_auxiliary_daemons_below_the_ranks_and_its_core_beside_them():
+def test_a_private_ray_runs_its_auxiliary_daemons_below_the_ranks_and_stops_without_a_wait():
     """The autoscaler monitor, log monitor, dashboard API server and dashboard agent wait
     at nice 19 (nothing a step or a recovery needs); the GCS, the raylet and the
-    runtime-env agent (which starts our actors' environments) keep the ranks' nice 0."""
+    runtime-env agent (which starts our actors' environments) keep the ranks' nice 0; and it
+    stops without waiting on the monitor."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     done = subprocess.run(
         [sys.executable, "-c", PROBE], capture_output=True, text=True, env=env, timeout=120
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    niceness = json.loads(done.stdout.strip().splitlines()[-1])
+    probed = json.loads(done.stdout.strip().splitlines()[-1])
+    niceness = probed["niceness"]
     for daemon in ("monitor", "log_monitor", "dashboard", "dashboard_agent"):
         assert niceness[daemon] == [[19]], (daemon, niceness)
     for core in ("gcs_server", "raylet", "runtime_env_agent"):
         assert niceness[core] == [[0]], (core, niceness)
+
+    # stopping it kills the autoscaler monitor before Ray's shutdown reaches it: Ray's
+    # order stops the GCS first, and a monitor it terminates then reports its end to the
+    # stopped GCS until Ray's 1 s grace runs out
+    assert probed["exits"] == {"monitor": -signal.SIGKILL, "terminated_by_ray": []}, probed

@@ -110,7 +110,7 @@ def diagnose(args: argparse.Namespace, ops: List[str]) -> Dict:
     """Probe every node, run the benchmark, and judge; returns the JSON-ready report."""
     import ray
 
-    from raytrain_ext.ray_session import connect_ray
+    from raytrain_ext.ray_session import connect_ray, stop_private_ray
 
     started = connect_ray(args.address)
     try:
@@ -121,7 +121,7 @@ def diagnose(args: argparse.Namespace, ops: List[str]) -> Dict:
         bench = _bandwidth(args, ops, total_gpus)
     finally:
         if started:
-            ray.shutdown()
+            stop_private_ray()
     report = {
         "cluster": {"nodes_alive": len(alive), "gpus": total_gpus, "ray": ray.__version__},
         "nodes": nodes,
