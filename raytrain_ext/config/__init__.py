@@ -15,7 +15,7 @@ _EXPORTS = {
     "TrainConfig": "raytrain_ext.config.schema",
     **{
         name: "raytrain_ext.config.loader"
-        for name in ("config_from_dict", "default_config_path", "load_config")
+        for name in ("config_from_dict", "default_config_path", "load_config", "load_saved_config")
     },
     **{
         name: "raytrain_ext.typed_config.serialize"
@@ -24,7 +24,12 @@ _EXPORTS = {
 }
 
 if TYPE_CHECKING:
-    from raytrain_ext.config.loader import config_from_dict, default_config_path, load_config
+    from raytrain_ext.config.loader import (
+        config_from_dict,
+        default_config_path,
+        load_config,
+        load_saved_config,
+    )
     from raytrain_ext.config.schema import TrainConfig
     from raytrain_ext.errors import ConfigError
     from raytrain_ext.typed_config.serialize import config_digest, to_dict, to_yaml
@@ -40,6 +45,7 @@ __all__ = [
     "config_from_dict",
     "default_config_path",
     "load_config",
+    "load_saved_config",
     "to_dict",
     "to_yaml",
 ]

@@ -69,6 +69,15 @@ def _resolve_model(cfg: DictConfig) -> None:
     model_source(cfg.model).resolve(cfg)
 
 
+def load_saved_config(path: Path) -> DictConfig:
+    """A run's own ``config.yaml``, typed and read-only again, as that run resolved and
+    checked it: its model source is not resolved again (a Hugging Face model's would import
+    transformers and torch, about 2 s, for a shape the file already holds)."""
+    cfg = _merge(OmegaConf.structured(TrainConfig), _read_yaml(Path(path)), source=str(path))
+    OmegaConf.set_readonly(cfg, True)
+    return cfg
+
+
 def config_from_dict(data: dict) -> DictConfig:
     """Rebuild a typed, read-only config from ``to_dict`` output (used on workers)."""
     cfg = _merge(OmegaConf.structured(TrainConfig), OmegaConf.create(data), source="dict")

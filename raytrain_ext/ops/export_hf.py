@@ -17,10 +17,8 @@ import shutil
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
-from omegaconf import OmegaConf
-
 from raytrain_ext.checkpoint.export import ExportError, export_info, read_newest_model
-from raytrain_ext.config import config_from_dict
+from raytrain_ext.config import load_saved_config
 from raytrain_ext.data.config import DataFormat
 from raytrain_ext.errors import ConfigError
 from raytrain_ext.models.sources import model_source
@@ -45,8 +43,8 @@ def _hf_model(config_path: Path):
     """An empty model of the run's architecture (random weights, replaced by the export)."""
     from transformers import AutoModelForCausalLM
 
-    cfg = config_from_dict(OmegaConf.to_container(OmegaConf.load(config_path)))
     try:
+        cfg = load_saved_config(config_path)
         config = model_source(cfg.model).hf_config(cfg.model)
     except ConfigError as e:
         raise ExportError(f"--to-hf: the run's {e}") from None

@@ -53,13 +53,13 @@ def load_summary(run_dir: Path) -> Dict[str, Any]:
 
 def load_run_config(run_dir: Path):
     """The run's resolved config, or None when config.yaml is missing or no longer loads."""
-    from raytrain_ext.config import ConfigError, load_config
+    from raytrain_ext.config import ConfigError, load_saved_config
 
     path = Path(run_dir) / "config.yaml"
     if not path.is_file():
         return None
     try:
-        return load_config(path)
+        return load_saved_config(path)
     except ConfigError:
         return None
 
