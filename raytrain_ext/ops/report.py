@@ -18,26 +18,16 @@ import argparse
 import json
 import statistics
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from raytrain_ext.metrics.attempts import attempt_rows, attempts_section, failed
 from raytrain_ext.metrics.flops import mfu, model_flops_per_token, peak_flops_for
+from raytrain_ext.ops.report_plot import plot_run
+from raytrain_ext.ops.run_series import recovery_phases
 
 PHASES = ("detect_s", "decide_s", "reform_s", "restore_s", "first_step_s", "mttr_s")
 PHASE_TITLES = ("detect", "stop + decide", "re-form", "restore", "first step", "MTTR")
-
-
-@dataclass
-class RunSeries:
-    """Per-record series on the wall-time axis (all records, redone steps included)."""
-
-    time_s: List[float]
-    steps: List[int]
-    loss: List[float]
-    throughput: List[float]
-    throughput_unit: str  # "tokens/s" with the config's batch shape, else "steps/s"
 
 
 def load_summary(run_dir: Path) -> Dict[str, Any]:
@@ -64,91 +54,6 @@ def load_run_config(run_dir: Path):
         return None
 
 
-def run_series(summary: Dict[str, Any], tokens_per_step: Optional[int]) -> RunSeries:
-    start = summary["started_at"]
-    ends = summary["step_end_times"]
-    step_times = summary["step_times"]
-    work = tokens_per_step or 1
-    return RunSeries(
-        time_s=[t - start for _, t in ends],
-        steps=[s for s, _ in ends],
-        loss=[loss for _, loss in summary["loss_history"]],
-        throughput=[work / dt for dt in step_times],
-        throughput_unit="tokens/s" if tokens_per_step else "steps/s",
-    )
-
-
-def recovery_phases(summary: Dict[str, Any]) -> List[Dict[str, Any]]:
-    """Split each recovery into phases (seconds; None where the run never got that far).
-
-    detect: end of the last step before the failure -> the controller noticing it;
-    stop + decide: -> leaving RECOVERING (survivors stopped, capacity settled);
-    re-form: -> the new group RUNNING (placement, rendezvous); restore: loading the
-    checkpoint on the workers; first step: the rest until the first step after the
-    re-form ended (worker setup and the step itself).  MTTR, the sum, runs from the
-    last good step to the first new one.
-    """
-    start = summary["started_at"]
-    ends = [t for _, t in summary.get("step_end_times", [])]
-    transitions = summary.get("transitions", [])
-    phases = []
-    for recovery in summary.get("recoveries", []):
-        detected = recovery["detected_at"]
-        before = [t for t in ends if t <= detected]
-        left = _next_transition(transitions, "RECOVERING", "SCHEDULING", detected)
-        running = _next_transition(transitions, "SCHEDULING", "RUNNING", left)
-        row = {
-            "at_s": detected - start,
-            "reason": recovery["reason"],
-            "detect_s": detected - before[-1] if before else None,
-            "decide_s": _minus(left, detected),
-            "reform_s": _minus(running, left),
-            "restore_s": recovery.get("restore_s"),
-            "first_step_s": None,
-            "mttr_s": None,
-            "restored_from": recovery.get("restored_from"),
-            "restored_step": recovery.get("restored_step"),
-            "steps_redone": recovery.get("steps_redone"),
-        }
-        after = recovery.get("first_step_after_s")
-        if after is not None and running is not None:
-            row["first_step_s"] = after - (running - detected) - (row["restore_s"] or 0.0)
-            row["mttr_s"] = after + (row["detect_s"] or 0.0)
-        phases.append(row)
-    return phases
-
-
-def _next_transition(transitions, source: str, target: str, after: Optional[float]):
-    if after is None:
-        return None
-    for t in transitions:
-        if t["source"] == source and t["target"] == target and t["at"] >= after:
-            return t["at"]
-    return None
-
-
-def _minus(a: Optional[float], b: Optional[float]) -> Optional[float]:
-    return None if a is None or b is None else a - b
-
-
-def world_size_changes(summary: Dict[str, Any]) -> List[tuple]:
-    """(seconds since start, world size) each time a group started RUNNING.
-
-    ``world_size_history`` gets one entry per successful group formation, in the
-    same order as the SCHEDULING -> RUNNING transitions.
-    """
-    start = summary["started_at"]
-    formed = [
-        t["at"] - start
-        for t in summary.get("transitions", [])
-        if t["source"] == "SCHEDULING" and t["target"] == "RUNNING"
-    ]
-    return [
-        (at, entry["world_size"])
-        for at, entry in zip(formed, summary.get("world_size_history", []), strict=False)
-    ]
-
-
 def run_mfu(summary: Dict[str, Any], cfg) -> tuple:
     """(MFU or None, why it is n/a).  Peak from summary ``peak_flops`` or ``device_name``."""
     if summary.get("mfu") is not None:
@@ -166,113 +71,6 @@ def run_mfu(summary: Dict[str, Any], cfg) -> tuple:
         num_devices=history[-1]["world_size"],
     )
     return value, "" if value is not None else "no throughput in summary.json"
-
-
-def plot_run(summary: Dict[str, Any], tokens_per_step: Optional[int] = None):
-    """The report figure: loss (top) and throughput with world size (bottom) over wall time.
-
-    Each recovery is a red span from the last good step to the first step after
-    it, with a dashed line where the controller detected the failure; the legend
-    below the plots names its reason.  A line breaks (NaN) wherever the step
-    count goes back, so no segment is drawn across a recovery.  Returns the
-    matplotlib ``Figure`` (no pyplot, so no global state).
-    """
-    from matplotlib.figure import Figure
-
-    series = run_series(summary, tokens_per_step)
-    time_s = _break_where_steps_go_back(series.time_s, series.steps)
-    fig = Figure(figsize=(10, 7), layout="constrained")
-    ax_loss, ax_rate = fig.subplots(2, 1, sharex=True)
-    ax_loss.plot(
-        time_s, _break_where_steps_go_back(series.loss, series.steps), marker=".", label="loss"
-    )
-    _plot_eval(ax_loss, summary)
-    ax_loss.set_ylabel("loss")
-    ax_rate.plot(
-        time_s,
-        _break_where_steps_go_back(series.throughput, series.steps),
-        marker=".",
-        color="tab:green",
-        label=series.throughput_unit,
-    )
-    ax_rate.set_ylabel(series.throughput_unit)
-    ax_rate.set_xlabel("wall time since start (s)")
-    twin = _plot_world_size(ax_rate, summary, series)
-    for number, phase in enumerate(recovery_phases(summary), 1):
-        _mark_recovery(ax_loss, ax_rate, number, phase)
-    fig.suptitle(
-        f"{summary.get('run_name', 'run')}: {summary.get('status', '?')}, "
-        f"{summary.get('steps_completed', 0)} steps, "
-        f"recoveries: {len(summary.get('recoveries', []))}"
-    )
-    handles = [
-        h
-        for ax in (ax_loss, ax_rate, twin)
-        if ax is not None
-        for h in ax.get_legend_handles_labels()[0]
-    ]
-    fig.legend(handles=handles, loc="outside lower center", ncols=2, fontsize="small")
-    ax_loss.grid(alpha=0.3)
-    ax_rate.grid(alpha=0.3)
-    return fig
-
-
-def _plot_eval(ax_loss, summary: Dict[str, Any]) -> None:
-    """Evaluation losses as points on the loss axis, at the wall time of their step."""
-    ends = dict((step, t - summary["started_at"]) for step, t in summary["step_end_times"])
-    points = [(ends.get(e["step"]), e["eval_loss"]) for e in summary.get("eval_history", [])]
-    points = [(t, loss) for t, loss in points if t is not None]
-    if points:
-        ax_loss.plot(*zip(*points, strict=True), "s", color="tab:orange", label="eval loss")
-
-
-def _break_where_steps_go_back(values: List[float], steps: List[int]) -> List[float]:
-    """``values`` with a NaN inserted before each record whose step is not after the previous."""
-    out: List[float] = []
-    for i, value in enumerate(values):
-        if i and steps[i] <= steps[i - 1]:
-            out.append(float("nan"))
-        out.append(value)
-    return out
-
-
-def _plot_world_size(ax, summary: Dict[str, Any], series: RunSeries):
-    changes = world_size_changes(summary)
-    if not changes:
-        return None
-    twin = ax.twinx()
-    end = max([summary.get("wall_time_s", 0.0), *series.time_s, changes[-1][0]])
-    times = [at for at, _ in changes] + [end]
-    sizes = [size for _, size in changes] + [changes[-1][1]]
-    twin.step(times, sizes, where="post", color="tab:gray", linestyle=":", label="world size")
-    twin.set_ylabel("world size")
-    twin.set_ylim(0, max(sizes) + 1)
-    twin.yaxis.get_major_locator().set_params(integer=True)
-    return twin
-
-
-def _mark_recovery(ax_loss, ax_rate, number: int, phase: Dict[str, Any]) -> None:
-    detected = phase["at_s"]
-    begin = detected - (phase["detect_s"] or 0.0)
-    reason = phase["reason"] if len(phase["reason"]) <= 70 else phase["reason"][:67] + "..."
-    label = f"recovery {number} at {detected:.1f} s: {reason}"
-    for ax in (ax_loss, ax_rate):
-        if phase["mttr_s"] is not None:
-            ax.axvspan(
-                begin,
-                begin + phase["mttr_s"],
-                color="tab:red",
-                alpha=0.12,
-                gid=f"recovery-{number}-span",
-            )
-        ax.axvline(
-            detected,
-            color="tab:red",
-            linestyle="--",
-            linewidth=1,
-            gid=f"recovery-{number}",
-            label=label if ax is ax_loss else None,
-        )
 
 
 def render_markdown(

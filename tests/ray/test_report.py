@@ -11,7 +11,9 @@ from raytrain_ext import Trainer, load_config
 from raytrain_ext.cli import main
 from raytrain_ext.metrics.flops import matmul_params, mfu, model_flops_per_token, peak_flops_for
 from raytrain_ext.models import build_model
-from raytrain_ext.ops.report import load_run_config, plot_run, recovery_phases, render_markdown
+from raytrain_ext.ops.report import load_run_config, render_markdown
+from raytrain_ext.ops.report_plot import plot_run
+from raytrain_ext.ops.run_series import recovery_phases
 from tests.helpers.runs import tiny_overrides
 
 _RUNS = {}
