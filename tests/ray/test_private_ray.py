@@ -22,7 +22,7 @@ def niceness(pid):  # every thread's: Linux keeps one per thread
     return sorted({os.getpriority(os.PRIO_PROCESS, t) for t in threads_of(pid)})
 found = {t: [niceness(p) for p in ps] for t, ps in pids.items()}
 monitor = processes["monitor"][0].process
-terminated = []  # Ray's shutdown terminates, then waits up to 1 s for, what still runs
+terminated = []  # what Ray's shutdown finds still running, it terminates and waits 1 s for
 monitor.terminate = lambda: terminated.append(monitor.pid)
 stop_private_ray()
 exits = {"monitor": monitor.returncode, "terminated_by_ray": terminated}
