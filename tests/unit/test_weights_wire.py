@@ -45,7 +45,7 @@ def through_the_object_store(wire):
     return pickle.loads(data, buffers=[memoryview(b) for b in stored])
 
 
-def test_weights_read_in_place_from_the_store_load_into_a_model_exactly():
+def test_weights_read_in_place_from_the_store_load_into_a_model_exactly(recwarn):
     model = torch.nn.Linear(3, 2).to(torch.bfloat16)
     state = {k: v.detach().clone() + 1 for k, v in model.state_dict().items()}
     arrived = through_the_object_store(to_wire(state))
@@ -54,6 +54,7 @@ def test_weights_read_in_place_from_the_store_load_into_a_model_exactly():
         for name, tensor in from_wire(arrived).items():
             model.get_parameter(name).copy_(tensor)
     assert all(torch.equal(model.state_dict()[k], state[k]) for k in state)
+    assert not [w for w in recwarn if "not writable" in str(w.message)]
 
 
 def test_a_scalar_arrives_as_a_scalar():
