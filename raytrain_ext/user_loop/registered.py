@@ -14,9 +14,13 @@ Invariants: a copy is taken only once every rank agreed on its report, so all co
 one report and one part of the state (``registered_state.Layout``: the whole for
 replicated state, a shard for FSDP/HSDP) are equal and any holder may send it.  A group
 starts from copies only when they are at least as new as the newest committed checkpoint
-and hold every part the group needs (:func:`live_start`), and only copies of the same run
-count.  What a copy holds never aliases the live objects: it is copied out at the report
-and copied in at the restore.
+and hold every part of the whole (:func:`live_start`), and only copies of the same run
+count.  Copies of FSDP/HSDP shards restore a group of another size too (a node lost, a
+node back): the parts are joined into whole tensors on every rank, which then keeps its
+own chunk, so a shrink or a grow redoes no report as long as each part has a live holder
+(HSDP's replicas; a pure FSDP rank's part dies with it, and the checkpoint has it).
+What a copy holds never aliases the live objects: it is copied out at the report and
+copied in at the restore.
 """
 
 from __future__ import annotations
@@ -36,8 +40,10 @@ from raytrain_ext.user_loop.registered_state import (
     check_registrable,
     install,
     layout_of,
+    sharded_leaves,
     state_of,
 )
+from raytrain_ext.user_loop.reshard import PartJoiner
 
 Positions = Dict[str, Tuple[int, int]]  # each dataset shard's (epoch, row)
 # (report index of this process's copy or -1, its positions, its part of the whole)
@@ -53,25 +59,30 @@ class Snapshot:
     positions: Positions
     layout: Layout
     state: Dict[str, Any]  # local shards, on the host
+    sharded: Any  # ``state``'s structure, True at each leaf that is a part of a whole tensor
     reusable: bool = True  # its buffers may take the next copy (a broadcast's may not: views)
 
 
 @dataclass(frozen=True)
 class LiveResume:
     """A group's start from live copies: their report index, the rank that sends each
-    part (``sources[i]`` sends part i) and the dataset positions of that report."""
+    part (``sources[i]`` sends part i), the dataset positions of that report and the
+    copies' layout (``cut``: a group of another layout joins the parts, then takes its
+    own; None for replicated copies, which load anywhere)."""
 
     index: int
     sources: Tuple[int, ...]
     positions: Positions
+    cut: Optional[Layout] = None
 
 
 def live_start(offers: List[Offer], committed: int, world: int) -> Optional[LiveResume]:
     """Where a group of ``world`` ranks starts when live processes hold copies: the newest
     report, each part sent by its lowest holder, when it is at least as new as the newest
     committed checkpoint (``committed``, 0 for none) and its copies hold every part of a
-    layout that loads into this group; None to start from that checkpoint.  Pure, and the
-    same on every rank."""
+    layout that loads into this group or joins into the whole state (``Layout.reshardable``:
+    FSDP/HSDP copies restore a group of another size); None to start from that
+    checkpoint.  Pure, and the same on every rank."""
     newest = max((index for index, _, _ in offers), default=-1)
     if newest <= 0 or newest < committed:
         return None
@@ -80,7 +91,7 @@ def live_start(offers: List[Offer], committed: int, world: int) -> Optional[Live
     first = layouts[0]
     if not all(first.same_cut(layout) for layout in layouts):
         return None
-    if not first.loads_into(world):
+    if not (first.loads_into(world) or first.reshardable):
         return None
     sources: Dict[int, int] = {}
     for rank, layout in held:
@@ -89,7 +100,8 @@ def live_start(offers: List[Offer], committed: int, world: int) -> Optional[Live
     if len(sources) < first.shards:
         return None  # a part died with its only holders: the checkpoint has it
     order = tuple(sources[part] for part in range(first.shards))
-    return LiveResume(newest, order, dict(offers[order[0]][1]))
+    cut = first if first.sharded else None
+    return LiveResume(newest, order, dict(offers[order[0]][1]), cut)
 
 
 @dataclass
@@ -114,38 +126,62 @@ class SnapshotKeeper:
         reuse = None
         if latest is not None and latest.run == run and latest.reusable:
             reuse = latest.state
-        state = snapshot(local_view(state_of(objects)), reuse)
+        live = state_of(objects)
+        state = snapshot(local_view(live), reuse)
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.current_stream().synchronize()  # GPU copies were queued; a restore reads them
-        self.latest = Snapshot(run, index, dict(positions), layout, state)
+        self.latest = Snapshot(run, index, dict(positions), layout, state, sharded_leaves(live))
 
     def resume(
         self, run: str, start: LiveResume, objects: Dict[str, Any], layout: Layout, group: Any
     ) -> Dict[str, Any]:
         """Every rank of ``group`` together: each part's holder sends its copy, every rank
-        loads its own part (``layout``'s) into ``objects`` and keeps it as its copy.  Returns
-        the restore record."""
+        loads its own part (``layout``'s) into ``objects`` and keeps it as its copy.  A
+        group of another layout than the copies' (``start.cut``: another size or cut)
+        joins the parts into the whole state on every rank, then cuts its own part from
+        it.  Returns the restore record."""
         started = time.perf_counter()
-        if layout.shards != len(start.sources):
+        cut = start.cut
+        joins = cut is not None and not (cut.same_cut(layout) and cut.loads_into(layout.world))
+        if (cut is not None and joins and not cut.reshardable) or (
+            not joins and layout.shards != len(start.sources)
+        ):
             raise ValueError(
                 f"register(): this group's state is cut in {layout.shards} parts, the copies "
                 f"it resumes from in {len(start.sources)}; build the same layout in every "
                 "group of the run"
             )
+        joiner = PartJoiner(cut, objects) if joins and cut is not None else None
         mine, moved = None, 0
         for part, src in enumerate(start.sources):  # one part at a time: its holders keep it
-            held = self.latest.state if dist.get_rank() == src and self.latest else None
-            state, nbytes = broadcast_tree(held, src, torch.device("cpu"), group)
+            held = None
+            if dist.get_rank() == src and self.latest is not None:
+                held = {"state": self.latest.state, "sharded": self.latest.sharded}
+            tree, nbytes = broadcast_tree(held, src, torch.device("cpu"), group)
             moved += nbytes
-            mine = state if part == layout.index else mine
+            if joiner is not None:  # this rank keeps the part's rows that are its own
+                joiner.add(part, tree["state"], tree["sharded"])
+            elif part == layout.index:
+                mine = tree["state"]
         sent = time.perf_counter()
-        assert mine is not None  # sources name every part, this rank's among them
-        install(objects, mine)
-        self.latest = Snapshot(run, start.index, dict(start.positions), layout, mine, False)
+        if joiner is not None:
+            install(objects, joiner.local())
+            self.latest = None  # its buffers are another layout's
+            self.take(run, start.index, start.positions, objects, layout)
+        else:
+            assert mine is not None  # sources name every part, this rank's among them
+            install(objects, mine)
+            sharded = sharded_leaves(state_of(objects))
+            self.latest = Snapshot(
+                run, start.index, dict(start.positions), layout, mine, sharded, False
+            )
         return {
             "step": start.index,
             "tier": "peers",
-            "source_rank": start.sources[layout.index],
+            # the rank that sent this rank's part; joined, every part's (resharded)
+            "source_rank": None if joins else start.sources[layout.index],
+            "sources": list(start.sources),
+            "resharded": joins,
             "bytes": moved,
             "total_s": time.perf_counter() - started,
             "phases": {"transfer": sent - started, "install": time.perf_counter() - sent},
@@ -180,8 +216,9 @@ class Registration:
 
     @property
     def resizable(self) -> bool:
-        """Registered state that loads at any world size (replicated, not sharded)."""
-        return self.layout is not None and not self.layout.sharded
+        """Registered state that loads at any world size: replicated, or sharded into
+        parts that join into the whole (FSDP/HSDP: ``Layout.reshardable``)."""
+        return self.layout is not None and self.layout.reshardable
 
     def register(self, objects: Dict[str, Any]) -> int:
         """Keep ``objects`` from now on; load the live copy the group starts from into them

@@ -5,19 +5,22 @@ loads at any world size), an optimizer, anything else with ``state_dict`` and
 ``load_state_dict`` (a scheduler), or a dict of plain values restored in place.  Sharded
 state (FSDP's or HSDP's DTensors) is kept as this rank's local shards with its
 :class:`Layout`, the part of the whole they are; it loads back into a group of the same
-layout, each shard wrapped again like the tensor it replaces.
+layout, each shard wrapped again like the tensor it replaces, and, when one mesh
+dimension shards every tensor along one tensor dimension (FSDP2 and HSDP do), into a
+group of any size or layout: the parts are joined into whole tensors and each rank keeps
+its own chunk of them (``user_loop.reshard``).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, List, Set, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import torch
 from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from raytrain_ext.checkpoint.state import snapshot
 from raytrain_ext.parallel.local_shards import module_state_like, optimizer_state_like
@@ -36,9 +39,17 @@ class Layout:
     shards: int = 1
     index: int = 0
     sharded: bool = False
+    # the tensor dimension the parts are cut along, when one mesh dimension cuts every
+    # sharded tensor (FSDP2, HSDP): the parts join into whole tensors; None: they do not
+    join_dim: Optional[int] = None
 
     def loads_into(self, world: int) -> bool:
         return not self.sharded or self.world == world
+
+    @property
+    def reshardable(self) -> bool:
+        """Its parts join into the whole state, which loads into any layout."""
+        return not self.sharded or self.join_dim is not None
 
     def same_cut(self, other: "Layout") -> bool:
         """Copies of one report that together make one whole (replicated copies taken at
@@ -48,7 +59,7 @@ class Layout:
         return not self.sharded or self.world == other.world
 
 
-def _unwrapped(obj: Any) -> Any:
+def unwrapped(obj: Any) -> Any:
     """A DDP-wrapped module's own module: its state has the same keys at any world size
     (``prepare_model`` wraps only when the group has more than one rank)."""
     return obj.module if isinstance(obj, nn.parallel.DistributedDataParallel) else obj
@@ -73,7 +84,7 @@ def check_registrable(objects: Dict[str, Any]) -> None:
 def state_of(objects: Dict[str, Any]) -> Dict[str, Any]:
     """The objects' states (references into the live objects, DTensors as they are)."""
     return {
-        name: dict(obj) if isinstance(obj, dict) else _unwrapped(obj).state_dict()
+        name: dict(obj) if isinstance(obj, dict) else unwrapped(obj).state_dict()
         for name, obj in objects.items()
     }
 
@@ -104,7 +115,15 @@ def layout_of(state: Dict[str, Any], world: int) -> Layout:
     index = 0
     for d, size in zip(dims, sizes, strict=True):
         index = index * size + coordinate[d]
-    return Layout(world, math.prod(sizes), index, sharded=True)
+    only = placements[dims[0]]
+    joins = len(dims) == 1 and type(only) is Shard
+    return Layout(world, math.prod(sizes), index, True, only.dim if joins else None)
+
+
+def sharded_leaves(state: Dict[str, Any]) -> Any:
+    """``state``'s structure with each leaf True where it is a DTensor: which leaves of a
+    rank's copy are its part of a whole tensor (``user_loop.reshard``)."""
+    return map_leaves(state, lambda v: isinstance(v, DTensor))
 
 
 def install(objects: Dict[str, Any], state: Dict[str, Any]) -> None:
@@ -119,7 +138,7 @@ def install(objects: Dict[str, Any], state: Dict[str, Any]) -> None:
         )
     for name, obj in objects.items():
         value = snapshot(state[name])
-        target = _unwrapped(obj)
+        target = unwrapped(obj)
         if isinstance(obj, dict):
             obj.clear()
             obj.update(value)

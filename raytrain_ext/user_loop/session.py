@@ -43,9 +43,10 @@ def stop_here(gathered: List[Tuple]) -> Optional[str]:
     """Whether the group stops at this report, and why: a pause or a preemption asked on
     any rank stops every rank at the next report that carries a checkpoint (nothing is
     then redone after the re-form), a preemption whose grace ran out at the next report.
-    A pause also stops at any report of a loop that registered replicated state (the
-    grown group takes it from the live processes; sharded state would not load into it);
-    a loop that does neither is never paused."""
+    A pause also stops at any report of a loop whose registered state loads at any size
+    (replicated, or FSDP/HSDP shards that join into the whole: the grown group takes it
+    from the live processes; other sharded state would not load into it); a loop that
+    does neither is never paused."""
     asked = [g[STOP] for g in gathered if g[STOP] is not None]
     checkpointed = any(g[HAS_CHECKPOINT] for g in gathered)
     if PREEMPT_NOW in asked:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import socket
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -100,6 +101,21 @@ def _rank_with_deadline(
 # 2 cores, ~60 times in this tier).  The server only imports (no threads, no process group),
 # so each rank still starts from a clean, single-threaded state.
 FORKSERVER_PRELOAD = ["torch", "transformers", "raytrain_ext.train.loop", "tests.helpers.dist"]
+
+
+def distinct_free_ports(count: int) -> List[int]:
+    """``count`` different free ports: each socket stays bound until all are chosen (two
+    ``free_port`` calls one after the other may get the same port back from the kernel)."""
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind(("127.0.0.1", 0))
+            sockets.append(sock)
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 def spawn_ranks(fn: Callable, args: tuple, nprocs: int, deadline_s: float = 240.0) -> None:

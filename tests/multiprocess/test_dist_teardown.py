@@ -9,9 +9,7 @@ exact sum of its members' contributions.
 
 import json
 import os
-import socket
 from pathlib import Path
-from typing import List
 
 import pytest
 import torch
@@ -19,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from raytrain_ext.worker.dist_env import destroy_distributed
-from tests.helpers.dist import init_local_rank, spawn_ranks
+from tests.helpers.dist import distinct_free_ports, init_local_rank, spawn_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -55,21 +53,6 @@ def _rank(rank: int, ports: list, out_dir: str) -> None:
     destroy_distributed()
     seen["initialized_after"] = dist.is_initialized()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(seen))
-
-
-def distinct_free_ports(count: int) -> List[int]:
-    """``count`` different free ports: each socket stays bound until all are chosen (two
-    ``free_port`` calls one after the other may get the same port back from the kernel)."""
-    sockets = []
-    try:
-        for _ in range(count):
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.bind(("127.0.0.1", 0))
-            sockets.append(sock)
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 def test_reform_other_sizes_in_the_same_processes(tmp_path):

@@ -6,6 +6,11 @@ taken as new (its copy gone) and every rank builds the model and optimizer again
 another seed: the group finds each shard held live (shard 1 on rank 3, rank 1's replica),
 each holder broadcasts its shard, and every rank's model and optimizer are the state of
 the report again, whole tensors equal to the bit.
+
+Then the copies restore groups of other sizes: the node of ranks 0 and 1 is lost and
+ranks 2 and 3 go on as FSDP over 2 ranks (each shard held by one survivor), and a fresh
+process joins them as FSDP over 3 ranks, whose chunks (16 rows as 6, 6 and 4; 4 rows as
+2, 2 and none) are cut from the joined whole.
 """
 
 import json
@@ -19,7 +24,7 @@ from raytrain_ext.user_loop.registered import SnapshotKeeper, live_start
 from raytrain_ext.user_loop.registered_state import layout_of, state_of
 from raytrain_ext.worker.dist_env import destroy_distributed
 from raytrain_ext.worker.rendezvous import free_port
-from tests.helpers.dist import init_local_rank, spawn_ranks
+from tests.helpers.dist import distinct_free_ports, init_local_rank, spawn_ranks
 
 
 def _hsdp_objects(mesh, seed: int) -> dict:
@@ -56,17 +61,23 @@ def _whole(objects: dict) -> dict:
     return out
 
 
-def _resume_after_a_lost_replica(rank: int, port: int, out_dir: str) -> None:
+def _hsdp_at_report_2(rank: int, port: int):
+    """Join the 4 ranks' group, train HSDP (2 replicas x 2 shards) 2 steps and copy the
+    state at report 2: the mesh, the objects, the keeper and the whole state there."""
     from torch.distributed.device_mesh import init_device_mesh
 
     init_local_rank(rank, 4, port)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    objects = _hsdp_objects(mesh, seed=0)
+    _train(objects, 2)
+    keeper = SnapshotKeeper()
+    keeper.take("run", 2, {"train": (0, 16)}, objects, layout_of(state_of(objects), 4))
+    return mesh, objects, keeper, _whole(objects)
+
+
+def _resume_after_a_lost_replica(rank: int, port: int, out_dir: str) -> None:
     try:
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-        objects = _hsdp_objects(mesh, seed=0)
-        _train(objects, 2)
-        keeper = SnapshotKeeper()
-        keeper.take("run", 2, {"train": (0, 16)}, objects, layout_of(state_of(objects), 4))
-        expected = _whole(objects)
+        mesh, objects, keeper, expected = _hsdp_at_report_2(rank, port)
         _train(objects, 1)  # the live objects move on; the copy stays at report 2
         if rank == 1:
             keeper = SnapshotKeeper()  # a new process: it holds nothing
@@ -94,12 +105,82 @@ def test_hsdp_shards_come_back_from_their_live_replicas(tmp_path):
     spawn_ranks(_resume_after_a_lost_replica, (free_port("127.0.0.1"), str(tmp_path)), nprocs=4)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
     assert [r["layout"] for r in results] == [
-        [4, 2, 0, True],
+        [4, 2, 0, True, 0],  # world, parts, part, sharded, the tensor dimension cut
         None,
-        [4, 2, 0, True],
-        [4, 2, 1, True],
+        [4, 2, 0, True, 0],
+        [4, 2, 1, True, 0],
     ]
     assert all(r["sources"] == [0, 3] for r in results)  # shard 1 from rank 1's replica
     assert [r["source_rank"] for r in results] == [0, 3, 0, 3]
     assert all(r["equal"] for r in results)
     assert all(r["progress"] == {"epoch": 2} and r["kept"] == 2 for r in results)
+
+
+def _fsdp_objects(world: int, seed: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, foreach=False)
+    return {"model": model, "optimizer": optimizer, "progress": {"epoch": 0}}
+
+
+def _regroup(keeper: SnapshotKeeper, rank: int, world: int, port: int) -> dict:
+    """Join a group of ``world`` ranks as ``rank``, build FSDP over all of it from another
+    seed and resume from the live copies; the whole state, the layout and the record."""
+    init_local_rank(rank, world, port)
+    offers: list = [None] * world
+    dist.all_gather_object(offers, keeper.offer("run"))
+    start = live_start(offers, committed=0, world=world)
+    fresh = _fsdp_objects(world, seed=7)
+    layout = layout_of(state_of(fresh), world)
+    record = keeper.resume("run", start, fresh, layout, group=None)
+    got = _whole(fresh)
+    local = {n: p.to_local().shape[0] for n, p in fresh["model"].named_parameters()}
+    progress = dict(fresh["progress"])
+    _train(fresh, 1)  # the restored objects train on
+    destroy_distributed()
+    return {"whole": got, "progress": progress, "record": record, "rows": local}
+
+
+def _shrink_then_grow(rank: int, ports: list, out_dir: str) -> None:
+    _, _, keeper, expected = _hsdp_at_report_2(rank, ports[0])
+    destroy_distributed()
+    results = {}
+    if rank >= 2:  # the node of ranks 0 and 1 is lost: 2 and 3 go on as ranks 0 and 1
+        results["shrunk"] = _regroup(keeper, rank - 2, 2, ports[1])
+    if rank != 1:  # rank 0's process comes back new, holding nothing, as rank 2
+        joining = SnapshotKeeper() if rank == 0 else keeper
+        results["grown"] = _regroup(joining, {0: 2, 2: 0, 3: 1}[rank], 3, ports[2])
+    summary = {
+        phase: {
+            "equal": all(torch.equal(expected[k], r["whole"][k]) for k in expected),
+            "progress": r["progress"],
+            "resharded": r["record"]["resharded"],
+            "sources": r["record"]["sources"],
+            "rows": r["rows"],
+        }
+        for phase, r in results.items()
+    }
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(summary))
+
+
+def test_fsdp_and_hsdp_copies_restore_a_shrunk_and_a_grown_group(tmp_path):
+    spawn_ranks(_shrink_then_grow, (distinct_free_ports(3), str(tmp_path)), nprocs=4)
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    assert results[1] == {}  # its node was lost and never came back
+    shrunk = [results[2]["shrunk"], results[3]["shrunk"]]
+    grown = [results[2]["grown"], results[3]["grown"], results[0]["grown"]]  # ranks 0, 1, 2
+    for phase in shrunk + grown:
+        assert phase["equal"] and phase["resharded"]
+        assert phase["progress"] == {"epoch": 2}
+    assert all(p["sources"] == [0, 1] for p in shrunk)  # shard 0 from old rank 2, 1 from 3
+    assert all(p["sources"] == [0, 1] for p in grown)  # the survivors' halves
+    assert [p["rows"]["0.weight"] for p in shrunk] == [8, 8]
+    assert [p["rows"]["0.weight"] for p in grown] == [6, 6, 4]
+    assert [p["rows"]["2.weight"] for p in grown] == [2, 2, 0]  # the third rank's chunk is empty

@@ -8,6 +8,7 @@ from torch import nn
 
 from raytrain_ext.user_loop.registered import LiveResume, Registration, SnapshotKeeper, live_start
 from raytrain_ext.user_loop.registered_state import Layout, install, layout_of, state_of
+from raytrain_ext.user_loop.reshard import PartJoiner
 
 
 def built(seed: int = 0):
@@ -110,8 +111,8 @@ def test_a_ddp_module_is_kept_by_its_own_keys():
         registration.register(sharded)
         registration.at_report(1, {})
         layout = registration.keeper.latest.layout
-        assert layout == Layout(1, 1, 0, sharded=True) and not layout.loads_into(2)
-        assert not registration.resizable  # a pause to grow waits for a checkpoint
+        assert layout == Layout(1, 1, 0, sharded=True, join_dim=0) and not layout.loads_into(2)
+        assert registration.resizable  # FSDP's parts join: a pause to grow needs no checkpoint
     finally:
         dist.destroy_process_group()
 
@@ -161,17 +162,24 @@ def test_a_group_starts_from_the_newest_live_copy_unless_a_checkpoint_is_newer()
     assert live_start(resized, committed=0, world=3) == LiveResume(7, (0,), at)
 
 
-def test_sharded_copies_restore_only_a_group_of_their_layout_with_every_shard_held():
-    """HSDP on 4 ranks (2 replicas x 2 shards): rank 1 lost, its shard comes from rank 3;
+def test_sharded_copies_restore_a_group_only_with_every_shard_held():
+    """HSDP on 4 ranks (2 replicas x 2 shards): rank 1 lost, its shard comes from rank 3,
+    into a group of any size when the shards join (``join_dim``), else only of its own;
     FSDP on 4 ranks (4 shards): rank 1's shard died with it, so the checkpoint has it."""
-    hsdp = [Layout(4, 2, i % 2, sharded=True) for i in range(4)]
-    offers = [(9, {}, layout) for layout in hsdp]
-    offers[1] = (-1, {}, None)
-    assert live_start(offers, committed=5, world=4).sources == (0, 3)
-    assert live_start(offers, committed=5, world=3) is None  # another size cuts other shards
-    fsdp = [(9, {}, Layout(4, 4, i, sharded=True)) for i in range(4)]
-    fsdp[1] = (-1, {}, None)
-    assert live_start(fsdp, committed=5, world=4) is None
+    for join_dim in (None, 0):
+        hsdp = [Layout(4, 2, i % 2, sharded=True, join_dim=join_dim) for i in range(4)]
+        offers = [(9, {}, layout) for layout in hsdp]
+        offers[1] = (-1, {}, None)
+        assert live_start(offers, committed=5, world=4).sources == (0, 3)
+        other_size = live_start(offers, committed=5, world=3)
+        if join_dim is None:
+            assert other_size is None  # its shards would not load into another cut
+        else:
+            assert other_size == LiveResume(9, (0, 3), {}, cut=hsdp[0])
+        fsdp = [(9, {}, Layout(4, 4, i, sharded=True, join_dim=join_dim)) for i in range(4)]
+        fsdp[1] = (-1, {}, None)
+        assert live_start(fsdp, committed=5, world=4) is None
+        assert live_start(fsdp, committed=5, world=3) is None
 
 
 def test_register_refuses_what_it_cannot_keep_and_a_group_that_forgot_it():
@@ -190,3 +198,23 @@ def test_register_refuses_what_it_cannot_keep_and_a_group_that_forgot_it():
         resumed.check_registered("report()")
     with pytest.raises(ValueError, match=r"registered \['model'\], the state it resumes holds"):
         install({"model": nn.Linear(1, 1)}, {"model": {}, "optimizer": {}})
+
+
+def test_parts_join_into_a_whole_tensor_row_by_row_whatever_their_count():
+    """The parts of an FSDP copy (``torch.chunk``'s pieces, an empty one past the end)
+    restore a group that holds whole tensors (one rank without FSDP): every row from the
+    part that has it, in any part count; leaves that were not sharded from part 0."""
+    torch.manual_seed(0)
+    source = nn.Linear(3, 4)
+    whole = {"model": {k: v.detach().clone() for k, v in source.state_dict().items()}}
+    for count in (2, 3, 5):
+        cut = Layout(count, count, 0, sharded=True, join_dim=0)
+        joiner = PartJoiner(cut, {"model": nn.Linear(3, 4)})
+        sharded = {"model": {"weight": True, "bias": True}}
+        pieces = {k: list(torch.chunk(v, count)) for k, v in whole["model"].items()}
+        for part in range(count):
+            rows = {k: c[part] if part < len(c) else c[0][:0] for k, c in pieces.items()}
+            joiner.add(part, {"model": rows}, sharded)
+        assert all(torch.equal(joiner.local()["model"][k], v) for k, v in whole["model"].items())
+    with pytest.raises(ValueError, match="not cut in parts that join"):
+        PartJoiner(Layout(2, 2, 0, sharded=True), {})
