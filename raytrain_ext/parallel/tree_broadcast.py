@@ -12,6 +12,7 @@ receivers get new tensors (on ``device``) shaped as the sender's.
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Tuple
 
@@ -103,3 +104,63 @@ def broadcast_tree(
     received = _broadcast_tensors(_placeholders(skeleton), tensors, src, device, group)
     sent = tensors if dist.get_rank() == src else received
     return _join(skeleton, sent), sum(t.numel() * t.element_size() for t in sent)
+
+
+def _swap(
+    outgoing: List[torch.Tensor],
+    incoming: List[torch.Tensor],
+    dst: int,
+    src: int,
+    group: Optional[dist.ProcessGroup],
+) -> None:
+    """Send ``outgoing`` to ``dst`` while receiving ``incoming`` from ``src``, in order."""
+    ops = [dist.P2POp(dist.isend, t, dst, group) for t in outgoing]
+    ops += [dist.P2POp(dist.irecv, t, src, group) for t in incoming]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+
+
+def exchange_tree(
+    value: Any,
+    dst: int,
+    src: int,
+    device: torch.device,
+    group: Optional[dist.ProcessGroup] = None,
+) -> Tuple[Any, int]:
+    """Send ``value`` to rank ``dst`` and receive rank ``src``'s, and the bytes received:
+    every rank of ``group`` calls it at once, the ``dst`` of all ranks a permutation (so
+    each receives exactly one value).  The skeleton travels pickled, then the tensors on
+    ``device`` coalesced into one flat buffer per dtype, as in :func:`broadcast_tree`."""
+    tensors: List[torch.Tensor] = []
+    skeleton = _split(value, tensors, device)
+    blob = torch.frombuffer(bytearray(pickle.dumps(skeleton)), dtype=torch.uint8)
+    size = torch.empty(1, dtype=torch.int64)
+    _swap([torch.tensor([blob.numel()], dtype=torch.int64)], [size], dst, src, group)
+    theirs_blob = torch.empty(int(size.item()), dtype=torch.uint8)
+    _swap([blob], [theirs_blob], dst, src, group)
+    theirs = pickle.loads(theirs_blob.numpy().tobytes())
+    mine, wanted = _placeholders(skeleton), _placeholders(theirs)
+    dtypes = sorted({p.dtype for p in mine} | {p.dtype for p in wanted}, key=str)
+    outgoing = [
+        _flatten_dense_tensors([tensors[p.index].detach() for p in mine if p.dtype == dtype])
+        for dtype in dtypes
+        if any(p.dtype == dtype for p in mine)
+    ]
+    flats = {
+        dtype: torch.empty(
+            sum(int(torch.Size(p.shape).numel()) for p in wanted if p.dtype == dtype),
+            dtype=dtype,
+            device=device,
+        )
+        for dtype in dtypes
+        if any(p.dtype == dtype for p in wanted)
+    }
+    _swap(outgoing, list(flats.values()), dst, src, group)
+    received: List[Optional[torch.Tensor]] = [None] * len(wanted)
+    for dtype, flat in flats.items():
+        members = [p for p in wanted if p.dtype == dtype]
+        shaped = [torch.empty(p.shape, dtype=dtype, device="meta") for p in members]
+        for p, t in zip(members, _unflatten_dense_tensors(flat, shaped), strict=True):
+            received[p.index] = t
+    got = [t for t in received if t is not None]
+    return _join(theirs, received), sum(t.numel() * t.element_size() for t in got)

@@ -31,7 +31,7 @@ def get_checkpoint() -> Optional[Checkpoint]:
     return current_session("get_checkpoint").get_checkpoint()
 
 
-def register(**objects: Any) -> int:
+def register(*, copy_to_peer: bool = False, **objects: Any) -> int:
     """Hand the loop's state to the framework (not in Ray Train): ``register(model=model,
     optimizer=optimizer, lr_scheduler=..., progress={"epoch": 0, ...})``, every value a
     module (DDP-wrapped or not), anything with ``state_dict``/``load_state_dict``, or a dict
@@ -43,12 +43,14 @@ def register(**objects: Any) -> int:
     a failure or a resize loads the newest copy a live process holds into them (nothing
     redone but the interval the failure struck in) instead of resuming from the newest
     checkpoint.  Replicated state (DDP, one rank) loads at any world size; state sharded
-    by FSDP or HSDP (one mesh) loads into a group of the same size whose every shard a live
-    process holds (HSDP: another replica's rank), else the group resumes from the
-    checkpoint.  A run restarted from storage has no live copy: it resumes from
-    ``get_checkpoint`` as before, so keep reporting checkpoints for that and load them
-    before calling ``register``, whose restore of a newer live copy overwrites them."""
-    return current_session("register").register(objects)
+    by FSDP or HSDP (one mesh) loads into a group of any size when a live process holds
+    every shard (HSDP: another replica's rank; with ``copy_to_peer=True``, which sends each
+    rank's copy to a rank on another node at every report, also pure FSDP's), else the
+    group resumes from the checkpoint.  A run restarted from storage has no live copy: it
+    resumes from ``get_checkpoint`` as before, so keep reporting checkpoints for that and
+    load them before calling ``register``, whose restore of a newer live copy overwrites
+    them."""
+    return current_session("register").register(objects, copy_to_peer)
 
 
 def get_context() -> TrainContext:

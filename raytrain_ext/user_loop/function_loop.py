@@ -24,21 +24,25 @@ import tempfile
 import time
 import traceback
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+import torch
 import torch.distributed as dist
 
 from raytrain_ext.checkpoint.manager import REQUEST_EMERGENCY, SaveRequests
 from raytrain_ext.data.row_input import reader_name
 from raytrain_ext.errors.text import is_peer_loss
 from raytrain_ext.messages import FitResult, StepReport
+from raytrain_ext.parallel.tree_broadcast import exchange_tree
 from raytrain_ext.user_loop.checkpoint import Checkpoint
 from raytrain_ext.user_loop.dataset_shard import DatasetShard
 from raytrain_ext.user_loop.held_reports import HeldReport, HeldReports
 from raytrain_ext.user_loop.loop_function import LoopFunction
 from raytrain_ext.user_loop.registered import (
     Offer,
+    PeerOffer,
     Registration,
+    peer_ranks,
     process_snapshots,
 )
 from raytrain_ext.user_loop.report_log import LoggedReport, merged, process_report_log
@@ -125,8 +129,9 @@ class FunctionLoop:
         drain(self.cfg.parallel.timeout_s / 4)
         uploader.abandon(self.cfg.parallel.timeout_s / 4)
         keeper, run = process_snapshots(), self.spec.storage.root
-        offers = self._all_gather(keeper.offer(run), group)
-        start = self._starting_point(group, offers)
+        mine = (keeper.offer(run), keeper.peer_offer(run), self.env.node_rank)
+        offers, peers, nodes = zip(*self._all_gather(mine, group), strict=True)
+        start = self._starting_point(group, list(offers), list(peers))
         self._settle(group, start, uploader)
         self._replay(group, run, start.index)
         index, group_id = start.index, start.group_id
@@ -138,6 +143,7 @@ class FunctionLoop:
             keeper,
             lambda at, objects, layout: keeper.resume(run, at, objects, layout, group),
             self.env.world_size,
+            self._peer_exchange(nodes, group),
         )
         session = LoopSession(
             self._context(),
@@ -191,7 +197,15 @@ class FunctionLoop:
         deadline = self.requests.deadline
         return 0.0 if deadline is None else max(0.0, deadline - time.time())
 
-    def _starting_point(self, group, offers: List[Offer]) -> Start:
+    def _peer_exchange(self, nodes: Sequence[int], group) -> Optional[Callable]:
+        """The group's exchange of copies with peer ranks (``register(copy_to_peer=True)``),
+        None for a group of one."""
+        if len(nodes) < 2:
+            return None
+        dst, src = peer_ranks(nodes, self.env.rank)
+        return lambda tree: exchange_tree(tree, dst, src, torch.device("cpu"), group)
+
+    def _starting_point(self, group, offers: List[Offer], peers: List[PeerOffer]) -> Start:
         """Where this group starts, the same on every rank (``starting_point``); a held
         report's files are written here on every rank, and when any rank cannot read them
         every rank starts from storage's newest instead."""
@@ -200,7 +214,9 @@ class FunctionLoop:
         if self.env.rank == 0:
             spec = self.spec
             found = [
-                choose_start(spec.storage, self.held, offers, self.env.world_size, spec.resume_from)
+                choose_start(
+                    spec.storage, self.held, offers, self.env.world_size, spec.resume_from, peers
+                )
             ]
         dist.broadcast_object_list(found, src=0, group=group)
         start: Start = found[0]
@@ -210,7 +226,7 @@ class FunctionLoop:
             if all(self._all_gather(checkpoint is not None, group)):
                 start, tier = replace(start, checkpoint=checkpoint), "memory"
             else:
-                start = fall_back(start, offers, self.env.world_size)
+                start = fall_back(start, offers, self.env.world_size, peers)
         self.build_marks["restored_at"] = time.time()
         if start.index and start.live is None:
             self.restored = {"step": start.index, "tier": tier, "total_s": time.time() - started}

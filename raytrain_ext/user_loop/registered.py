@@ -26,8 +26,9 @@ copied in at the restore.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -48,6 +49,9 @@ from raytrain_ext.user_loop.reshard import PartJoiner
 Positions = Dict[str, Tuple[int, int]]  # each dataset shard's (epoch, row)
 # (report index of this process's copy or -1, its positions, its part of the whole)
 Offer = Tuple[int, Positions, Optional[Layout]]
+# (report index, part) of the copy of another rank's part this process holds
+# (``register(copy_to_peer=True)``), or None
+PeerOffer = Optional[Tuple[int, int]]
 
 
 @dataclass
@@ -76,13 +80,17 @@ class LiveResume:
     cut: Optional[Layout] = None
 
 
-def live_start(offers: List[Offer], committed: int, world: int) -> Optional[LiveResume]:
+def live_start(
+    offers: List[Offer], committed: int, world: int, peers: Sequence[PeerOffer] = ()
+) -> Optional[LiveResume]:
     """Where a group of ``world`` ranks starts when live processes hold copies: the newest
     report, each part sent by its lowest holder, when it is at least as new as the newest
     committed checkpoint (``committed``, 0 for none) and its copies hold every part of a
     layout that loads into this group or joins into the whole state (``Layout.reshardable``:
-    FSDP/HSDP copies restore a group of another size); None to start from that
-    checkpoint.  Pure, and the same on every rank."""
+    FSDP/HSDP copies restore a group of another size); a part no live rank holds as its
+    own may come from a rank that holds a copy of it (``peers``: each rank's
+    :data:`PeerOffer`).  None to start from that checkpoint.  Pure, and the same on every
+    rank."""
     newest = max((index for index, _, _ in offers), default=-1)
     if newest <= 0 or newest < committed:
         return None
@@ -97,19 +105,63 @@ def live_start(offers: List[Offer], committed: int, world: int) -> Optional[Live
     for rank, layout in held:
         if layout is not None:
             sources.setdefault(layout.index, rank)
+    for rank, peer in enumerate(peers):
+        if peer is not None and peer[0] == newest and peer[1] < first.shards:
+            sources.setdefault(peer[1], rank)
     if len(sources) < first.shards:
         return None  # a part died with its only holders: the checkpoint has it
     order = tuple(sources[part] for part in range(first.shards))
     cut = first if first.sharded else None
-    return LiveResume(newest, order, dict(offers[order[0]][1]), cut)
+    return LiveResume(newest, order, dict(offers[held[0][0]][1]), cut)
+
+
+def peer_ranks(nodes: Sequence[int], rank: int) -> Tuple[int, int]:
+    """The rank this rank sends its copy to and the one it receives a copy from, given
+    each rank's node (``nodes``; ranks are numbered node by node): a cyclic shift by the
+    most ranks one node has, so each copy lands on another node where the nodes' sizes
+    allow, by one on a single node.  A shift is a permutation: each rank holds one copy
+    of another's part."""
+    world = len(nodes)
+    shift = max(Counter(nodes).values())
+    if shift >= world:
+        shift = 1
+    return (rank + shift) % world, (rank - shift) % world
 
 
 @dataclass
 class SnapshotKeeper:
     """This process's newest copy, kept across its groups (they come and go; the process
-    and this keeper stay)."""
+    and this keeper stay), and with ``register(copy_to_peer=True)`` the copy of another
+    rank's part (``peer``) it received at the same report."""
 
     latest: Optional[Snapshot] = None
+    peer: Optional[Snapshot] = None
+
+    def peer_offer(self, run: str) -> PeerOffer:
+        """(report index, part) of the peer copy this process holds for ``run``, or None."""
+        if self.peer is None or self.peer.run != run:
+            return None
+        return self.peer.index, self.peer.layout.index
+
+    def take_peer(self, exchange: Callable[[Any], Any]) -> int:
+        """After :meth:`take`: send this rank's copy to its peer and keep the one its own
+        peer sends (``exchange``: the group's permutation, ``tree_broadcast.exchange_tree``);
+        returns the bytes received.  No offer of a peer copy while it is replaced."""
+        own, self.peer = self.latest, None
+        assert own is not None, "take() first"
+        sent = {"state": own.state, "sharded": own.sharded, "layout": own.layout}
+        got, nbytes = exchange({**sent, "index": own.index})
+        self.peer = Snapshot(
+            own.run, got["index"], own.positions, got["layout"], got["state"], got["sharded"], False
+        )
+        return nbytes
+
+    def _copy_of(self, part: int, index: int) -> Optional[Dict[str, Any]]:
+        """This process's copy of ``part`` at report ``index`` (its own or its peer copy)."""
+        for copy in (self.latest, self.peer):
+            if copy is not None and copy.index == index and copy.layout.index == part:
+                return {"state": copy.state, "sharded": copy.sharded}
+        return None
 
     def offer(self, run: str) -> Offer:
         """(report index, positions, layout) of this run's copy; (-1, {}, None) without."""
@@ -154,9 +206,7 @@ class SnapshotKeeper:
         joiner = PartJoiner(cut, objects) if joins and cut is not None else None
         mine, moved = None, 0
         for part, src in enumerate(start.sources):  # one part at a time: its holders keep it
-            held = None
-            if dist.get_rank() == src and self.latest is not None:
-                held = {"state": self.latest.state, "sharded": self.latest.sharded}
+            held = self._copy_of(part, start.index) if dist.get_rank() == src else None
             tree, nbytes = broadcast_tree(held, src, torch.device("cpu"), group)
             moved += nbytes
             if joiner is not None:  # this rank keeps the part's rows that are its own
@@ -164,6 +214,7 @@ class SnapshotKeeper:
             elif part == layout.index:
                 mine = tree["state"]
         sent = time.perf_counter()
+        self.peer = None  # another layout's part, or this one's: the next report sends anew
         if joiner is not None:
             install(objects, joiner.local())
             self.latest = None  # its buffers are another layout's
@@ -192,7 +243,8 @@ class Registration:
     """One group's side of ``register``: what its function registered, and where it starts
     (``start``: a live copy, or None to start from ``start_index``'s checkpoint).
     ``resume(start, objects, layout)``: the collective that loads the live copies on every
-    rank; ``world``: the group's size."""
+    rank; ``world``: the group's size; ``exchange``: the group's peer permutation for
+    ``register(copy_to_peer=True)`` (``SnapshotKeeper.take_peer``), None for one rank."""
 
     def __init__(
         self,
@@ -202,9 +254,12 @@ class Registration:
         keeper: SnapshotKeeper,
         resume: Callable[[LiveResume, Dict[str, Any], Layout], Dict[str, Any]],
         world: int,
+        exchange: Optional[Callable[[Any], Tuple[Any, int]]] = None,
     ):
         self.run, self.start_index, self.start = run, start_index, start
         self.keeper, self._resume, self.world = keeper, resume, world
+        self._exchange = exchange
+        self.copy_to_peer = False  # each report's copy also sent to the peer rank
         self.objects: Optional[Dict[str, Any]] = None
         self.layout: Optional[Layout] = None  # the part of the whole the objects hold
         self.restored: Optional[Dict[str, Any]] = None  # the live copy's restore record
@@ -220,10 +275,11 @@ class Registration:
         parts that join into the whole (FSDP/HSDP: ``Layout.reshardable``)."""
         return self.layout is not None and self.layout.reshardable
 
-    def register(self, objects: Dict[str, Any]) -> int:
+    def register(self, objects: Dict[str, Any], copy_to_peer: bool = False) -> int:
         """Keep ``objects`` from now on; load the live copy the group starts from into them
-        (every rank calls it at the same point of its function).  Returns the number of
-        reports already made."""
+        (every rank calls it at the same point of its function, with the same
+        ``copy_to_peer``: sharded state's copy is also sent to a peer rank at each report,
+        so a part outlives its rank).  Returns the number of reports already made."""
         if self.objects is not None:
             raise RuntimeError(
                 "register() was called twice in this group; call it once, after building "
@@ -234,6 +290,7 @@ class Registration:
         if self.start is not None:
             self.restored = self._resume(self.start, objects, layout)
         self.objects, self.layout = dict(objects), layout
+        self.copy_to_peer = copy_to_peer and layout.sharded and self._exchange is not None
         return self.start_index
 
     def check_registered(self, what: str) -> None:
@@ -254,6 +311,8 @@ class Registration:
             started = time.perf_counter()
             at = {name: (int(epoch), int(row)) for name, (epoch, row) in positions.items()}
             self.keeper.take(self.run, index, at, self.objects, self.layout)
+            if self.copy_to_peer and self._exchange is not None:
+                self.keeper.take_peer(self._exchange)
             self.copy_s.append(time.perf_counter() - started)
 
 

@@ -237,8 +237,8 @@ class LoopSession:
             )
         return self._datasets[name]
 
-    def register(self, objects: Dict[str, Any]) -> int:
-        return self.registration.register(objects)
+    def register(self, objects: Dict[str, Any], copy_to_peer: bool = False) -> int:
+        return self.registration.register(objects, copy_to_peer)
 
     def finish(self) -> None:
         """The function returned: agree that every rank did, at the same report."""

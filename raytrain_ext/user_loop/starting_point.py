@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, replace
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from raytrain_ext.user_loop.checkpoint import Checkpoint
 from raytrain_ext.user_loop.dataset_shard import positions_of
 from raytrain_ext.user_loop.held_reports import HeldReport, HeldReports
-from raytrain_ext.user_loop.registered import LiveResume, Offer, live_start
+from raytrain_ext.user_loop.registered import LiveResume, Offer, PeerOffer, live_start
 from raytrain_ext.user_loop.storage import RunStorage
 
 Positions = Dict[str, Tuple[int, int]]
@@ -51,12 +51,14 @@ class Start:
         )
 
 
-def fall_back(start: Start, offers: List[Offer], world_size: int) -> Start:
+def fall_back(
+    start: Start, offers: List[Offer], world_size: int, peers: Sequence[PeerOffer] = ()
+) -> Start:
     """``start`` with its held report given up (unreadable on some rank): storage's newest,
     or the live copies when they are newer (the same ``offers`` on every rank, so the same
     choice)."""
     stored = start.from_storage()
-    live = live_start(offers, stored.committed, world_size)
+    live = live_start(offers, stored.committed, world_size, peers)
     if live is None:
         return stored
     return replace(stored, index=live.index, positions=live.positions, live=live)
@@ -68,6 +70,7 @@ def choose_start(
     offers: List[Offer],
     world_size: int,
     resume_from: Optional[Checkpoint],
+    peers: Sequence[PeerOffer] = (),
 ) -> Start:
     """Rank 0's choice (module doc); a new group id with it."""
     latest = storage.latest()
@@ -79,7 +82,7 @@ def choose_start(
     held = None if held_reports is None else held_reports.newest()
     if held is not None and held.index <= committed:
         held = None
-    live = live_start(offers, committed if held is None else held.index, world_size)
+    live = live_start(offers, committed if held is None else held.index, world_size, peers)
     if live is not None:
         return replace(base, index=live.index, positions=live.positions, live=live)
     if held is not None:

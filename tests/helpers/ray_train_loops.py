@@ -77,22 +77,36 @@ def registered_loop(config):
     """The quick start handing its state to ``raytrain_ext.train.register`` (SGD with
     momentum, so the optimizer has state; the epoch in a progress dict) and reporting every
     epoch with no checkpoint at all: a re-formed group goes on from the newest report a
-    live process holds."""
+    live process holds.  ``config["fsdp"]``: the model sharded by FSDP2 over every rank
+    instead of DDP, each rank's copy also sent to a peer (``copy_to_peer``)."""
     train, train_torch, _ = api(config)
     torch.manual_seed(0)
-    model = train_torch.prepare_model(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)))
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    fsdp = bool(config.get("fsdp"))
+    model = _fully_sharded(model, train) if fsdp else train_torch.prepare_model(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
     loader = train_torch.prepare_data_loader(
         DataLoader(synthetic_data(), batch_size=16, shuffle=True)
     )
     progress = {"epoch": 0}
-    train.register(model=model, optimizer=optimizer, progress=progress)
+    train.register(model=model, optimizer=optimizer, progress=progress, copy_to_peer=fsdp)
     while progress["epoch"] < config["epochs"]:
         epoch = progress["epoch"]
         loader.sampler.set_epoch(epoch)
         loss = _epoch(model, optimizer, loader, config)
         progress["epoch"] = epoch + 1
         train.report({"epoch": epoch, "loss": loss, "pid": os.getpid()})
+
+
+def _fully_sharded(model: nn.Module, train) -> nn.Module:
+    """``model`` under FSDP2 over every rank of the group (each layer, then the whole)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (train.get_context().get_world_size(),))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
 
 
 def _epoch(model: nn.Module, optimizer, loader, config) -> float:

@@ -13,6 +13,8 @@ process joins them as FSDP over 3 ranks, whose chunks (16 rows as 6, 6 and 4; 4 
 2, 2 and none) are cut from the joined whole.
 """
 
+import copy
+import functools
 import json
 from pathlib import Path
 
@@ -20,7 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from raytrain_ext.user_loop.registered import SnapshotKeeper, live_start
+from raytrain_ext.parallel.tree_broadcast import exchange_tree
+from raytrain_ext.user_loop.registered import Registration, SnapshotKeeper, live_start, peer_ranks
 from raytrain_ext.user_loop.registered_state import layout_of, state_of
 from raytrain_ext.worker.dist_env import destroy_distributed
 from raytrain_ext.worker.rendezvous import free_port
@@ -136,7 +139,9 @@ def _regroup(keeper: SnapshotKeeper, rank: int, world: int, port: int) -> dict:
     init_local_rank(rank, world, port)
     offers: list = [None] * world
     dist.all_gather_object(offers, keeper.offer("run"))
-    start = live_start(offers, committed=0, world=world)
+    peers: list = [None] * world
+    dist.all_gather_object(peers, keeper.peer_offer("run"))
+    start = live_start(offers, committed=0, world=world, peers=peers)
     fresh = _fsdp_objects(world, seed=7)
     layout = layout_of(state_of(fresh), world)
     record = keeper.resume("run", start, fresh, layout, group=None)
@@ -184,3 +189,48 @@ def test_fsdp_and_hsdp_copies_restore_a_shrunk_and_a_grown_group(tmp_path):
     assert [p["rows"]["0.weight"] for p in shrunk] == [8, 8]
     assert [p["rows"]["0.weight"] for p in grown] == [6, 6, 4]
     assert [p["rows"]["2.weight"] for p in grown] == [2, 2, 0]  # the third rank's chunk is empty
+
+
+def _pure_fsdp_with_peer_copies(rank: int, ports: list, out_dir: str) -> None:
+    init_local_rank(rank, 3, ports[0])
+    objects = _fsdp_objects(3, seed=0)
+    _train(objects, 2)
+    keeper = SnapshotKeeper()
+    dst, src = peer_ranks([0, 0, 0], rank)  # one node: each rank's copy to the next
+    exchange = functools.partial(exchange_tree, dst=dst, src=src, device=torch.device("cpu"))
+    registration = Registration("run", 0, None, keeper, resume=None, world=3, exchange=exchange)
+    registration.register(objects, copy_to_peer=True)
+    registration.at_report(2, {"train": [0, 16]})
+    expected = _whole(objects)
+    destroy_distributed()
+    before_replacing = copy.deepcopy(keeper)
+    results = {"peer": keeper.peer_offer("run")}
+    fresh = SnapshotKeeper() if rank == 1 else keeper  # rank 1's process is replaced
+    results["replaced"] = _regroup(fresh, rank, 3, ports[1])
+    if rank != 1:  # or its node is lost: ranks 0 and 2 go on as ranks 0 and 1
+        results["shrunk"] = _regroup(before_replacing, {0: 0, 2: 1}[rank], 2, ports[2])
+    summary = {
+        phase: r
+        if phase == "peer"
+        else {
+            "equal": all(torch.equal(expected[k], r["whole"][k]) for k in expected),
+            "resharded": r["record"]["resharded"],
+            "sources": r["record"]["sources"],
+        }
+        for phase, r in results.items()
+    }
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(summary))
+
+
+def test_pure_fsdp_parts_outlive_their_rank_with_copies_on_peers(tmp_path):
+    """FSDP over 3 ranks, ``register(copy_to_peer=True)``: each rank also holds the next
+    one's part (rank 0 holds part 2, rank 2 part 1).  Rank 1 lost: its part comes from rank
+    2's peer copy, to a replacement process in place (same cut) and to a group of the two
+    survivors (joined into halves); every tensor equal to the report's."""
+    spawn_ranks(_pure_fsdp_with_peer_copies, (distinct_free_ports(3), str(tmp_path)), nprocs=3)
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
+    assert [r["peer"] for r in results] == [[2, 2], [2, 0], [2, 1]]  # (report, part held)
+    for r in results:
+        assert r["replaced"] == {"equal": True, "resharded": False, "sources": [0, 2, 2]}
+    for r in (results[0], results[2]):
+        assert r["shrunk"] == {"equal": True, "resharded": True, "sources": [0, 1, 1]}

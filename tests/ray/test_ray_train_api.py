@@ -213,13 +213,15 @@ def test_a_sigkill_and_a_restarted_run_resume_the_dataset_shard_where_the_checkp
 
 @pytest.mark.slow
 @pytest.mark.chaos
-def test_a_registered_loop_heals_from_its_live_peer_with_nothing_redone(ray_local, tmp_path):
+@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp-copy-to-peer"])
+def test_a_registered_loop_heals_from_its_live_peer_with_nothing_redone(ray_local, tmp_path, fsdp):
     """A loop that registers its model, optimizer and progress and never checkpoints:
     SIGKILL rank 1's process from outside mid-run.  The new group takes the state rank 0
     copied at its last report (``restored_from`` peers), goes on after that report (no
     epoch reported twice, none skipped), rank 0 keeps its process, and the final loss is
-    the uninterrupted run's to the bit."""
-    config = {"epochs": 8}
+    the uninterrupted run's to the bit.  Under FSDP, rank 1's half of the state died with
+    it: rank 0 holds a copy of it (``register(copy_to_peer=True)``)."""
+    config = {"epochs": 8, "fsdp": fsdp}
     reference = fit(OURS, tmp_path, "reference", registered_loop, config=config)
     run = trainer(
         OURS, tmp_path, "killed", registered_loop, config={**config, "step_sleep_s": 0.03},

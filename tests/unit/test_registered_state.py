@@ -6,7 +6,13 @@ import pytest
 import torch
 from torch import nn
 
-from raytrain_ext.user_loop.registered import LiveResume, Registration, SnapshotKeeper, live_start
+from raytrain_ext.user_loop.registered import (
+    LiveResume,
+    Registration,
+    SnapshotKeeper,
+    live_start,
+    peer_ranks,
+)
 from raytrain_ext.user_loop.registered_state import Layout, install, layout_of, state_of
 from raytrain_ext.user_loop.reshard import PartJoiner
 
@@ -218,3 +224,17 @@ def test_parts_join_into_a_whole_tensor_row_by_row_whatever_their_count():
         assert all(torch.equal(joiner.local()["model"][k], v) for k, v in whole["model"].items())
     with pytest.raises(ValueError, match="not cut in parts that join"):
         PartJoiner(Layout(2, 2, 0, sharded=True), {})
+
+
+def test_peer_copies_go_to_another_node_and_fill_a_part_no_rank_holds_as_its_own():
+    assert [peer_ranks([0, 0, 1, 1], r) for r in range(4)] == [(2, 2), (3, 3), (0, 0), (1, 1)]
+    assert [peer_ranks([0, 0, 0], r) for r in range(3)] == [(1, 2), (2, 0), (0, 1)]
+    assert [peer_ranks([0, 0, 1], r)[0] for r in range(3)] == [2, 0, 1]  # a permutation
+    assert peer_ranks([0], 0) == (0, 0)
+    fsdp = [(9, {}, Layout(4, 4, i, sharded=True, join_dim=0)) for i in range(4)]
+    fsdp[1] = (-1, {}, None)  # rank 1 lost; rank 2 holds its part (rank 1 sent it there)
+    peers = [(9, 3), None, (9, 1), (9, 2)]
+    assert live_start(fsdp, committed=5, world=4, peers=peers).sources == (0, 2, 2, 3)
+    assert live_start(fsdp, committed=5, world=3, peers=peers).cut == fsdp[0][2]
+    older = [(8, 3), None, (8, 1), (8, 2)]  # copies of an earlier report do not count
+    assert live_start(fsdp, committed=5, world=4, peers=older) is None
