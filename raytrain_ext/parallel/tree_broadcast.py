@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pickle
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -120,17 +120,34 @@ def _swap(
         work.wait()
 
 
+def _flat_into(
+    kept: Dict[Any, torch.Tensor], key: Any, tensors: List[torch.Tensor]
+) -> torch.Tensor:
+    """``tensors`` concatenated into one flat buffer, the one ``kept[key]`` holds when its
+    size fits (written over: no fresh pages to fault in), else a new one kept there."""
+    numel = sum(t.numel() for t in tensors)
+    flat = kept.get(key)
+    if flat is None or flat.numel() != numel or flat.device != tensors[0].device:
+        flat = kept[key] = torch.empty(numel, dtype=tensors[0].dtype, device=tensors[0].device)
+    torch.cat([t.detach().reshape(-1) for t in tensors], out=flat)
+    return flat
+
+
 def exchange_tree(
     value: Any,
     dst: int,
     src: int,
     device: torch.device,
     group: Optional[dist.ProcessGroup] = None,
+    buffers: Optional[Dict[torch.dtype, torch.Tensor]] = None,
 ) -> Tuple[Any, int]:
     """Send ``value`` to rank ``dst`` and receive rank ``src``'s, and the bytes received:
     every rank of ``group`` calls it at once, the ``dst`` of all ranks a permutation (so
     each receives exactly one value).  The skeleton travels pickled, then the tensors on
-    ``device`` coalesced into one flat buffer per dtype, as in :func:`broadcast_tree`."""
+    ``device`` coalesced into one flat buffer per dtype, as in :func:`broadcast_tree`.
+    ``buffers``: the flat buffers an earlier call sent from and received into, written
+    over when their size fits (the tensors it returned are views of them) and replaced in
+    the dict when not, so a repeated exchange of one layout touches no fresh memory."""
     tensors: List[torch.Tensor] = []
     skeleton = _split(value, tensors, device)
     blob = torch.frombuffer(bytearray(pickle.dumps(skeleton)), dtype=torch.uint8)
@@ -141,20 +158,20 @@ def exchange_tree(
     theirs = pickle.loads(theirs_blob.numpy().tobytes())
     mine, wanted = _placeholders(skeleton), _placeholders(theirs)
     dtypes = sorted({p.dtype for p in mine} | {p.dtype for p in wanted}, key=str)
+    kept = {} if buffers is None else buffers
     outgoing = [
-        _flatten_dense_tensors([tensors[p.index].detach() for p in mine if p.dtype == dtype])
+        _flat_into(kept, ("out", dtype), [tensors[p.index] for p in mine if p.dtype == dtype])
         for dtype in dtypes
         if any(p.dtype == dtype for p in mine)
     ]
-    flats = {
-        dtype: torch.empty(
-            sum(int(torch.Size(p.shape).numel()) for p in wanted if p.dtype == dtype),
-            dtype=dtype,
-            device=device,
-        )
-        for dtype in dtypes
-        if any(p.dtype == dtype for p in wanted)
-    }
+    flats: Dict[torch.dtype, torch.Tensor] = {}
+    for dtype in dtypes:
+        numel = sum(int(torch.Size(p.shape).numel()) for p in wanted if p.dtype == dtype)
+        if numel == 0:
+            continue
+        old = kept.get(dtype)
+        fits = old is not None and old.numel() == numel and old.device == device
+        flats[dtype] = kept[dtype] = old if fits else torch.empty(numel, dtype=dtype, device=device)
     _swap(outgoing, list(flats.values()), dst, src, group)
     received: List[Optional[torch.Tensor]] = [None] * len(wanted)
     for dtype, flat in flats.items():

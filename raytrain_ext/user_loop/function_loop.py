@@ -203,7 +203,9 @@ class FunctionLoop:
         if len(nodes) < 2:
             return None
         dst, src = peer_ranks(nodes, self.env.rank)
-        return lambda tree: exchange_tree(tree, dst, src, torch.device("cpu"), group)
+        return lambda tree, buffers: exchange_tree(
+            tree, dst, src, torch.device("cpu"), group, buffers
+        )
 
     def _starting_point(self, group, offers: List[Offer], peers: List[PeerOffer]) -> Start:
         """Where this group starts, the same on every rank (``starting_point``); a held

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -136,6 +136,8 @@ class SnapshotKeeper:
 
     latest: Optional[Snapshot] = None
     peer: Optional[Snapshot] = None
+    # the flat buffers the peer copy was received into, by dtype (``exchange_tree``)
+    peer_buffers: Dict[Any, torch.Tensor] = field(default_factory=dict)
 
     def peer_offer(self, run: str) -> PeerOffer:
         """(report index, part) of the peer copy this process holds for ``run``, or None."""
@@ -143,14 +145,15 @@ class SnapshotKeeper:
             return None
         return self.peer.index, self.peer.layout.index
 
-    def take_peer(self, exchange: Callable[[Any], Any]) -> int:
+    def take_peer(self, exchange: Callable[[Any, Dict[Any, torch.Tensor]], Any]) -> int:
         """After :meth:`take`: send this rank's copy to its peer and keep the one its own
         peer sends (``exchange``: the group's permutation, ``tree_broadcast.exchange_tree``);
-        returns the bytes received.  No offer of a peer copy while it is replaced."""
+        returns the bytes received.  No offer of a peer copy while it is replaced (its
+        buffers take the next one)."""
         own, self.peer = self.latest, None
         assert own is not None, "take() first"
         sent = {"state": own.state, "sharded": own.sharded, "layout": own.layout}
-        got, nbytes = exchange({**sent, "index": own.index})
+        got, nbytes = exchange({**sent, "index": own.index}, self.peer_buffers)
         self.peer = Snapshot(
             own.run, got["index"], own.positions, got["layout"], got["state"], got["sharded"], False
         )
@@ -215,6 +218,7 @@ class SnapshotKeeper:
                 mine = tree["state"]
         sent = time.perf_counter()
         self.peer = None  # another layout's part, or this one's: the next report sends anew
+        self.peer_buffers = {}
         if joiner is not None:
             install(objects, joiner.local())
             self.latest = None  # its buffers are another layout's
@@ -254,7 +258,7 @@ class Registration:
         keeper: SnapshotKeeper,
         resume: Callable[[LiveResume, Dict[str, Any], Layout], Dict[str, Any]],
         world: int,
-        exchange: Optional[Callable[[Any], Tuple[Any, int]]] = None,
+        exchange: Optional[Callable[[Any, Dict[Any, torch.Tensor]], Tuple[Any, int]]] = None,
     ):
         self.run, self.start_index, self.start = run, start_index, start
         self.keeper, self._resume, self.world = keeper, resume, world

@@ -30,6 +30,11 @@ from raytrain_ext.worker.rendezvous import free_port
 from tests.helpers.dist import distinct_free_ports, init_local_rank, spawn_ranks
 
 
+def _exchange(dst: int, src: int, tree, buffers):
+    """``exchange_tree`` with this rank's peers, over the default group."""
+    return exchange_tree(tree, dst, src, torch.device("cpu"), None, buffers)
+
+
 def _hsdp_objects(mesh, seed: int) -> dict:
     from torch.distributed.fsdp import fully_shard
 
@@ -197,7 +202,7 @@ def _pure_fsdp_with_peer_copies(rank: int, ports: list, out_dir: str) -> None:
     _train(objects, 2)
     keeper = SnapshotKeeper()
     dst, src = peer_ranks([0, 0, 0], rank)  # one node: each rank's copy to the next
-    exchange = functools.partial(exchange_tree, dst=dst, src=src, device=torch.device("cpu"))
+    exchange = functools.partial(_exchange, dst, src)
     registration = Registration("run", 0, None, keeper, resume=None, world=3, exchange=exchange)
     registration.register(objects, copy_to_peer=True)
     registration.at_report(2, {"train": [0, 16]})
