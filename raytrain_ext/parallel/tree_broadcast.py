@@ -116,21 +116,9 @@ def _swap(
     """Send ``outgoing`` to ``dst`` while receiving ``incoming`` from ``src``, in order."""
     ops = [dist.P2POp(dist.isend, t, dst, group) for t in outgoing]
     ops += [dist.P2POp(dist.irecv, t, src, group) for t in incoming]
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
-
-
-def _flat_into(
-    kept: Dict[Any, torch.Tensor], key: Any, tensors: List[torch.Tensor]
-) -> torch.Tensor:
-    """``tensors`` concatenated into one flat buffer, the one ``kept[key]`` holds when its
-    size fits (written over: no fresh pages to fault in), else a new one kept there."""
-    numel = sum(t.numel() for t in tensors)
-    flat = kept.get(key)
-    if flat is None or flat.numel() != numel or flat.device != tensors[0].device:
-        flat = kept[key] = torch.empty(numel, dtype=tensors[0].dtype, device=tensors[0].device)
-    torch.cat([t.detach().reshape(-1) for t in tensors], out=flat)
-    return flat
+    if ops:  # neither side has a tensor to move
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
 
 
 def exchange_tree(
@@ -144,10 +132,11 @@ def exchange_tree(
     """Send ``value`` to rank ``dst`` and receive rank ``src``'s, and the bytes received:
     every rank of ``group`` calls it at once, the ``dst`` of all ranks a permutation (so
     each receives exactly one value).  The skeleton travels pickled, then the tensors on
-    ``device`` coalesced into one flat buffer per dtype, as in :func:`broadcast_tree`.
-    ``buffers``: the flat buffers an earlier call sent from and received into, written
-    over when their size fits (the tensors it returned are views of them) and replaced in
-    the dict when not, so a repeated exchange of one layout touches no fresh memory."""
+    ``device``, received into one flat buffer per dtype.
+    ``buffers``: the flat buffers (by dtype) an earlier call received into, written over
+    when their size fits (the tensors it returned are views of them) and replaced in the
+    dict when not, so a repeated exchange of one layout touches no fresh memory.  Each
+    tensor travels as its own message, straight from the caller's memory."""
     tensors: List[torch.Tensor] = []
     skeleton = _split(value, tensors, device)
     blob = torch.frombuffer(bytearray(pickle.dumps(skeleton)), dtype=torch.uint8)
@@ -159,10 +148,10 @@ def exchange_tree(
     mine, wanted = _placeholders(skeleton), _placeholders(theirs)
     dtypes = sorted({p.dtype for p in mine} | {p.dtype for p in wanted}, key=str)
     kept = {} if buffers is None else buffers
+    # each tensor sent as it is (no staging copy: the state may be most of the host's
+    # memory), in the order the peer's views of its flat buffers are listed below
     outgoing = [
-        _flat_into(kept, ("out", dtype), [tensors[p.index] for p in mine if p.dtype == dtype])
-        for dtype in dtypes
-        if any(p.dtype == dtype for p in mine)
+        tensors[p.index].detach().contiguous() for dtype in dtypes for p in mine if p.dtype == dtype
     ]
     flats: Dict[torch.dtype, torch.Tensor] = {}
     for dtype in dtypes:
@@ -172,12 +161,15 @@ def exchange_tree(
         old = kept.get(dtype)
         fits = old is not None and old.numel() == numel and old.device == device
         flats[dtype] = kept[dtype] = old if fits else torch.empty(numel, dtype=dtype, device=device)
-    _swap(outgoing, list(flats.values()), dst, src, group)
+    for unused in [d for d in kept if d not in flats]:
+        del kept[unused]
     received: List[Optional[torch.Tensor]] = [None] * len(wanted)
     for dtype, flat in flats.items():
         members = [p for p in wanted if p.dtype == dtype]
         shaped = [torch.empty(p.shape, dtype=dtype, device="meta") for p in members]
         for p, t in zip(members, _unflatten_dense_tensors(flat, shaped), strict=True):
             received[p.index] = t
+    incoming = [received[p.index] for dtype in dtypes for p in wanted if p.dtype == dtype]
+    _swap(outgoing, [t for t in incoming if t is not None], dst, src, group)
     got = [t for t in received if t is not None]
     return _join(theirs, received), sum(t.numel() * t.element_size() for t in got)

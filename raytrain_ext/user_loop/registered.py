@@ -16,9 +16,12 @@ replicated state, a shard for FSDP/HSDP) are equal and any holder may send it.  
 starts from copies only when they are at least as new as the newest committed checkpoint
 and hold every part of the whole (:func:`live_start`), and only copies of the same run
 count.  Copies of FSDP/HSDP shards restore a group of another size too (a node lost, a
-node back): the parts are joined into whole tensors on every rank, which then keeps its
-own chunk, so a shrink or a grow redoes no report as long as each part has a live holder
-(HSDP's replicas; a pure FSDP rank's part dies with it, and the checkpoint has it).
+node back): each rank cuts its own new part from the old parts as they arrive
+(``user_loop.reshard``), so a shrink or a grow redoes no report as long as each part has
+a live holder: HSDP's replicas, or under pure FSDP the peer copy ``copy_to_peer`` sends
+at each report (the rank after the same local rank's node; without it a pure FSDP
+rank's part dies with it, and the checkpoint has it).  A peer copy is offered with its
+layout and report, and only where both match the copies a group starts from.
 What a copy holds never aliases the live objects: it is copied out at the report and
 copied in at the restore.
 """
@@ -49,9 +52,9 @@ from raytrain_ext.user_loop.reshard import PartJoiner
 Positions = Dict[str, Tuple[int, int]]  # each dataset shard's (epoch, row)
 # (report index of this process's copy or -1, its positions, its part of the whole)
 Offer = Tuple[int, Positions, Optional[Layout]]
-# (report index, part) of the copy of another rank's part this process holds
+# (report index, its layout) of the copy of another rank's part this process holds
 # (``register(copy_to_peer=True)``), or None
-PeerOffer = Optional[Tuple[int, int]]
+PeerOffer = Optional[Tuple[int, Layout]]
 
 
 @dataclass
@@ -106,8 +109,8 @@ def live_start(
         if layout is not None:
             sources.setdefault(layout.index, rank)
     for rank, peer in enumerate(peers):
-        if peer is not None and peer[0] == newest and peer[1] < first.shards:
-            sources.setdefault(peer[1], rank)
+        if peer is not None and peer[0] == newest and first.same_cut(peer[1]):
+            sources.setdefault(peer[1].index, rank)
     if len(sources) < first.shards:
         return None  # a part died with its only holders: the checkpoint has it
     order = tuple(sources[part] for part in range(first.shards))
@@ -140,10 +143,10 @@ class SnapshotKeeper:
     peer_buffers: Dict[Any, torch.Tensor] = field(default_factory=dict)
 
     def peer_offer(self, run: str) -> PeerOffer:
-        """(report index, part) of the peer copy this process holds for ``run``, or None."""
+        """(report index, layout) of the peer copy this process holds for ``run``, or None."""
         if self.peer is None or self.peer.run != run:
             return None
-        return self.peer.index, self.peer.layout.index
+        return self.peer.index, self.peer.layout
 
     def take_peer(self, exchange: Callable[[Any, Dict[Any, torch.Tensor]], Any]) -> int:
         """After :meth:`take`: send this rank's copy to its peer and keep the one its own
@@ -178,6 +181,7 @@ class SnapshotKeeper:
         """Copy the registered objects' state at report ``index`` (its buffers reused);
         ``layout``: the part of the whole they hold (``registered_state.layout_of``)."""
         latest, self.latest = self.latest, None  # no offer while its buffers are rewritten
+        self.peer = None  # older than the copy taken now: never a source again
         reuse = None
         if latest is not None and latest.run == run and latest.reusable:
             reuse = latest.state
@@ -216,6 +220,7 @@ class SnapshotKeeper:
                 joiner.add(part, tree["state"], tree["sharded"])
             elif part == layout.index:
                 mine = tree["state"]
+            del tree  # the next part is received without this one held
         sent = time.perf_counter()
         self.peer = None  # another layout's part, or this one's: the next report sends anew
         self.peer_buffers = {}
@@ -294,7 +299,11 @@ class Registration:
         if self.start is not None:
             self.restored = self._resume(self.start, objects, layout)
         self.objects, self.layout = dict(objects), layout
-        self.copy_to_peer = copy_to_peer and layout.sharded and self._exchange is not None
+        # a part with no other holder: pure FSDP (HSDP's replicas hold each part already)
+        alone = layout.sharded and layout.shards == layout.world
+        self.copy_to_peer = copy_to_peer and alone and self._exchange is not None
+        if not self.copy_to_peer:  # this group sends none: nothing kept for it
+            self.keeper.peer, self.keeper.peer_buffers = None, {}
         return self.start_index
 
     def check_registered(self, what: str) -> None:

@@ -32,8 +32,9 @@ class Layout:
     """Which part of the whole state a rank holds: part ``index`` of ``shards``, cut for a
     group of ``world`` ranks.  Replicated state (DDP, one rank) is the one part of one,
     which loads at any world size; sharded state (a ``Shard`` placement, even on a mesh
-    dimension of size 1) only into a group of the same size (the same code builds the
-    same mesh there)."""
+    dimension of size 1) loads as it is only into a group of the same size (the same code
+    builds the same mesh there), and into a group of any size when its parts join
+    (``join_dim``, ``reshardable``: each rank cuts its own part from them)."""
 
     world: int
     shards: int = 1

@@ -5,8 +5,8 @@ sharded state differently from the copies its live processes hold.  When the cop
 the chunks of one tensor dimension cut by one mesh dimension (``Layout.reshardable``:
 FSDP2 and HSDP), each part is a known range of rows of every sharded tensor, and each
 rank of the new group needs a known range too: it keeps the overlap of every part it
-receives with its own range and drops the rest, so no rank ever holds more than its own
-new part and the one part in flight, never the whole state.
+receives with its own range and drops the rest: beyond the copies it holds itself, a
+rank holds its own new part and the one part in flight, never the whole state.
 
 Invariants: parts are ``torch.chunk``'s pieces of the whole along ``Layout.join_dim``
 (empty ones past the end), as a ``Shard`` placement and FSDP2 cut them; a target DTensor
@@ -82,13 +82,24 @@ class PartJoiner:
         self.cut, self.objects, self.dim = cut, objects, cut.join_dim
         self._local: Optional[Dict[str, Any]] = None
         self._targets: Dict[str, Any] = {}
+        self._sharded: Any = None
+        self._added = 0  # parts 0 .. _added - 1 are in: each one's rows fill their range
 
     def add(self, index: int, state: Dict[str, Any], sharded: Any) -> None:
-        """Part ``index`` of the copies (its state and which leaves are sharded)."""
+        """Part ``index`` of the copies (its state and which leaves are sharded), in part
+        order: once all are in, every row of this rank's range was filled."""
+        if index != self._added:
+            raise ValueError(f"register(): part {index} of the copies came after {self._added}")
         if self._local is None:
-            self._targets = targets_of(self.objects, state)
+            self._targets, self._sharded = targets_of(self.objects, state), sharded
             self._local = state  # its unsharded leaves are everyone's; sharded ones replaced
+        elif sharded != self._sharded:
+            raise ValueError(
+                f"register(): part {index} of the copies holds other tensors than part 0; "
+                "every rank must register the same objects, built the same way"
+            )
         self._local = self._fill(self._local, state, sharded, self._targets, index)
+        self._added += 1
 
     def _fill(self, local: Any, part: Any, sharded: Any, target: Any, index: int) -> Any:
         if isinstance(sharded, dict):
@@ -127,5 +138,8 @@ class PartJoiner:
         return local
 
     def local(self) -> Dict[str, Any]:
-        assert self._local is not None, "no part was added"
+        if self._local is None or self._added != self.cut.shards:
+            raise ValueError(
+                f"register(): {self._added} of the copies' {self.cut.shards} parts came in"
+            )
         return self._local

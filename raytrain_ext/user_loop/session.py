@@ -33,9 +33,9 @@ from raytrain_ext.user_loop.uploader import Uploader, UploadJob
 REPORT, RETURNED = "report", "returned"
 # a report's payload, gathered from every rank: (kind, index, has a checkpoint, the stop
 # it asks for, every dataset's position, whether it registered state that loads at any
-# world size: ``registered_state.Layout``, and on rank 0 the report as the run's records
-# take it: a ``report_log.LoggedReport``)
-KIND, INDEX, HAS_CHECKPOINT, STOP, POSITIONS, RESIZABLE, LOGGED = range(7)
+# world size: ``registered_state.Layout``, on rank 0 the report as the run's records
+# take it: a ``report_log.LoggedReport``, and whether it sends its copy to a peer)
+KIND, INDEX, HAS_CHECKPOINT, STOP, POSITIONS, RESIZABLE, LOGGED, COPIES = range(8)
 PAUSE, PREEMPT, PREEMPT_NOW = "pause", "preempt", "preempt-now"
 
 
@@ -195,7 +195,7 @@ class LoopSession:
         mine = logged if self.context.world_rank == 0 else None
         try:
             payload = (REPORT, index, staged is not None, self._stop_asked(), positions, resizable)
-            gathered = self._exchange((*payload, mine))
+            gathered = self._exchange((*payload, mine, self.registration.copy_to_peer))
             self.check_agreement(gathered, REPORT, index)
         except BaseException:
             if staged is not None:  # never queued: nobody else removes it
@@ -243,7 +243,7 @@ class LoopSession:
     def finish(self) -> None:
         """The function returned: agree that every rank did, at the same report."""
         self.registration.check_registered("the function returned")
-        gathered = self._exchange((RETURNED, self.index, False, None, {}, False, None))
+        gathered = self._exchange((RETURNED, self.index, False, None, {}, False, None, False))
         self.check_agreement(gathered, RETURNED, self.index)
 
     def check_agreement(self, gathered: List[Tuple], kind: str, index: int) -> None:
@@ -251,6 +251,7 @@ class LoopSession:
         at a report, every rank is at the same place in every dataset."""
         if all(g[KIND] == kind and g[INDEX] == index for g in gathered):
             self._check_positions(gathered, index)
+            self._check_copies(gathered, index)
             return
         calls: Dict[Tuple[str, int], List[int]] = {}
         for rank, g in enumerate(gathered):
@@ -263,6 +264,18 @@ class LoopSession:
             f"the ranks did not make the same report: {said}. Every rank must call "
             "raytrain_ext.train.report the same number of times (pass checkpoint=None on the "
             "ranks that have nothing to save)."
+        )
+
+    @staticmethod
+    def _check_copies(gathered: List[Tuple], index: int) -> None:
+        """Every rank sends its registered copy to a peer, or none does (the exchange that
+        follows the report is a collective)."""
+        senders = [r for r, g in enumerate(gathered) if g[COPIES]]
+        if not senders or len(senders) == len(gathered):
+            return
+        raise ReportMismatch(
+            f"at report #{index} ranks {senders} registered with copy_to_peer=True and the "
+            "others without; pass the same copy_to_peer to register() on every rank"
         )
 
     @staticmethod

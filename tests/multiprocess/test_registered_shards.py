@@ -209,7 +209,8 @@ def _pure_fsdp_with_peer_copies(rank: int, ports: list, out_dir: str) -> None:
     expected = _whole(objects)
     destroy_distributed()
     before_replacing = copy.deepcopy(keeper)
-    results = {"peer": keeper.peer_offer("run")}
+    report, layout = keeper.peer_offer("run")
+    results = {"peer": [report, layout.index]}
     fresh = SnapshotKeeper() if rank == 1 else keeper  # rank 1's process is replaced
     results["replaced"] = _regroup(fresh, rank, 3, ports[1])
     if rank != 1:  # or its node is lost: ranks 0 and 2 go on as ranks 0 and 1

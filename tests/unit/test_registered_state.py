@@ -224,6 +224,14 @@ def test_parts_join_into_a_whole_tensor_row_by_row_whatever_their_count():
         assert all(torch.equal(joiner.local()["model"][k], v) for k, v in whole["model"].items())
     with pytest.raises(ValueError, match="not cut in parts that join"):
         PartJoiner(Layout(2, 2, 0, sharded=True), {})
+    joiner = PartJoiner(Layout(2, 2, 0, sharded=True, join_dim=0), {"model": nn.Linear(3, 4)})
+    with pytest.raises(ValueError, match="part 1 of the copies came after 0"):
+        joiner.add(1, whole, {"model": {"weight": True, "bias": True}})
+    joiner.add(0, whole, {"model": {"weight": True, "bias": True}})
+    with pytest.raises(ValueError, match="1 of the copies' 2 parts came in"):
+        joiner.local()
+    with pytest.raises(ValueError, match="holds other tensors than part 0"):
+        joiner.add(1, whole, {"model": {"weight": True, "bias": False}})
 
 
 def test_peer_copies_go_to_another_node_and_fill_a_part_no_rank_holds_as_its_own():
@@ -233,8 +241,11 @@ def test_peer_copies_go_to_another_node_and_fill_a_part_no_rank_holds_as_its_own
     assert peer_ranks([0], 0) == (0, 0)
     fsdp = [(9, {}, Layout(4, 4, i, sharded=True, join_dim=0)) for i in range(4)]
     fsdp[1] = (-1, {}, None)  # rank 1 lost; rank 2 holds its part (rank 1 sent it there)
-    peers = [(9, 3), None, (9, 1), (9, 2)]
+    part = [Layout(4, 4, i, sharded=True, join_dim=0) for i in range(4)]
+    peers = [(9, part[3]), None, (9, part[1]), (9, part[2])]
     assert live_start(fsdp, committed=5, world=4, peers=peers).sources == (0, 2, 2, 3)
     assert live_start(fsdp, committed=5, world=3, peers=peers).cut == fsdp[0][2]
-    older = [(8, 3), None, (8, 1), (8, 2)]  # copies of an earlier report do not count
+    older = [(8, part[3]), None, (8, part[1]), (8, part[2])]  # an earlier report's copies
     assert live_start(fsdp, committed=5, world=4, peers=older) is None
+    other_cut = [(9, Layout(3, 3, 1, sharded=True, join_dim=0))] * 4  # another group's part
+    assert live_start(fsdp, committed=5, world=4, peers=other_cut) is None

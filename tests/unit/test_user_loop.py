@@ -195,7 +195,7 @@ def test_a_report_copies_the_directory_and_persists_it_in_the_background(tmp_pat
     uploader.start_group("g2")
     loop_session, pushed, s = session(
         tmp_path,
-        lambda payload: [payload, ("report", 5, True, None, {}, False)],
+        lambda payload: [payload, ("report", 5, True, None, {}, False, None, False)],
         uploader=uploader,
     )
     directory = user_dir(tmp_path, "mine", "rank zero")
@@ -219,6 +219,10 @@ def test_ranks_that_report_differently_are_named():
             ],
             "report",
             3,
+        )
+    with pytest.raises(ReportMismatch, match=r"ranks \[1\] registered with copy_to_peer=True"):
+        loop_session.check_agreement(
+            [("report", 3, False, None, {}, False, None, c) for c in (False, True)], "report", 3
         )
 
 
@@ -244,7 +248,7 @@ def test_a_stop_asked_on_any_rank_stops_every_rank_at_the_next_checkpointed_repo
     preempted = [("report", 5, False, None, {}, True), ("report", 5, False, "preempt", {}, True)]
     assert stop_here(preempted) is None  # a preemption needs a persisted checkpoint
     loop_session, pushed, _ = session(
-        tmp_path, lambda payload: [payload, ("report", 5, True, "pause", {}, False)]
+        tmp_path, lambda payload: [payload, ("report", 5, True, "pause", {}, False, None, False)]
     )
     with pytest.raises(StopAtBoundary) as stop:
         loop_session.report({"loss": 1.0})
