@@ -195,10 +195,10 @@ class SnapshotKeeper:
         self, run: str, start: LiveResume, objects: Dict[str, Any], layout: Layout, group: Any
     ) -> Dict[str, Any]:
         """Every rank of ``group`` together: each part's holder sends its copy, every rank
-        loads its own part (``layout``'s) into ``objects`` and keeps it as its copy.  A
-        group of another layout than the copies' (``start.cut``: another size or cut)
-        joins the parts into the whole state on every rank, then cuts its own part from
-        it.  Returns the restore record."""
+        loads its own part (``layout``'s) into ``objects`` and keeps it as its copy.  In a
+        group of another layout than the copies' (``start.cut``: another size or cut) each
+        rank cuts its own part from the copies' parts as they arrive
+        (``reshard.PartJoiner``).  Returns the restore record."""
         started = time.perf_counter()
         cut = start.cut
         joins = cut is not None and not (cut.same_cut(layout) and cut.loads_into(layout.world))
