@@ -157,6 +157,13 @@ def check_nccl_env(
 
 
 def _network_checks(values, interfaces, ib_ports, active_ib, n_nodes, gpu_count) -> List[dict]:
+    out = _transport_checks(values, ib_ports, active_ib, n_nodes, gpu_count)
+    out += _socket_ifname_checks(values.get("NCCL_SOCKET_IFNAME"), interfaces, n_nodes)
+    return out + _selector_checks(values, ib_ports)
+
+
+def _transport_checks(values, ib_ports, active_ib, n_nodes, gpu_count) -> List[dict]:
+    """Whether NCCL will use the IB/RoCE devices this node has, or TCP sockets."""
     out = []
     if _truthy(values.get("NCCL_IB_DISABLE")) and active_ib:
         out.append(
@@ -205,7 +212,12 @@ def _network_checks(values, interfaces, ib_ports, active_ib, n_nodes, gpu_count)
                 "will use TCP sockets between nodes",
             )
         )
-    out += _socket_ifname_checks(values.get("NCCL_SOCKET_IFNAME"), interfaces, n_nodes)
+    return out
+
+
+def _selector_checks(values, ib_ports) -> List[dict]:
+    """``NCCL_IB_HCA`` and ``NCCL_NET_GDR_LEVEL`` name things that exist."""
+    out = []
     hca = values.get("NCCL_IB_HCA")
     if hca and not match_interfaces(hca, sorted(ib_ports)):
         out.append(

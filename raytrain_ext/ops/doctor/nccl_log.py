@@ -210,6 +210,28 @@ def peer_transports(log: NcclLog) -> List[dict]:
     return out
 
 
+def _socket_fallback(log: NcclLog) -> Tuple[str, str]:
+    """The warning for rank pairs that talk over TCP sockets, naming them and why."""
+    pairs = sorted(
+        {
+            (c.src, c.dst)
+            for c in log.connections
+            if classify_transport(c.via).family == "NET/Socket"
+        }
+    )
+    shown = ", ".join(f"{s}->{d}" for s, d in pairs[:8]) + (" ..." if len(pairs) > 8 else "")
+    why = (
+        "IB/RoCE devices were found but not used (check NCCL_IB_DISABLE, NCCL_NET, NCCL_IB_HCA)"
+        if log.net_devices.get("IB")
+        else "no usable IB/RoCE device"
+    )
+    return (
+        "warning",
+        f"NCCL fell back to TCP sockets (NET/Socket) between nodes for "
+        f"{len(pairs)} rank pairs ({shown}); {why}",
+    )
+
+
 def transport_verdict(log: NcclLog) -> List[Tuple[str, str]]:
     """(severity, sentence) pairs an operator can act on, most important first."""
     if not log.connections:
@@ -224,26 +246,7 @@ def transport_verdict(log: NcclLog) -> List[Tuple[str, str]]:
     names = {t.family for t in families}
     out: List[Tuple[str, str]] = []
     if "NET/Socket" in names:
-        pairs = sorted(
-            {
-                (c.src, c.dst)
-                for c in log.connections
-                if classify_transport(c.via).family == "NET/Socket"
-            }
-        )
-        shown = ", ".join(f"{s}->{d}" for s, d in pairs[:8]) + (" ..." if len(pairs) > 8 else "")
-        why = (
-            "IB/RoCE devices were found but not used (check NCCL_IB_DISABLE, NCCL_NET, NCCL_IB_HCA)"
-            if log.net_devices.get("IB")
-            else "no usable IB/RoCE device"
-        )
-        out.append(
-            (
-                "warning",
-                f"NCCL fell back to TCP sockets (NET/Socket) between nodes for "
-                f"{len(pairs)} rank pairs ({shown}); {why}",
-            )
-        )
+        out.append(_socket_fallback(log))
     ib = [t for t in families if t.family == "NET/IB"]
     if ib:
         if all(t.gdr for t in ib):

@@ -23,7 +23,17 @@ def add_parser(commands) -> None:
     p = commands.add_parser(
         "plan", help="memory per GPU of DDP/ZeRO/FSDP/TP/PP/EP and a recommended layout"
     )
-    model = p.add_argument_group("model (one of --params, --config, --layers/--hidden/--heads)")
+    _model_arguments(
+        p.add_argument_group("model (one of --params, --config, --layers/--hidden/--heads)")
+    )
+    _workload_arguments(p.add_argument_group("workload"))
+    _cluster_arguments(p.add_argument_group("cluster"))
+    _margin_arguments(p.add_argument_group("margins and a split to check"))
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=run_plan)
+
+
+def _model_arguments(model) -> None:
     model.add_argument("--params", type=float, help="total parameters, e.g. 7e9 (shape inferred)")
     model.add_argument(
         "--config", help="a raytrain_ext YAML config; its model and micro-batch are used"
@@ -38,7 +48,9 @@ def add_parser(commands) -> None:
         ("--top-k", "experts per token (default 2)"),
     ):
         model.add_argument(flag, type=int, help=text)
-    work = p.add_argument_group("workload")
+
+
+def _workload_arguments(work) -> None:
     work.add_argument(
         "--seq", type=int, help=f"sequence length (default: the config's, else {DEFAULT_SEQ})"
     )
@@ -53,7 +65,9 @@ def add_parser(commands) -> None:
         action="store_true",
         help="count the a*s^2 attention scores (eager attention)",
     )
-    hw = p.add_argument_group("cluster")
+
+
+def _cluster_arguments(hw) -> None:
     hw.add_argument("--nodes", type=int, default=1)
     hw.add_argument("--gpus-per-node", type=int, default=8)
     hw.add_argument("--gpu-mem-gb", type=float, default=80.0, help="GiB per GPU (default 80)")
@@ -62,7 +76,9 @@ def add_parser(commands) -> None:
     )
     hw.add_argument("--intra", default="nvlink", help="link between GPUs of a node: nvlink | pcie")
     hw.add_argument("--inter", default="ib", help="link between nodes: ib | ethernet")
-    knobs = p.add_argument_group("margins and a split to check")
+
+
+def _margin_arguments(knobs) -> None:
     knobs.add_argument(
         "--headroom",
         type=float,
@@ -82,8 +98,6 @@ def add_parser(commands) -> None:
         "--pp", type=int, help="pipeline stages of the split to evaluate (default 1)"
     )
     knobs.add_argument("--ep", type=int, help="expert-parallel degree of the split to evaluate")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(func=run_plan)
 
 
 def model_and_workload(args) -> Tuple[ModelShape, int, int, str, bool]:
