@@ -30,14 +30,14 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
-from raytrain_ext.parallel.tree_broadcast import exchange_tree, map_leaves  # noqa: E402
-from raytrain_ext.user_loop.registered import Registration, SnapshotKeeper, peer_ranks  # noqa: E402
+from raytrain_ext.parallel.tree_broadcast import map_leaves  # noqa: E402
+from raytrain_ext.user_loop.registered import (  # noqa: E402
+    Registration,
+    SnapshotKeeper,
+    peer_exchange,
+    peer_ranks,
+)
 from tests.helpers.dist import distinct_free_ports, init_local_rank, spawn_ranks  # noqa: E402
-
-
-def _exchange(dst: int, src: int, tree, buffers):
-    """``exchange_tree`` with this rank's peers, over the default group."""
-    return exchange_tree(tree, dst, src, torch.device("cpu"), None, buffers)
 
 
 def _model(hidden: int, layers: int, world: int):
@@ -75,7 +75,7 @@ def _rank(rank: int, port: int, args: dict, out: str) -> None:
     torch.set_num_threads(1)
     objects = _model(args["hidden"], args["layers"], 2)
     dst, src = peer_ranks([0, 1], rank)
-    exchange = functools.partial(_exchange, dst, src)
+    exchange = peer_exchange([0, 1], rank)
     figures = {}
     for peer in (False, True):
         registration = Registration("bench", 0, None, SnapshotKeeper(), None, 2, exchange)

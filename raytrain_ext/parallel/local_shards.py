@@ -44,6 +44,12 @@ def module_state_like(values: Dict[str, Any], targets: Dict[str, Any]) -> Dict[s
     return {key: as_like(value, targets.get(key)) for key, value in values.items()}
 
 
+def optimizer_params(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
+    """The optimizer's parameters in its groups' order: what its state dict's integer
+    keys index."""
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
 def optimizer_state_like(optim: Dict[str, Any], params: List[torch.Tensor]) -> Dict[str, Any]:
     """An optimizer's index-keyed state dict with each local shard wrapped like the
     parameter it belongs to (``params``: the optimizer's, in its groups' order)."""

@@ -33,7 +33,12 @@ import torch.distributed as dist
 
 from raytrain_ext.checkpoint.state import REFERENCE_KEY, TRAIN_KEY, apply_train, train_items
 from raytrain_ext.checkpoint.train_state import TrainState
-from raytrain_ext.parallel.local_shards import local_view, module_state_like, optimizer_state_like
+from raytrain_ext.parallel.local_shards import (
+    local_view,
+    module_state_like,
+    optimizer_params,
+    optimizer_state_like,
+)
 from raytrain_ext.parallel.tree_broadcast import broadcast_tree
 
 PEERS = "peers"  # ``restored["tier"]`` of a state taken from live peers
@@ -165,7 +170,7 @@ def _install(state: TrainState, whole: Dict[str, Any]) -> None:
     module = state.strategy.unwrap(state.model)
     with torch.no_grad():
         module.load_state_dict(module_state_like(whole["model"], module.state_dict()))
-    params = [p for group in state.optimizer.param_groups for p in group["params"]]
+    params = optimizer_params(state.optimizer)
     state.optimizer.load_state_dict(optimizer_state_like(whole["optim"], params))
     loaded = {TRAIN_KEY: io.BytesIO(json.dumps(whole[TRAIN_KEY]).encode())}
     if state.reference is not None:

@@ -24,16 +24,14 @@ import tempfile
 import time
 import traceback
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
-import torch
 import torch.distributed as dist
 
 from raytrain_ext.checkpoint.manager import REQUEST_EMERGENCY, SaveRequests
 from raytrain_ext.data.row_input import reader_name
 from raytrain_ext.errors.text import is_peer_loss
 from raytrain_ext.messages import FitResult, StepReport
-from raytrain_ext.parallel.tree_broadcast import exchange_tree
 from raytrain_ext.user_loop.checkpoint import Checkpoint
 from raytrain_ext.user_loop.dataset_shard import DatasetShard
 from raytrain_ext.user_loop.held_reports import HeldReport, HeldReports
@@ -42,7 +40,7 @@ from raytrain_ext.user_loop.registered import (
     Offer,
     PeerOffer,
     Registration,
-    peer_ranks,
+    peer_exchange,
     process_snapshots,
 )
 from raytrain_ext.user_loop.report_log import LoggedReport, merged, process_report_log
@@ -143,7 +141,7 @@ class FunctionLoop:
             keeper,
             lambda at, objects, layout: keeper.resume(run, at, objects, layout, group),
             self.env.world_size,
-            self._peer_exchange(nodes, group),
+            peer_exchange(nodes, self.env.rank, group),
         )
         session = LoopSession(
             self._context(),
@@ -196,16 +194,6 @@ class FunctionLoop:
     def _grace_left(self) -> float:
         deadline = self.requests.deadline
         return 0.0 if deadline is None else max(0.0, deadline - time.time())
-
-    def _peer_exchange(self, nodes: Sequence[int], group) -> Optional[Callable]:
-        """The group's exchange of copies with peer ranks (``register(copy_to_peer=True)``),
-        None for a group of one."""
-        if len(nodes) < 2:
-            return None
-        dst, src = peer_ranks(nodes, self.env.rank)
-        return lambda tree, buffers: exchange_tree(
-            tree, dst, src, torch.device("cpu"), group, buffers
-        )
 
     def _starting_point(self, group, offers: List[Offer], peers: List[PeerOffer]) -> Start:
         """Where this group starts, the same on every rank (``starting_point``); a held

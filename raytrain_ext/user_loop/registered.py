@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from raytrain_ext.checkpoint.state import snapshot
 from raytrain_ext.parallel.local_shards import local_view
-from raytrain_ext.parallel.tree_broadcast import broadcast_tree
+from raytrain_ext.parallel.tree_broadcast import broadcast_tree, exchange_tree
 from raytrain_ext.user_loop.registered_state import (
     Layout,
     check_registrable,
@@ -129,6 +129,16 @@ def peer_ranks(nodes: Sequence[int], rank: int) -> Tuple[int, int]:
     if shift >= world:
         shift = 1
     return (rank + shift) % world, (rank - shift) % world
+
+
+def peer_exchange(nodes: Sequence[int], rank: int, group: Any = None) -> Optional[Callable]:
+    """The exchange of copies with this rank's peers (:func:`peer_ranks`) over ``group``,
+    as ``SnapshotKeeper.take_peer`` calls it; None for a group of one."""
+    if len(nodes) < 2:
+        return None
+    dst, src = peer_ranks(nodes, rank)
+    cpu = torch.device("cpu")
+    return lambda tree, buffers: exchange_tree(tree, dst, src, cpu, group, buffers)
 
 
 @dataclass

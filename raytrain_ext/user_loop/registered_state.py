@@ -23,7 +23,11 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor, Shard
 
 from raytrain_ext.checkpoint.state import snapshot
-from raytrain_ext.parallel.local_shards import module_state_like, optimizer_state_like
+from raytrain_ext.parallel.local_shards import (
+    module_state_like,
+    optimizer_params,
+    optimizer_state_like,
+)
 from raytrain_ext.parallel.tree_broadcast import map_leaves
 
 
@@ -147,7 +151,6 @@ def install(objects: Dict[str, Any], state: Dict[str, Any]) -> None:
             with torch.no_grad():
                 target.load_state_dict(module_state_like(value, target.state_dict()))
         elif isinstance(obj, torch.optim.Optimizer):
-            params = [p for group in obj.param_groups for p in group["params"]]
-            obj.load_state_dict(optimizer_state_like(value, params))
+            obj.load_state_dict(optimizer_state_like(value, optimizer_params(obj)))
         else:
             obj.load_state_dict(value)

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
+from raytrain_ext.parallel.local_shards import optimizer_params
 from raytrain_ext.user_loop.registered_state import Layout, unwrapped
 
 
@@ -64,7 +65,7 @@ def targets_of(objects: Dict[str, Any], state: Dict[str, Any]) -> Dict[str, Any]
             mine = target.state_dict()
             targets[name] = {k: mine.get(k) for k in value}
         elif isinstance(obj, torch.optim.Optimizer):
-            params = [p for group in obj.param_groups for p in group["params"]]
+            params = optimizer_params(obj)
             entries = {i: {k: params[int(i)] for k in e} for i, e in value["state"].items()}
             targets[name] = {"state": entries}
         else:

@@ -14,7 +14,6 @@ process joins them as FSDP over 3 ranks, whose chunks (16 rows as 6, 6 and 4; 4 
 """
 
 import copy
-import functools
 import json
 from pathlib import Path
 
@@ -22,17 +21,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from raytrain_ext.parallel.tree_broadcast import exchange_tree
-from raytrain_ext.user_loop.registered import Registration, SnapshotKeeper, live_start, peer_ranks
+from raytrain_ext.user_loop.registered import (
+    Registration,
+    SnapshotKeeper,
+    live_start,
+    peer_exchange,
+)
 from raytrain_ext.user_loop.registered_state import layout_of, state_of
 from raytrain_ext.worker.dist_env import destroy_distributed
 from raytrain_ext.worker.rendezvous import free_port
 from tests.helpers.dist import distinct_free_ports, init_local_rank, spawn_ranks
-
-
-def _exchange(dst: int, src: int, tree, buffers):
-    """``exchange_tree`` with this rank's peers, over the default group."""
-    return exchange_tree(tree, dst, src, torch.device("cpu"), None, buffers)
 
 
 def _hsdp_objects(mesh, seed: int) -> dict:
@@ -201,8 +199,7 @@ def _pure_fsdp_with_peer_copies(rank: int, ports: list, out_dir: str) -> None:
     objects = _fsdp_objects(3, seed=0)
     _train(objects, 2)
     keeper = SnapshotKeeper()
-    dst, src = peer_ranks([0, 0, 0], rank)  # one node: each rank's copy to the next
-    exchange = functools.partial(_exchange, dst, src)
+    exchange = peer_exchange([0, 0, 0], rank)  # one node: each rank's copy to the next
     registration = Registration("run", 0, None, keeper, resume=None, world=3, exchange=exchange)
     registration.register(objects, copy_to_peer=True)
     registration.at_report(2, {"train": [0, 16]})
