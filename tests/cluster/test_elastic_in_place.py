@@ -25,6 +25,7 @@ from tests.helpers.layouts import ATOL_UNEVEN
 from tests.helpers.leaks import assert_nothing_left, idle_processes_with_torch
 from tests.helpers.reference import uninterrupted
 from tests.helpers.runs import (
+    FAST_MODEL,
     FitThread,
     last_step,
     recovered,
@@ -35,7 +36,8 @@ from tests.helpers.runs import (
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 
-THREE_WAY = ["data.global_batch_size=12", "data.micro_batch_size=2"]  # splits over 3 and 2
+# a batch that splits over 3 and 2 ranks, on the test-sized model
+THREE_WAY = ["data.global_batch_size=12", "data.micro_batch_size=2", *FAST_MODEL]
 # Every step lasts at least 0.1 s (one rank sleeps, in every group of the run: a sleep
 # changes no number), so that on a fast machine the run still outlasts what a test waits
 # for mid-run (a spare's imports, a re-form) instead of finishing first.

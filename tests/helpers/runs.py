@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import List
 
 # The packaged default's model at half its width and sequence length, for tests that need
-# many steps but no time between them (chaos tests on Ray keep the default model: their
-# faults are injected between steps, which must not be over before the fault lands).
+# many steps.  A chaos test whose fault must land before the run ends gives its steps a
+# floor (``step_floor``: a sleep, which changes no number) rather than a bigger model.
 FAST_MODEL = ["model.n_layers=2", "model.d_model=64", "model.n_heads=2", "model.seq_len=64"]
 
 
