@@ -177,9 +177,7 @@ class Trainer:
             self._controller = Controller(
                 self.cfg,
                 sink,
-                group_factory=partial(
-                    RayGroup.for_config, user=self._user, ray_outlives_run=not started_ray
-                ),
+                group_factory=partial(RayGroup.for_config, user=self._user),
                 cluster=RayCluster(),
             )
             if self._stop_reason is not None:  # stop() came before the controller existed

@@ -123,7 +123,7 @@ class Controller:
                     )
                 self._transition(target, reason)
         finally:
-            self.group.end()
+            self.group.shutdown()
         self.result.state = self.state
         if self.state is RunState.FAILED:
             reason = self.result.transitions[-1].reason

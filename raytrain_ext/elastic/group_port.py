@@ -126,8 +126,3 @@ class GroupPort(Protocol):
     def shutdown(self) -> None:
         """Stop every process of the group; safe to call more than once."""
         ...
-
-    def end(self) -> None:
-        """The run is over: :meth:`shutdown`, and leave what the job's next run can start
-        from sooner (idle processes with their imports done)."""
-        ...

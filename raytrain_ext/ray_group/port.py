@@ -46,17 +46,9 @@ class RayGroup:
         self._pending: List[ray.ObjectRef] = []
 
     @classmethod
-    def for_config(
-        cls, cfg, user: UserCode = UserCode(), *, ray_outlives_run: bool = False
-    ) -> RayGroup:
-        """``ray_outlives_run``: the job goes on after this run (not a private Ray the run
-        stops), so the run's end leaves idle processes for the next one."""
+    def for_config(cls, cfg, user: UserCode = UserCode()) -> RayGroup:
         s = cfg.scaling
-        pool = (
-            ProcessPool(stock_for_next_run=ray_outlives_run)
-            if cfg.elastic.prestart_processes
-            else None
-        )
+        pool = ProcessPool() if cfg.elastic.prestart_processes else None
         group = WorkerGroup(dict(s.resources_per_worker), s.placement_strategy, process_pool=pool)
         return cls(group, user=user, runtime_env=with_niceness(None, s.worker_niceness))
 
@@ -177,6 +169,3 @@ class RayGroup:
 
     def shutdown(self) -> None:
         self._group.shutdown()
-
-    def end(self) -> None:
-        self._group.end()

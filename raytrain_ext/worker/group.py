@@ -349,14 +349,6 @@ class WorkerGroup:
         for rank in ranks:
             _kill(self.actors[rank])
 
-    def end(self) -> None:
-        """The run is over: :meth:`shutdown`, then each node gets as many idle processes as
-        it had ranks (``ProcessPool.leave_for_next_run``) for the job's next run."""
-        rank_nodes = [info.node_id for info in self.infos]
-        self.shutdown()
-        if self.process_pool is not None and self._runtime_env_string is not None:
-            self.process_pool.leave_for_next_run(rank_nodes, self._runtime_env_string)
-
     def shutdown(self) -> None:
         for actor in self.actors + [s.actor for s in self.spares]:
             _kill(actor)

@@ -27,26 +27,18 @@ was asked for, each read on its own clock (``WorkerGroup``).
 A stocked process announces itself once its imports are done (a key in Ray's internal
 key-value store naming its job, node and pid) and withdraws when an actor takes it, so a
 recovery can tell a lost rank whose node has a warm process waiting from one whose new
-process would still be importing (``elastic.replacement=auto``, ``warm_nodes``).  The key
-carries a tag of the process's runtime environment, so a pool counts only the processes
-its own actors can take.  A process that dies idle (the raylet's keep-alive ends, an OOM
-kill) leaves its key: the recovery then waits for a process start, as without a pool.
-
-When Ray outlives the run (a notebook, a Tune trial, a joined cluster: not a private Ray
-the run stops), the run's end leaves each node one idle process per rank it had there
-(:meth:`ProcessPool.leave_for_next_run`), so the job's next run starts every rank warm.
+process would still be importing (``elastic.replacement=auto``, ``warm_nodes``).  A
+process that dies idle (the raylet's keep-alive ends, an OOM kill) leaves its key: the
+recovery then waits for a process start, as without a pool.
 """
 
 from __future__ import annotations
 
-import hashlib
 import importlib
-import json
 import logging
 import os
 import threading
-from collections import Counter
-from typing import Dict, Iterable, Optional, Sequence, Set, Tuple
+from typing import Dict, Iterable, Optional, Set, Tuple
 
 import ray
 from ray._private.ray_constants import WORKER_PROCESS_SETUP_HOOK_ENV_VAR
@@ -73,9 +65,6 @@ WARM_MODULES = (
 )
 
 SETUP_HOOK = f"{__name__}.import_warm_modules"
-# names the runtime environment a stocked process was started with: a raylet gives it only
-# to an actor of exactly that environment (another worker niceness, another job's env_vars)
-POOL_TAG_VAR = "RAYTRAIN_EXT_POOL_TAG"
 WARM_NAMESPACE = "raytrain_ext_pool"
 
 # the setup hook's import thread in this process (one hook per process; None: no hook)
@@ -150,12 +139,9 @@ def _warm_prefix(job_id: str) -> str:
 
 
 def _warm_key() -> str:
-    """This process's key: its job (stocked processes are per job), the tag of its runtime
-    environment (:data:`POOL_TAG_VAR`, read from its own environment: Ray's runtime
-    context is not safe to call from the hook's thread), node and pid."""
+    """This process's key: its job (stocked processes are per job), node and pid."""
     ctx = ray.get_runtime_context()
-    tag = os.environ.get(POOL_TAG_VAR, "-")
-    return f"{_warm_prefix(ctx.get_job_id())}{tag}/{ctx.get_node_id()}/{os.getpid()}"
+    return f"{_warm_prefix(ctx.get_job_id())}{ctx.get_node_id()}/{os.getpid()}"
 
 
 def _kv(call) -> None:
@@ -186,17 +172,12 @@ def adopt_thread_count() -> None:
 
 
 class ProcessPool:
-    """One idle, warmed process per node of the gang, asked of each node's raylet; with
-    ``stock_for_next_run``, a run that ends leaves each node one per rank it had there."""
+    """One idle, warmed process per node of the gang, asked of each node's raylet."""
 
-    def __init__(self, keep_alive_s: int = 24 * 3600, stock_for_next_run: bool = False):
+    def __init__(self, keep_alive_s: int = 24 * 3600):
         self.keep_alive_s = keep_alive_s
-        # Ray outlives the run (a notebook's, a Tune trial's, a joined cluster's): the job's
-        # next run takes what this one leaves (``leave_for_next_run``)
-        self.stock_for_next_run = stock_for_next_run
         # (node id, serialized runtime env) asked for an idle process, not taken since
         self._stocked: Set[Tuple[str, str]] = set()
-        self.tag: Optional[str] = None  # of the runtime env :meth:`runtime_env` gave
 
     def runtime_env(self, runtime_env: Optional[dict]) -> dict:
         """``runtime_env`` (the actors' own, or none) with the setup hook added, unless the
@@ -206,27 +187,21 @@ class ProcessPool:
         if WORKER_PROCESS_SETUP_HOOK_ENV_VAR in job_vars:
             return env
         env["env_vars"] = {**env.get("env_vars", {}), WORKER_PROCESS_SETUP_HOOK_ENV_VAR: SETUP_HOOK}
-        digest = hashlib.sha1(json.dumps(env, sort_keys=True, default=str).encode())
-        self.tag = digest.hexdigest()[:12]
-        env["env_vars"][POOL_TAG_VAR] = self.tag
         return env
 
     def warm_processes(self) -> Set[Tuple[str, int]]:
         """(node id, pid) of each stocked process of this job whose imports are done and
-        that waits for an actor of this pool's runtime environment (of any, before
-        :meth:`runtime_env` named it; module doc); none when the store cannot be read (a
+        that waits for an actor (module doc); none when the store cannot be read (a
         recovery then goes on without waiting, as for a cold process)."""
         from ray.experimental import internal_kv
 
         prefix = _warm_prefix(ray.get_runtime_context().get_job_id())
-        if self.tag is not None:
-            prefix += f"{self.tag}/"
         try:
             keys = internal_kv._internal_kv_list(prefix, namespace=WARM_NAMESPACE)
         except Exception as e:  # noqa: BLE001 - best effort (module doc)
             log.warning("could not read which nodes hold a warm process: %s", e)
             return set()
-        places = (key.decode()[len(prefix) :].split("/")[-2:] for key in keys)
+        places = (key.decode()[len(prefix) :].split("/") for key in keys)
         return {(node, int(pid)) for node, pid in places}
 
     def warm_nodes(self) -> Set[str]:
@@ -244,47 +219,17 @@ class ProcessPool:
         wanted = {n for n in node_ids if (n, serialized_runtime_env) not in self._stocked}
         if not wanted:
             return
-        self._ask(Counter(wanted), serialized_runtime_env)
-        # asked once, refused or not (module doc); a lost node's id never comes back
-        self._stocked |= {(node, serialized_runtime_env) for node in wanted}
-
-    def leave_for_next_run(self, rank_nodes: Sequence[str], serialized_runtime_env: str) -> int:
-        """The run is over: ask each node of ``rank_nodes`` (one entry per rank the ended
-        group had there) for as many idle processes as it had ranks, less those already
-        waiting there, so that every rank of the job's next run starts with its imports
-        done instead of the first one alone (measured: a ``fit`` 2 s after another on one
-        node reached its first step in 1.0-1.1 s instead of 2.9-3.6 s).  Only when Ray
-        outlives the run (``stock_for_next_run``); returns how many were asked for.
-
-        Not at a re-form: the next group's ranks are created at once and would wait for
-        imports made at idle priority.  A process still importing is not counted as
-        waiting (a node may then get one more than it needs), and one that died idle still
-        is (it may get one less).  A raylet starts at most as many processes at once as its
-        node has cores (Ray's ``maximum_startup_concurrency``): on this 2-core machine, of
-        3 asked at once 2 started."""
-        if not self.stock_for_next_run or not rank_nodes:
-            return 0
-        waiting = Counter(node for node, _ in self.warm_processes())
-        asked = self._ask(Counter(rank_nodes) - waiting, serialized_runtime_env)
-        return sum(asked.values())
-
-    def _ask(self, counts: Counter, serialized_runtime_env: str) -> Dict[str, int]:
-        """Ask each node of ``counts`` for that many idle processes; those asked, by node
-        (a node lost since, or whose raylet refused, is left out: best effort)."""
         raylets = _raylet_addresses()
         job = bytes.fromhex(ray.get_runtime_context().get_job_id())
-        asked = {}
-        for node_id, count in sorted(counts.items()):
+        for node_id in sorted(wanted):
             address = raylets.get(node_id)
             if address is None:
                 continue  # lost since: nothing to stock
+            self._stocked.add((node_id, serialized_runtime_env))  # asked: once (module doc)
             try:
-                _prestart(address, job, serialized_runtime_env, self.keep_alive_s, count)
+                _prestart(address, job, serialized_runtime_env, self.keep_alive_s)
             except Exception as e:  # noqa: BLE001 - best effort (module doc)
-                log.warning("could not prestart worker processes on %s: %s", address, e)
-                continue
-            asked[node_id] = count
-        return asked
+                log.warning("could not prestart a worker process on %s: %s", address, e)
 
 
 def _raylet_addresses() -> Dict[str, str]:
@@ -296,9 +241,7 @@ def _raylet_addresses() -> Dict[str, str]:
     }
 
 
-def _prestart(
-    address: str, job_id: bytes, serialized_runtime_env: str, keep_alive_s: int, count: int = 1
-) -> None:
+def _prestart(address: str, job_id: bytes, serialized_runtime_env: str, keep_alive_s: int) -> None:
     from ray._private.grpc_utils import init_grpc_channel
     from ray.core.generated import common_pb2, node_manager_pb2, node_manager_pb2_grpc
 
@@ -306,7 +249,7 @@ def _prestart(
         language=common_pb2.Language.PYTHON,
         job_id=job_id,
         keep_alive_duration_secs=keep_alive_s,
-        num_workers=count,
+        num_workers=1,
     )
     request.runtime_env_info.serialized_runtime_env = serialized_runtime_env
     channel = init_grpc_channel(address)

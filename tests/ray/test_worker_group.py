@@ -12,7 +12,6 @@ import ray
 from raytrain_ext import Trainer, TrainingFailed, load_config
 from raytrain_ext.worker.form_options import FormOptions
 from raytrain_ext.worker.group import PlacementTimeout, WorkerGroup
-from raytrain_ext.worker.priority import with_niceness
 from raytrain_ext.worker.process_pool import ProcessPool
 from raytrain_ext.worker.rendezvous import assign_ranks
 from tests.helpers.leaks import assert_nothing_left, idle_processes_with_torch
@@ -114,39 +113,6 @@ def test_a_killed_rank_is_replaced_by_the_idle_warmed_process_the_pool_kept(ray_
     finally:
         group.shutdown()
     assert_nothing_left()
-
-
-@pytest.mark.slow
-def test_a_run_that_ends_leaves_a_warm_process_for_each_rank_of_the_next(ray_local, tmp_path):
-    """Ray outlives the run (a notebook, a Tune trial): when a fit ends, its node gets as
-    many idle processes as it had ranks, so the next fit's 2 ranks both start in processes
-    whose imports are done (their pids are the announced ones) instead of the first one
-    alone; and the node is stocked again at the second end without piling up.  (2 ranks:
-    a raylet starts at most as many processes at once as the machine has cores.)"""
-    common = ["run.max_steps=2", "checkpoint.enabled=false"]
-    pool = ProcessPool()
-    pool.runtime_env(with_niceness(None, 0))  # the runs' environment: its processes only
-
-    def fit(name):
-        return Trainer(
-            load_config(None, tiny_overrides(tmp_path, f"run.name={name}", *common))
-        ).fit()
-
-    def all_warm_on(node):
-        """The node's warm processes for the runs' environment, once there are 2."""
-        warm = {pid for n, pid in pool.warm_processes() if n == node}
-        return warm if len(warm) >= 2 else None
-
-    first = fit("first")
-    node = first["workers"][0]["node_id"]
-    waiting = wait_until(lambda: all_warm_on(node), "2 warm processes on the node", 90)
-    second = fit("second")
-    assert second["status"] == "finished"
-    assert {w["pid"] for w in second["workers"]} <= waiting  # every rank in a warm one
-    assert second["start_phases_s"]["imports"] < first["start_phases_s"]["imports"]
-    assert_nothing_left()
-    kept = wait_until(lambda: all_warm_on(node), "the node stocked again", 90)
-    assert len(kept) <= len(waiting) + 1  # one per rank again (one more at most), no pile
 
 
 def test_impossible_placement_fails_fast_and_cleans_up(ray_local):

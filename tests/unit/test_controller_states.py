@@ -256,10 +256,6 @@ class FakeGroup:
         self.calls.append(("shutdown",))
         self.world = 0
 
-    def end(self):
-        self.calls.append(("end",))
-        self.world = 0
-
 
 def _info(node: str, rank: int) -> RankInfo:
     return RankInfo(node_id=node, node_ip=f"10.0.0.{node.removeprefix('n')}", pid=1000 + rank)
@@ -329,7 +325,7 @@ def test_start_run_finish():
     assert [w["node_id"] for w in result.workers] == ["n1", "n2"]
     assert result.recoveries == [] and result.resizes == []
     # the pool (and spares) refilled once the group's first step is done, not before
-    assert run.group.calls == [("start", 2), ("replenish", 0), ("end",)]
+    assert run.group.calls == [("start", 2), ("replenish", 0), ("shutdown",)]
 
 
 def test_worker_failure_recovers_at_the_same_size():
@@ -406,8 +402,8 @@ def test_failure_with_survivors_reforms_in_place():
     assert recovery["world_size"] == 2
     assert recovery["reformed"] == {"kept": 1, "spares_used": 0, "started": 1}
     assert recovery["restored_step"] == 3 and recovery["steps_redone"] == 0
-    starts = [c for c in run.group.calls if c[0] in ("start", "reform", "shutdown", "end")]
-    assert starts == [("start", 2), ("reform", [0], 2), ("end",)]  # no restart between
+    starts = [c for c in run.group.calls if c[0] in ("start", "reform", "shutdown")]
+    assert starts == [("start", 2), ("reform", [0], 2), ("shutdown",)]  # no restart between
 
 
 def test_reports_a_dead_rank_0_made_unread_are_recorded_once_when_handed_over_again():
@@ -449,9 +445,9 @@ def test_node_loss_with_survivors_shrinks_in_place_then_grows_back_in_place():
     (resize,) = result.resizes
     assert resize["in_place"] and (resize["from"], resize["to"]) == (2, 3)
     assert resize["pause_s"] == pytest.approx(2 * POLL_S)  # the pause poll, then the step
-    starts = [c for c in run.group.calls if c[0] in ("start", "reform", "shutdown", "pause", "end")]
+    starts = [c for c in run.group.calls if c[0] in ("start", "reform", "shutdown", "pause")]
     assert starts == [
-        ("start", 3), ("reform", [0, 1], 2), ("pause",), ("reform", [0, 1], 3), ("end",)
+        ("start", 3), ("reform", [0, 1], 2), ("pause",), ("reform", [0, 1], 3), ("shutdown",)
     ]  # fmt: skip
     assert [h["world_size"] for h in result.world_size_history] == [3, 2, 3]
     assert run.steps() == list(range(1, 11))  # nothing redone, nothing skipped
@@ -513,7 +509,7 @@ def test_no_capacity_below_min_workers_fails_after_waiting():
     assert recovery["decision"] == "fail" and recovery["world_size"] is None
     assert recovery["decided_s"] >= 10.0  # waited elastic.wait_for_capacity_s for nodes
     assert "restored_step" not in recovery  # never got to a first step after
-    assert run.group.calls[-1] == ("end",)
+    assert run.group.calls[-1] == ("shutdown",)
 
 
 def test_failure_budget_spent_fails_without_recovering():
@@ -629,7 +625,7 @@ def test_stop_from_another_thread_ends_in_failed():
     with pytest.raises(TrainingFailed, match="stopped: user pressed stop"):
         run.controller.run()
     assert run.states() == ["SCHEDULING", "RUNNING", "FAILED"]
-    assert run.group.calls[-1] == ("end",)
+    assert run.group.calls[-1] == ("shutdown",)
 
 
 def test_an_interrupt_checkpoints_at_the_next_boundary_and_ends_interrupted():
