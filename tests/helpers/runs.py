@@ -12,7 +12,9 @@ from typing import List
 
 # The packaged default's model at half its width and sequence length, for tests that need
 # many steps.  A chaos test whose fault must land before the run ends gives its steps a
-# floor (``step_floor``: a sleep, which changes no number) rather than a bigger model.
+# floor (``step_floor``: a sleep, which changes no number) rather than a bigger model; the
+# in-place grow-back test keeps the packaged one, whose steps give its spare the 20 s it
+# needs to warm up and join on a loaded machine (tests/cluster/test_elastic_in_place.py).
 FAST_MODEL = ["model.n_layers=2", "model.d_model=64", "model.n_heads=2", "model.seq_len=64"]
 
 
