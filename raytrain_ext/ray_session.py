@@ -10,7 +10,8 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
-from typing import Optional
+from contextlib import contextmanager
+from typing import Iterator, Optional
 
 from raytrain_ext.worker.priority import yield_auxiliary_daemons
 
@@ -28,14 +29,46 @@ def connect_ray(address: Optional[str]) -> bool:
         ray.init(address=address, log_to_driver=True)
         return False
     _pin_local_ray_to_loopback()
-    ray.init(
-        address="local",
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
-        _system_config={"prestart_worker_first_driver": False},
-    )
+    with _without_api_server():
+        ray.init(
+            address="local",
+            include_dashboard=False,
+            _node_ip_address="127.0.0.1",
+            _system_config={"prestart_worker_first_driver": False},
+        )
     yield_auxiliary_daemons()
     return True
+
+
+@contextmanager
+def _without_api_server() -> Iterator[None]:
+    """Start a private Ray without its dashboard API server.
+
+    Why: with ``include_dashboard=False`` Ray still starts that process, loading only its
+    usage-stats module, and ``ray.init`` waits for it to register before it even starts
+    the raylet: 1.0-1.7 s of every cold start measured here (``ray.init`` median 3.3 s
+    with it, 1.7 s without, five runs each).  A private Ray serves this process only: no
+    job submission, dashboard or state API goes through that server (none is loaded
+    when the dashboard is off), so nothing of ours or the user's needs it.  Best effort,
+    as :func:`yield_auxiliary_daemons` is: the node's start is private API, so another Ray
+    version costs one debug line and starts the server as before."""
+    from ray._private import node as ray_node
+
+    original = ray_node.Node.__dict__.get("start_api_server")
+    if original is None:
+        log.debug("Ray's node has no start_api_server: the API server starts as before")
+        yield
+        return
+    ray_node.Node.start_api_server = _skip_api_server
+    try:
+        yield
+    finally:
+        ray_node.Node.start_api_server = original
+
+
+def _skip_api_server(self, *, include_dashboard: Optional[bool], raise_on_failure: bool) -> None:
+    """Stands in for ``Node.start_api_server``: the node keeps ``webui_url`` None, as after
+    an API server that failed to start, which Ray tolerates when it was not asked for."""
 
 
 def stop_private_ray() -> None:

@@ -31,10 +31,11 @@ print(json.dumps({"niceness": found, "exits": exits}))
 
 
 def test_a_private_ray_runs_its_auxiliary_daemons_below_the_ranks_and_stops_without_a_wait():
-    """The autoscaler monitor, log monitor, dashboard API server and dashboard agent wait
-    at nice 19 (nothing a step or a recovery needs); the GCS, the raylet and the
-    runtime-env agent (which starts our actors' environments) keep the ranks' nice 0; and it
-    stops without waiting on the monitor."""
+    """The autoscaler monitor, log monitor and dashboard agent wait at nice 19 (nothing a
+    step or a recovery needs); the GCS, the raylet and the runtime-env agent (which starts
+    our actors' environments) keep the ranks' nice 0; the dashboard API server, which
+    ``ray.init`` would wait for, is not started; and it stops without waiting on the
+    monitor."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     done = subprocess.run(
         [sys.executable, "-c", PROBE], capture_output=True, text=True, env=env, timeout=120
@@ -42,8 +43,9 @@ def test_a_private_ray_runs_its_auxiliary_daemons_below_the_ranks_and_stops_with
     assert done.returncode == 0, done.stderr[-3000:]
     probed = json.loads(done.stdout.strip().splitlines()[-1])
     niceness = probed["niceness"]
-    for daemon in ("monitor", "log_monitor", "dashboard", "dashboard_agent"):
+    for daemon in ("monitor", "log_monitor", "dashboard_agent"):
         assert niceness[daemon] == [[19]], (daemon, niceness)
+    assert "dashboard" not in niceness, niceness  # the API server
     for core in ("gcs_server", "raylet", "runtime_env_agent"):
         assert niceness[core] == [[0]], (core, niceness)
 
