@@ -29,7 +29,7 @@ def connect_ray(address: Optional[str]) -> bool:
         ray.init(address=address, log_to_driver=True)
         return False
     _pin_local_ray_to_loopback()
-    with _without_api_server():
+    with without_api_server():
         ray.init(
             address="local",
             include_dashboard=False,
@@ -41,7 +41,7 @@ def connect_ray(address: Optional[str]) -> bool:
 
 
 @contextmanager
-def _without_api_server() -> Iterator[None]:
+def without_api_server() -> Iterator[None]:
     """Start a private Ray without its dashboard API server.
 
     Why: with ``include_dashboard=False`` Ray still starts that process, loading only its
@@ -51,7 +51,8 @@ def _without_api_server() -> Iterator[None]:
     job submission, dashboard or state API goes through that server (none is loaded
     when the dashboard is off), so nothing of ours or the user's needs it.  Best effort,
     as :func:`yield_auxiliary_daemons` is: the node's start is private API, so another Ray
-    version costs one debug line and starts the server as before."""
+    version costs one debug line and starts the server as before.  The tests' private Ray
+    and their multi-node clusters' heads start the same way (``tests/conftest.py``)."""
     from ray._private import node as ray_node
 
     original = ray_node.Node.__dict__.get("start_api_server")

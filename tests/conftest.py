@@ -26,15 +26,18 @@ def ray_local():
     """
     import ray
 
+    from raytrain_ext.ray_session import without_api_server
+
     if not ray.is_initialized():
-        ray.init(
-            address="local",
-            num_cpus=4,
-            include_dashboard=False,
-            _node_ip_address="127.0.0.1",
-            object_store_memory=200 * 1024**2,
-            log_to_driver=False,
-        )
+        with without_api_server():  # as the CLI's private Ray: 1-2 s less per start
+            ray.init(
+                address="local",
+                num_cpus=4,
+                include_dashboard=False,
+                _node_ip_address="127.0.0.1",
+                object_store_memory=200 * 1024**2,
+                log_to_driver=False,
+            )
     yield ray
 
 
@@ -50,6 +53,8 @@ def ray_cluster():
     import ray
     from ray.cluster_utils import Cluster
 
+    from raytrain_ext.ray_session import without_api_server
+
     ray.shutdown()
     fast = {
         "RAY_health_check_period_ms": "500",
@@ -58,16 +63,17 @@ def ray_cluster():
     }
     saved = {k: os.environ.get(k) for k in fast}
     os.environ.update(fast)
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={
-            "num_cpus": 0,
-            "object_store_memory": 150 * 1024**2,
-            "include_dashboard": False,
-            "node_ip_address": "127.0.0.1",
-            "no_monitor": True,
-        },
-    )
+    with without_api_server():  # the head's start: 1-2 s less (see ray_session)
+        cluster = Cluster(
+            initialize_head=True,
+            head_node_args={
+                "num_cpus": 0,
+                "object_store_memory": 150 * 1024**2,
+                "include_dashboard": False,
+                "node_ip_address": "127.0.0.1",
+                "no_monitor": True,
+            },
+        )
     try:
         ray.init(address=cluster.address, log_to_driver=False)
         yield cluster
