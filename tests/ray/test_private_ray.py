@@ -6,6 +6,8 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 PROBE = """
 import json, os
 from ray._private import worker
@@ -53,3 +55,19 @@ def test_a_private_ray_runs_its_auxiliary_daemons_below_the_ranks_and_stops_with
     # order stops the GCS first, and a monitor it terminates then reports its end to the
     # stopped GCS until Ray's 1 s grace runs out
     assert probed["exits"] == {"monitor": -signal.SIGKILL, "terminated_by_ray": []}, probed
+
+
+def test_the_api_server_is_skipped_only_inside_the_block():
+    """Ray's own ``Node.start_api_server`` is back once the private Ray has started, also
+    when the start raised: a later ``ray.init`` of the user's (another address, a
+    dashboard) is Ray's, untouched."""
+    from ray._private import node as ray_node
+
+    from raytrain_ext.ray_session import without_api_server
+
+    original = ray_node.Node.start_api_server
+    with pytest.raises(RuntimeError, match="the start failed"):
+        with without_api_server():
+            assert ray_node.Node.start_api_server is not original
+            raise RuntimeError("the start failed")
+    assert ray_node.Node.start_api_server is original
