@@ -1,6 +1,7 @@
 """Shared fixtures. Ray, gloo and servers stay on loopback (see FIELD_NOTES)."""
 
 import os
+import tempfile
 import time
 
 # Must be set before ray is imported: Ray then resolves its own address to 127.0.0.1.
@@ -12,6 +13,9 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 # of the quick-start comparison's 50 s here).  Read by its controller, a Ray worker that
 # inherits the environment of the process that started Ray.
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
+# The driver's cache of checked Hugging Face configs (models.hf_shape_cache): this session's
+# own, so that the tests neither write into the home directory nor read what other runs wrote.
+os.environ.setdefault("RAYTRAIN_EXT_CACHE_DIR", tempfile.mkdtemp(prefix="raytrain-ext-cache-"))
 
 import pytest  # noqa: E402
 

@@ -7,6 +7,8 @@ are trained, each as its own command, by
 jobs/bench/hf_baselines.py, which trains the same samples with the same optimizer).
 Printed per framework: the median step time (steps 3 on) and the time from the command's
 start to the end of its first step; and the ratios ours / torchrun and ours / Ray Train.
+Ours' start is split into its phases per run (``metrics.start_phases``): the first run checks
+the HF config with ``transformers`` on the driver, later ones read that check's cache.
 Then ``raytrain-ext ckpt export RUN --to-hf DIR`` is timed on (a)'s checkpoint, and the
 pretrained load under FSDP is measured on 2 gloo ranks (jobs/bench/hf_pretrained_load.py:
 bytes each rank reads vs the safetensors total).
@@ -110,7 +112,8 @@ def run_ours(workdir: Path, args, overrides: List[str], name: str) -> Dict:
     subprocess.run(cmd, check=True, capture_output=True, cwd=workdir, env=ENV, timeout=1800)
     summary = json.loads((workdir / name / "summary.json").read_text())
     out = timings(summary["step_times"], summary["first_step_at"], start, summary["final_loss"])
-    return {**out, "run_dir": str(workdir / name)}
+    start_s = {"command": summary["started_at"] - start, **summary["start_phases_s"]}
+    return {**out, "run_dir": str(workdir / name), "start_s": start_s}
 
 
 def run_torchrun(workdir: Path, args, overrides: List[str]) -> Dict:
@@ -176,6 +179,10 @@ def print_training(runs: Dict[str, List[Dict]], header: str) -> None:
         medians = ", ".join(f"{r['median_step_s'] * 1e3:.1f}" for r in runs[n])
         starts = ", ".join(f"{r['first_step_s']:.2f}" for r in runs[n])
         print(f"  {n}: median step per run (ms) {medians}; command to 1st step (s) {starts}")
+    for i, run in enumerate(runs[names[0]]):
+        cache = "its HF config built and checked" if i == 0 else "its HF config from the cache"
+        phases = ", ".join(f"{k} {v:.2f}" for k, v in run["start_s"].items())
+        print(f"  {names[0]} run {i + 1} ({cache}): start (s) {phases}")
     loss = {n: runs[n][-1]["final_loss"] for n in names}
     print(f"{'final loss':26}" + "".join(f"{loss[n]:14.4f}" for n in names))
     ours = names[0]
@@ -203,6 +210,9 @@ def main() -> None:
     arch = architecture(args.size)
     overrides = run_overrides(args, arch)
     workdir = Path(tempfile.mkdtemp(prefix="hf-bench-"))
+    # the driver's cache of checked HF configs (models.hf_shape_cache) starts empty: the
+    # first run of ours builds the config, as a model's first run does; later ones read it
+    ENV["RAYTRAIN_EXT_CACHE_DIR"] = str(workdir / "driver-cache")
     runs: Dict[str, List[Dict]] = {"raytrain-ext": [], "torchrun DDP": [], "Ray Train": []}
     try:
         for repeat in range(args.repeats):  # alternating, so drift hits all three alike

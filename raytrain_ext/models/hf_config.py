@@ -4,7 +4,8 @@ Why on the driver: a missing directory, a family without a spec or a config that
 causal LM must fail before Ray starts, naming the key; and the shape the rest of the
 project reasons about (``model.n_layers``, ``d_model``, ``n_heads``, ``vocab_size``: the
 planner, the tensor-parallel checks, the data's id range, MFU) is the HF model's, so
-:func:`resolve_hf_shape` writes it into the config that every worker receives.
+``models.hf_shape_cache.resolve_hf_shape`` writes it into the config that every worker receives
+(from a cache of accepted configs, which spares the driver importing ``transformers``).
 
 Invariant: :func:`hf_config` gives the same architecture on the driver and on every
 worker (a local directory or the local HF cache, never a download).
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 from raytrain_ext.errors import ConfigError
 
@@ -68,6 +69,12 @@ def _path_config(path: str) -> Dict[str, Any]:
 def hf_config(model_cfg) -> Any:
     """The ``transformers`` config of ``model.hf``: ``path``'s config.json, then the inline
     ``config`` over it."""
+    return build_config(*checked_values(model_cfg))
+
+
+def checked_values(model_cfg) -> Tuple[str, Dict[str, Any]]:
+    """``model.hf``'s family and its config values (``path``'s config.json, the inline
+    ``config`` over it), checked as far as they can be without ``transformers``."""
     hf = model_cfg.hf
     if not hf.path and not hf.config:
         raise ConfigError(
@@ -89,12 +96,22 @@ def hf_config(model_cfg) -> Any:
             f"model.hf.path: {hf.path} holds {', '.join(architectures)}, not a causal LM "
             "(*ForCausalLM). Give the checkpoint of a decoder-only language model."
         )
+    return family, {k: v for k, v in values.items() if k != "model_type"}
+
+
+def build_config(family: str, values: Dict[str, Any]) -> Any:
+    """``transformers``' config of ``family`` from ``values``, its own checks applied."""
     transformers = _transformers()
-    values = {k: v for k, v in values.items() if k != "model_type"}
+    from huggingface_hub.errors import StrictDataclassError  # how transformers 5 refuses a value
+
     try:
         return transformers.AutoConfig.for_model(family, **values)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"model.hf.config: {e}") from None
+    except (TypeError, ValueError, StrictDataclassError) as e:
+        detail = " ".join(str(e).split()).rstrip(".")
+        raise ConfigError(
+            f"model.hf.config: {detail}. Fix the value in model.hf.config or in "
+            "model.hf.path's config.json."
+        ) from None
 
 
 def pretrained_dir(model_cfg) -> Optional[Path]:
@@ -109,40 +126,3 @@ def pretrained_dir(model_cfg) -> Optional[Path]:
             "model.hf.pretrained=false to start from a random initialisation."
         )
     return directory
-
-
-def resolve_hf_shape(cfg) -> None:
-    """Write the HF model's shape into ``model.*`` and check what must hold before Ray."""
-    config = hf_config(cfg.model)
-    weights = pretrained_dir(cfg.model)
-    if weights is not None:
-        from raytrain_ext.models.safetensors_check import check_safetensors
-
-        check_safetensors(weights)
-    m = cfg.model
-    m.n_layers = config.num_hidden_layers
-    m.d_model = config.hidden_size
-    m.n_heads = config.num_attention_heads
-    m.vocab_size = config.vocab_size
-    m.mlp_ratio = max(1, round(config.intermediate_size / config.hidden_size))
-    limit = config.max_position_embeddings
-    if m.seq_len > limit:
-        raise ConfigError(
-            f"model.seq_len: {m.seq_len} exceeds the model's max_position_embeddings={limit}. "
-            f"Set model.seq_len <= {limit}."
-        )
-    window = getattr(config, "sliding_window", None)  # None: full attention (Llama, Qwen)
-    if cfg.parallel.sequence_parallel and window is not None and m.seq_len > window:
-        raise ConfigError(
-            f"parallel.sequence_parallel: the model attends within a sliding window of {window} "
-            f"positions, shorter than model.seq_len={m.seq_len}; its mask is built from each "
-            "rank's sequence shard, which sequence parallelism cuts. Set "
-            f"model.seq_len <= {window} or parallel.sequence_parallel=false."
-        )
-    kv_heads = config.num_key_value_heads or config.num_attention_heads
-    tp = cfg.parallel.tp
-    if tp > 1 and kv_heads % tp:
-        raise ConfigError(
-            f"parallel.tp: {tp} does not divide the model's num_key_value_heads={kv_heads}; "
-            "tensor parallelism splits whole key/value heads. Choose a tp that divides it."
-        )

@@ -76,7 +76,7 @@ class HFSource(ModelSourceHooks):
     label = "the Hugging Face model"
 
     def resolve(self, cfg: Any) -> None:
-        from raytrain_ext.models.hf_config import resolve_hf_shape
+        from raytrain_ext.models.hf_shape_cache import resolve_hf_shape
 
         resolve_hf_shape(cfg)
 
