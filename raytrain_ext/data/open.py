@@ -131,6 +131,14 @@ def cache_directory(cfg, path: str, tokenizer: str) -> Path:
     return Path(cfg.run.output_dir) / cfg.run.name / CACHE_DIR / digest
 
 
+def tokenizer_files_in_key(tokenizer: str) -> bool:
+    """Whether :func:`cache_directory`'s key covers the files of ``tokenizer`` (a local file
+    or directory, by name, size and modification time): then an entry was prepared with
+    exactly these files, and other files make another entry.  A model id in the Hugging
+    Face cache is keyed by its name alone, so a newer download reuses the entry."""
+    return bool(_fingerprint(tokenizer)) and not tokenizer.startswith("s3://")
+
+
 def _fingerprint(path: str) -> List[List]:
     """(name, size, mtime) of a local file or of every file below a directory."""
     if path.startswith("s3://"):

@@ -15,7 +15,12 @@ from typing import Optional
 
 from raytrain_ext.data.config import DataFormat
 from raytrain_ext.data.eval_split import held_out_samples
-from raytrain_ext.data.open import open_prepared, prepared_directory, tokenizer_spec
+from raytrain_ext.data.open import (
+    open_prepared,
+    prepared_directory,
+    tokenizer_files_in_key,
+    tokenizer_spec,
+)
 from raytrain_ext.errors import InputError
 from raytrain_ext.models.sources import model_source
 from raytrain_ext.prepare.prepared_index import PreparedIndex, read_index, require_index
@@ -39,7 +44,9 @@ def check_record_data(cfg) -> None:
         directory = _prepared(cfg, key, path)
         index = require_index(directory)
         _check_format(cfg, key, path, index)
-        _check_tokenizer(cfg, key, path, index)
+        if not _prepared_here_with_these_files(cfg, path):
+            _check_tokenizer(cfg, key, path, index)
+        _check_vocabulary(cfg, key, path, index)
         if key == "data.path":
             _check_samples(cfg, directory)
 
@@ -73,6 +80,17 @@ def _check_format(cfg, key: str, path: str, index: PreparedIndex) -> None:
     )
 
 
+def _prepared_here_with_these_files(cfg, path: str) -> bool:
+    """Whether ``path``'s records were prepared into the run's cache under a key that covers
+    the tokenizer's files (``data.open.tokenizer_files_in_key``): that entry was tokenized
+    by this very tokenizer, so loading it again to compare its sha256 (2-4 s on the driver,
+    most of it importing ``transformers`` and torch) would only repeat what the key says."""
+    if not path.startswith("s3://") and read_index(Path(path)) is not None:
+        return False  # a directory prepared elsewhere: its tokenizer is compared
+    spec = tokenizer_spec(cfg)
+    return spec is not None and tokenizer_files_in_key(spec)
+
+
 def _check_tokenizer(cfg, key: str, path: str, index: PreparedIndex) -> None:
     from raytrain_ext.prepare.tokenizer import load_tokenizer, tokenizer_sha256
 
@@ -87,6 +105,9 @@ def _check_tokenizer(cfg, key: str, path: str, index: PreparedIndex) -> None:
                 "the tokenizer the data was prepared with, or prepare the data again with "
                 f"`raytrain-ext data prepare SRC --tokenizer {spec}`."
             )
+
+
+def _check_vocabulary(cfg, key: str, path: str, index: PreparedIndex) -> None:
     if index.tokenizer.vocab_size > cfg.model.vocab_size:
         raise InputError(
             f"model.vocab_size: {key} {path} was tokenized with a vocabulary of "

@@ -124,3 +124,34 @@ def test_token_ids_out_of_range_are_refused(inputs, tmp_path):
     assert "ids must be >= 0" in _refused(_cfg(inputs, tmp_path, f"data.path={path}"))
     write_token_file(np.array([1, 2, 300] * 200, dtype=np.int64), path)
     assert "model.vocab_size" in _refused(_cfg(inputs, tmp_path, f"data.path={path}"))
+
+
+def test_records_prepared_here_are_not_tokenized_again_nor_their_tokenizer_reloaded(
+    inputs, tmp_path, monkeypatch
+):
+    """The run's cache entry is keyed by the local tokenizer's files: a second start reads
+    it without loading the tokenizer (2-4 s of transformers' import on the driver), and a
+    tokenizer whose files changed gets an entry of its own, prepared with it."""
+    from raytrain_ext.prepare import pipeline, tokenizer
+
+    tok = tmp_path / "tok"
+    build_tokenizer(tok, with_chat_template=False)
+    overrides = [f"data.path={inputs / 'text.jsonl'}", "data.format=text", f"data.tokenizer={tok}"]
+    preflight(_cfg(inputs, tmp_path, *overrides))  # prepares the entry
+    entries = sorted((tmp_path / "runs").rglob("index.json"))
+    loads: list = []
+
+    def counted_load(spec, eos_token=None):
+        loads.append(spec)
+        return real_load(spec, eos_token)
+
+    real_load = tokenizer.load_tokenizer
+    monkeypatch.setattr(tokenizer, "load_tokenizer", counted_load)
+    monkeypatch.setattr(pipeline, "load_tokenizer", counted_load)
+    preflight(_cfg(inputs, tmp_path, *overrides))
+    assert loads == [] and sorted((tmp_path / "runs").rglob("index.json")) == entries
+
+    build_tokenizer(tok, with_chat_template=True)  # other files: another entry, prepared
+    preflight(_cfg(inputs, tmp_path, *overrides))
+    assert loads == [str(tok)]
+    assert len(sorted((tmp_path / "runs").rglob("index.json"))) == len(entries) + 1

@@ -52,3 +52,22 @@ def test_every_record_is_one_json_line_appended_and_no_step_writes_no_file(tmp_p
     records = [json.loads(line) for line in path.read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 2, 3]
     assert records[0] == {"step": 1, "phases_s": {"data": 0.5}, "restored": "x"}
+
+
+def test_tensorboard_opens_its_event_file_at_the_first_record(tmp_path):
+    """Opening it imports tensorboardX and with it torch (over a second on the driver), so
+    it happens at the first record, off the path to the first step; a run that made no step
+    writes no event file, and every scalar given reaches the file."""
+    from raytrain_ext.metrics.sinks import TensorBoardSink
+
+    log_dir = tmp_path / "tensorboard"
+    idle = TensorBoardSink(log_dir)
+    idle.close()
+    assert not log_dir.exists()
+    sink = TensorBoardSink(log_dir)
+    for step in (1, 2):
+        sink.write(step, {"loss": 3.0 - step, "lr": 0.1})
+    sink.close()
+    (events,) = log_dir.glob("events.out.tfevents.*")
+    data = events.read_bytes()
+    assert data.count(b"train/loss") == 2 and data.count(b"train/lr") == 2
