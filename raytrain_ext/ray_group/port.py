@@ -22,6 +22,7 @@ from raytrain_ext.messages import FitResult, Heartbeat, PollReply, RankInfo
 from raytrain_ext.ray_group.diagnostics import dump_worker_stacks
 from raytrain_ext.ray_group.survivors import first_error, gather_evidence
 from raytrain_ext.user_code import UserCode
+from raytrain_ext.worker.allocator import with_one_malloc_arena
 from raytrain_ext.worker.form_options import FormOptions
 from raytrain_ext.worker.group import WorkerGroup
 from raytrain_ext.worker.priority import with_niceness
@@ -50,7 +51,9 @@ class RayGroup:
         s = cfg.scaling
         pool = ProcessPool() if cfg.elastic.prestart_processes else None
         group = WorkerGroup(dict(s.resources_per_worker), s.placement_strategy, process_pool=pool)
-        return cls(group, user=user, runtime_env=with_niceness(None, s.worker_niceness))
+        job_env_vars = ray.get_runtime_context().runtime_env.get("env_vars") or {}
+        runtime_env = with_one_malloc_arena(with_niceness(None, s.worker_niceness), job_env_vars)
+        return cls(group, user=user, runtime_env=runtime_env)
 
     @property
     def avoid_nodes(self) -> Set[str]:

@@ -13,6 +13,7 @@ from tests.helpers.ray_train_loops import (
     OURS,
     RAY_TRAIN,
     dataset_loop,
+    environment_loop,
     line_rows,
     quickstart_loop,
     registered_loop,
@@ -148,6 +149,14 @@ def uneven_loop(config):
 def test_a_broken_loop_fails_naming_the_rank_and_the_cause(ray_local, tmp_path, loop, expected):
     with pytest.raises(TrainingFailed, match=expected):
         fit(OURS, tmp_path, loop.__name__, loop, config={})
+    assert_nothing_left()
+
+
+def test_the_ranks_allocate_from_one_malloc_arena_as_a_main_thread_does(ray_local, tmp_path):
+    """The loop runs on an actor's thread; its process starts with ``MALLOC_ARENA_MAX=1``
+    (``worker.allocator``), so glibc keeps its memory as it would on the main thread."""
+    result = fit(OURS, tmp_path, "environment", environment_loop, config={})
+    assert result.metrics["malloc_arena_max"] == 1
     assert_nothing_left()
 
 
