@@ -136,7 +136,7 @@ def tokenizer_files_in_key(tokenizer: str) -> bool:
     or directory, by name, size and modification time): then an entry was prepared with
     exactly these files, and other files make another entry.  A model id in the Hugging
     Face cache is keyed by its name alone, so a newer download reuses the entry."""
-    return bool(_fingerprint(tokenizer)) and not tokenizer.startswith("s3://")
+    return not tokenizer.startswith("s3://") and bool(_fingerprint(tokenizer))
 
 
 def _fingerprint(path: str) -> List[List]:

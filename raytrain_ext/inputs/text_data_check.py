@@ -44,7 +44,7 @@ def check_record_data(cfg) -> None:
         directory = _prepared(cfg, key, path)
         index = require_index(directory)
         _check_format(cfg, key, path, index)
-        if not _prepared_here_with_these_files(cfg, path):
+        if not _prepared_here_with_these_files(cfg, path, directory):
             _check_tokenizer(cfg, key, path, index)
         _check_vocabulary(cfg, key, path, index)
         if key == "data.path":
@@ -80,12 +80,13 @@ def _check_format(cfg, key: str, path: str, index: PreparedIndex) -> None:
     )
 
 
-def _prepared_here_with_these_files(cfg, path: str) -> bool:
-    """Whether ``path``'s records were prepared into the run's cache under a key that covers
-    the tokenizer's files (``data.open.tokenizer_files_in_key``): that entry was tokenized
-    by this very tokenizer, so loading it again to compare its sha256 (2-4 s on the driver,
-    most of it importing ``transformers`` and torch) would only repeat what the key says."""
-    if not path.startswith("s3://") and read_index(Path(path)) is not None:
+def _prepared_here_with_these_files(cfg, path: str, directory: Path) -> bool:
+    """Whether ``path``'s records were prepared into the run's cache (``directory``, which
+    ``prepared_directory`` gave) under a key that covers the tokenizer's files
+    (``data.open.tokenizer_files_in_key``): that entry was tokenized by this very tokenizer,
+    so loading it again to compare its sha256 (2-4 s on the driver, most of it importing
+    ``transformers`` and torch) would only repeat what the key says."""
+    if directory == Path(path):
         return False  # a directory prepared elsewhere: its tokenizer is compared
     spec = tokenizer_spec(cfg)
     return spec is not None and tokenizer_files_in_key(spec)
