@@ -1,11 +1,15 @@
-"""What ``train.register`` costs a report under FSDP: the copy, and the copy sent to a peer.
+"""What ``train.register`` costs a report under FSDP: the copy, the copy sent to a peer, and
+the registered state's DCP files in a report that carries a checkpoint.
 
 Two gloo ranks (no Ray) shard an MLP with FSDP2 and AdamW (one step taken, so the optimizer
 holds its moments), register it, and make reports.  Timed per report, median of
 ``--reports``: (a) ``register`` without ``copy_to_peer`` (this rank's host copy), against a
 plain ``torch`` copy of the same bytes into a kept buffer; (b) with ``copy_to_peer=True`` (the copy, then
 ``exchange_tree`` to the peer), against a raw ``isend``/``irecv`` of one flat buffer of the
-same bytes plus the plain copy: the physical floor of what (b) does.
+same bytes plus the plain copy: the physical floor of what (b) does; (c) a report with a
+checkpoint, whose registered state every rank writes as DCP files into its staged report
+(``registered_files``, to the temporary directory), against a plain ``torch.save`` of this
+rank's local shards to a file there (what a loop would write itself).
 
 Usage: python jobs/bench/registered_copies.py [--hidden 2048] [--layers 8] [--reports 7]
 """
@@ -16,6 +20,7 @@ import argparse
 import functools
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -37,6 +42,7 @@ from raytrain_ext.user_loop.registered import (  # noqa: E402
     peer_exchange,
     peer_ranks,
 )
+from raytrain_ext.user_loop.registered_files import RegisteredFiles  # noqa: E402
 from tests.helpers.dist import distinct_free_ports, init_local_rank, spawn_ranks  # noqa: E402
 
 
@@ -70,6 +76,18 @@ def _report(registration: Registration, reports) -> None:
     registration.at_report(next(reports), {})
 
 
+def _write_files(objects) -> None:
+    """The registered state's DCP files of one report (every rank), then gone again."""
+    staged = RegisteredFiles().add_to(None, objects, "bench")
+    shutil.rmtree(staged.directory)
+
+
+def _torch_save(local) -> None:
+    directory = tempfile.mkdtemp(prefix="bench-torch-save-")
+    torch.save(local, os.path.join(directory, "state.pt"))
+    shutil.rmtree(directory)
+
+
 def _rank(rank: int, port: int, args: dict, out: str) -> None:
     init_local_rank(rank, 2, port)
     torch.set_num_threads(1)
@@ -96,6 +114,8 @@ def _rank(rank: int, port: int, args: dict, out: str) -> None:
             work.wait()
 
     send_s = _timed(raw_exchange, args["reports"])
+    files_s = _timed(functools.partial(_write_files, objects), args["reports"])
+    save_s = _timed(functools.partial(_torch_save, local), args["reports"])
     if rank == 0:
         Path(out).write_text(
             json.dumps(
@@ -105,6 +125,8 @@ def _rank(rank: int, port: int, args: dict, out: str) -> None:
                     "copy_s": copy_s,
                     "register_peer_s": figures[True],
                     "floor_peer_s": copy_s + send_s,
+                    "files_s": files_s,
+                    "torch_save_s": save_s,
                 }
             )
         )
@@ -131,6 +153,11 @@ def main() -> None:
         f"  register(copy_to_peer=True), per report: {1e3 * f['register_peer_s']:.1f} ms; the "
         f"plain copy plus a raw isend/irecv of the same bytes {1e3 * f['floor_peer_s']:.1f} ms "
         f"({f['register_peer_s'] / f['floor_peer_s']:.2f}x)"
+    )
+    print(
+        f"  a report with a checkpoint, the registered state's DCP files: "
+        f"{1e3 * f['files_s']:.1f} ms; torch.save of the rank's shards "
+        f"{1e3 * f['torch_save_s']:.1f} ms ({f['files_s'] / f['torch_save_s']:.2f}x)"
     )
 
 

@@ -46,10 +46,11 @@ def register(*, copy_to_peer: bool = False, **objects: Any) -> int:
     by FSDP or HSDP (one mesh) loads into a group of any size when a live process holds
     every shard (HSDP: another replica's rank; with ``copy_to_peer=True``, which sends each
     rank's copy to a rank on another node at every report, also pure FSDP's), else the
-    group resumes from the checkpoint.  A run restarted from storage has no live copy: it
-    resumes from ``get_checkpoint`` as before, so keep reporting checkpoints for that and
-    load them before calling ``register``, whose restore of a newer live copy overwrites
-    them."""
+    group resumes from the checkpoint.  Every report that carries a checkpoint (on any rank)
+    also holds their state as DCP files, which ``register`` loads, resharded to this
+    group's layout, when the group starts from that checkpoint instead of live copies (a
+    run restarted from storage, ``resume_from_checkpoint``, a part whose every holder was
+    lost): the loop needs no save or load code of its own for what it registered."""
     return current_session("register").register(objects, copy_to_peer)
 
 

@@ -43,6 +43,7 @@ from raytrain_ext.user_loop.registered import (
     peer_exchange,
     process_snapshots,
 )
+from raytrain_ext.user_loop.registered_files import RegisteredFiles
 from raytrain_ext.user_loop.report_log import LoggedReport, merged, process_report_log
 from raytrain_ext.user_loop.session import (
     PAUSE,
@@ -142,6 +143,8 @@ class FunctionLoop:
             lambda at, objects, layout: keeper.resume(run, at, objects, layout, group),
             self.env.world_size,
             peer_exchange(nodes, self.env.rank, group),
+            RegisteredFiles(group),
+            start.checkpoint,
         )
         session = LoopSession(
             self._context(),
@@ -324,9 +327,14 @@ class FunctionLoop:
 
     def _restore_record(self) -> Optional[Dict[str, Any]]:
         """Where this group's state came from: the live copy ``register`` loaded, or the
-        committed checkpoint the group started from."""
-        live = None if self.registration is None else self.registration.restored
-        return live or self.restored
+        committed checkpoint the group started from (``registered``: what ``register``
+        loaded from its files)."""
+        registration = self.registration
+        if registration is not None and registration.restored is not None:
+            return registration.restored
+        if registration is not None and registration.loaded is not None and self.restored:
+            return {**self.restored, "registered": registration.loaded}
+        return self.restored
 
     def _result(
         self,
@@ -344,6 +352,7 @@ class FunctionLoop:
                 "report_blocked_s": sorted(blocked),
                 "registered_copy_s": sorted(session.registration.copy_s),
                 "upload_failures": list(process_uploader().failures),
+                "registered_write_failures": list(session.failed_writes),
             },
             paused_at=paused_at,
             preempted_at=preempted_at,

@@ -39,6 +39,8 @@ import torch.distributed as dist
 from raytrain_ext.checkpoint.state import snapshot
 from raytrain_ext.parallel.local_shards import local_view
 from raytrain_ext.parallel.tree_broadcast import broadcast_tree, exchange_tree
+from raytrain_ext.user_loop.checkpoint import Checkpoint
+from raytrain_ext.user_loop.registered_files import RegisteredFiles
 from raytrain_ext.user_loop.registered_state import (
     Layout,
     check_registrable,
@@ -48,6 +50,7 @@ from raytrain_ext.user_loop.registered_state import (
     state_of,
 )
 from raytrain_ext.user_loop.reshard import PartJoiner
+from raytrain_ext.user_loop.staging import Staged
 
 Positions = Dict[str, Tuple[int, int]]  # each dataset shard's (epoch, row)
 # (report index of this process's copy or -1, its positions, its part of the whole)
@@ -260,10 +263,13 @@ class SnapshotKeeper:
 
 class Registration:
     """One group's side of ``register``: what its function registered, and where it starts
-    (``start``: a live copy, or None to start from ``start_index``'s checkpoint).
+    (``start``: a live copy, or None to start from ``start_index``'s checkpoint,
+    ``start_checkpoint``, whose registered state ``files`` loads when it holds one).
     ``resume(start, objects, layout)``: the collective that loads the live copies on every
     rank; ``world``: the group's size; ``exchange``: the group's peer permutation for
-    ``register(copy_to_peer=True)`` (``SnapshotKeeper.take_peer``), None for one rank."""
+    ``register(copy_to_peer=True)`` (``SnapshotKeeper.take_peer``), None for one rank;
+    ``files``: the registered state's DCP files in the group's checkpoints
+    (``registered_files``), None to write and load none."""
 
     def __init__(
         self,
@@ -274,14 +280,17 @@ class Registration:
         resume: Callable[[LiveResume, Dict[str, Any], Layout], Dict[str, Any]],
         world: int,
         exchange: Optional[Callable[[Any, Dict[Any, torch.Tensor]], Tuple[Any, int]]] = None,
+        files: Optional[RegisteredFiles] = None,
+        start_checkpoint: Optional[Checkpoint] = None,
     ):
         self.run, self.start_index, self.start = run, start_index, start
         self.keeper, self._resume, self.world = keeper, resume, world
-        self._exchange = exchange
+        self._exchange, self._files, self._start_checkpoint = exchange, files, start_checkpoint
         self.copy_to_peer = False  # each report's copy also sent to the peer rank
         self.objects: Optional[Dict[str, Any]] = None
         self.layout: Optional[Layout] = None  # the part of the whole the objects hold
         self.restored: Optional[Dict[str, Any]] = None  # the live copy's restore record
+        self.loaded: Optional[Dict[str, Any]] = None  # what the start checkpoint's files gave
         self.copy_s: List[float] = []  # what each report's copy took
 
     @property
@@ -308,6 +317,8 @@ class Registration:
         layout = layout_of(state_of(objects), self.world)  # refuses several meshes at once
         if self.start is not None:
             self.restored = self._resume(self.start, objects, layout)
+        elif self._files is not None and self._start_checkpoint is not None:
+            self.loaded = self._files.load(objects, self._start_checkpoint)
         self.objects, self.layout = dict(objects), layout
         # a part with no other holder: pure FSDP (HSDP's replicas hold each part already)
         alone = layout.sharded and layout.shards == layout.world
@@ -326,6 +337,17 @@ class Registration:
                 "raytrain_ext.train.register(...) with the same objects before the first "
                 "report, in every group"
             )
+
+    def write_files(self, staged: Optional[Staged], run_name: str) -> Staged:
+        """Every rank together, at a report that carries a checkpoint: ``staged`` with this
+        rank's part of the registered state in it (``RegisteredFiles.add_to``)."""
+        assert self._files is not None and self.objects is not None, "register() first"
+        return self._files.add_to(staged, self.objects, run_name)
+
+    @property
+    def writes_files(self) -> bool:
+        """Whether a report with a checkpoint also writes the registered state into it."""
+        return self._files is not None and self.objects is not None
 
     def at_report(self, index: int, positions: Dict[str, List[int]]) -> None:
         """The report was agreed by every rank (``positions``: each dataset's [epoch, row]

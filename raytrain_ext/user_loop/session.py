@@ -12,7 +12,9 @@ enters another collective (a DDP all-reduce) instead meets it only at
 
 from __future__ import annotations
 
+import logging
 import numbers
+import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -20,22 +22,27 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from raytrain_ext.user_loop.checkpoint import Checkpoint
 from raytrain_ext.user_loop.dataset_shard import DatasetShard, shard_positions
 from raytrain_ext.user_loop.held_reports import HeldReports
 from raytrain_ext.user_loop.registered import Registration
+from raytrain_ext.user_loop.registered_files import REGISTERED_DIR
 from raytrain_ext.user_loop.report_log import LoggedReport, process_report_log
 from raytrain_ext.user_loop.staging import Staged, stage
 from raytrain_ext.user_loop.storage import RunStorage
 from raytrain_ext.user_loop.uploader import Uploader, UploadJob
 
+log = logging.getLogger(__name__)
+
 REPORT, RETURNED = "report", "returned"
 # a report's payload, gathered from every rank: (kind, index, has a checkpoint, the stop
 # it asks for, every dataset's position, whether it registered state that loads at any
 # world size: ``registered_state.Layout``, on rank 0 the report as the run's records
-# take it: a ``report_log.LoggedReport``, and whether it sends its copy to a peer)
-KIND, INDEX, HAS_CHECKPOINT, STOP, POSITIONS, RESIZABLE, LOGGED, COPIES = range(8)
+# take it: a ``report_log.LoggedReport``, whether it sends its copy to a peer, and whether
+# a checkpoint also takes its registered state: ``registered_files``)
+KIND, INDEX, HAS_CHECKPOINT, STOP, POSITIONS, RESIZABLE, LOGGED, COPIES, FILES = range(9)
 PAUSE, PREEMPT, PREEMPT_NOW = "pause", "preempt", "preempt-now"
 
 
@@ -179,6 +186,7 @@ class LoopSession:
         self._log, self._run = process_report_log(), context.storage.root
         self._last = time.time()
         self.blocked_s: List[float] = []  # what each report with a checkpoint blocked for
+        self.failed_writes: List[int] = []  # reports whose registered state was not written
 
     def report(self, metrics: Dict[str, Any], checkpoint: Optional[Checkpoint] = None) -> None:
         """Record ``metrics`` (rank 0's reach the run's records); a ``checkpoint``'s files
@@ -195,7 +203,10 @@ class LoopSession:
         mine = logged if self.context.world_rank == 0 else None
         try:
             payload = (REPORT, index, staged is not None, self._stop_asked(), positions, resizable)
-            gathered = self._exchange((*payload, mine, self.registration.copy_to_peer))
+            registration = self.registration
+            gathered = self._exchange(
+                (*payload, mine, registration.copy_to_peer, registration.writes_files)
+            )
             self.check_agreement(gathered, REPORT, index)
         except BaseException:
             if staged is not None:  # never queued: nobody else removes it
@@ -206,6 +217,9 @@ class LoopSession:
         self.registration.at_report(index, positions)
         rank = self.context.world_rank
         uploading = [r for r, g in enumerate(gathered) if g[HAS_CHECKPOINT]]
+        if uploading and gathered[0][FILES]:  # every rank writes its part into the checkpoint
+            staged = self._with_registered_state(staged, index)
+            uploading = list(range(len(gathered))) if staged is not None else []
         commit = uploading if rank == 0 else []
         if staged is not None or commit:
             storage, group = self.context.storage, self._group_id
@@ -243,7 +257,9 @@ class LoopSession:
     def finish(self) -> None:
         """The function returned: agree that every rank did, at the same report."""
         self.registration.check_registered("the function returned")
-        gathered = self._exchange((RETURNED, self.index, False, None, {}, False, None, False))
+        gathered = self._exchange(
+            (RETURNED, self.index, False, None, {}, False, None, False, False)
+        )
         self.check_agreement(gathered, RETURNED, self.index)
 
     def check_agreement(self, gathered: List[Tuple], kind: str, index: int) -> None:
@@ -269,14 +285,34 @@ class LoopSession:
     @staticmethod
     def _check_copies(gathered: List[Tuple], index: int) -> None:
         """Every rank sends its registered copy to a peer, or none does (the exchange that
-        follows the report is a collective)."""
-        senders = [r for r, g in enumerate(gathered) if g[COPIES]]
-        if not senders or len(senders) == len(gathered):
-            return
-        raise ReportMismatch(
-            f"at report #{index} ranks {senders} registered with copy_to_peer=True and the "
-            "others without; pass the same copy_to_peer to register() on every rank"
-        )
+        follows the report is a collective); every rank registered its state, or none did
+        (writing it into a checkpoint is a collective)."""
+        for field, did in (
+            (COPIES, "registered with copy_to_peer=True"),
+            (FILES, "had called register()"),
+        ):
+            ranks = [r for r, g in enumerate(gathered) if g[field]]
+            if ranks and len(ranks) < len(gathered):
+                raise ReportMismatch(
+                    f"at report #{index} ranks {ranks} {did} and the others had not; call "
+                    "raytrain_ext.train.register(...) alike on every rank (the same "
+                    "copy_to_peer), before the same report"
+                )
+
+    def _with_registered_state(self, staged: Optional[Staged], index: int) -> Optional[Staged]:
+        """Every rank together: its staged files with its part of the registered state
+        added; None on every rank, the user's files removed, when writing it failed (a
+        checkpoint without it would resume the loop from state it lacks)."""
+        try:
+            return self.registration.write_files(staged, self.context.experiment_name)
+        except CheckpointException as e:
+            if staged is not None:
+                shutil.rmtree(staged.directory, ignore_errors=True)
+            level = logging.ERROR if self.context.world_rank == 0 else logging.DEBUG
+            log.log(level, "ALARM: report %d keeps no checkpoint: its registered state "
+                    "could not be written: %s", index, e)  # fmt: skip
+            self.failed_writes.append(index)
+            return None
 
     @staticmethod
     def _check_positions(gathered: List[Tuple], index: int) -> None:
@@ -295,6 +331,13 @@ class LoopSession:
             raise ValueError(
                 f"report(checkpoint=...): {checkpoint} is not a local directory; pass "
                 "Checkpoint.from_directory(a local directory)"
+            )
+        if self.registration.writes_files and os.path.exists(
+            os.path.join(checkpoint.path, REGISTERED_DIR)
+        ):
+            raise ValueError(
+                f"report(checkpoint=...): {checkpoint.path} holds {REGISTERED_DIR}/, where "
+                "raytrain_ext.train writes the registered state; rename it"
             )
         return stage(checkpoint.path, self.context.experiment_name)
 

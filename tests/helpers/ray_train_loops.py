@@ -78,8 +78,12 @@ def registered_loop(config):
     momentum, so the optimizer has state; the epoch in a progress dict) and reporting every
     epoch with no checkpoint at all: a re-formed group goes on from the newest report a
     live process holds.  ``config["fsdp"]``: the model sharded by FSDP2 over every rank
-    instead of DDP, each rank's copy also sent to a peer (``copy_to_peer``)."""
-    train, train_torch, _ = api(config)
+    instead of DDP, each rank's copy also sent to a peer (``copy_to_peer``, unless the config
+    says False).  ``checkpoint_every``: rank 0 reports an empty directory as a checkpoint every that many
+    epochs (the registered state is all it holds); ``stop_after``: return after that many
+    epochs; ``digest``: each report carries ``state_digest`` of the whole registered state,
+    and the first ``restored_digest``, of what ``register`` loaded."""
+    train, train_torch, Checkpoint = api(config)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
     fsdp = bool(config.get("fsdp"))
@@ -89,13 +93,46 @@ def registered_loop(config):
         DataLoader(synthetic_data(), batch_size=16, shuffle=True)
     )
     progress = {"epoch": 0}
-    train.register(model=model, optimizer=optimizer, progress=progress, copy_to_peer=fsdp)
+    copy_to_peer = config.get("copy_to_peer", fsdp)
+    train.register(model=model, optimizer=optimizer, progress=progress, copy_to_peer=copy_to_peer)
+    digest = bool(config.get("digest"))
+    extra = {"restored_digest": _digest(model, optimizer, progress)} if digest else {}
+    every = config.get("checkpoint_every", 0)
     while progress["epoch"] < config["epochs"]:
         epoch = progress["epoch"]
         loader.sampler.set_epoch(epoch)
         loss = _epoch(model, optimizer, loader, config)
         progress["epoch"] = epoch + 1
-        train.report({"epoch": epoch, "loss": loss, "pid": os.getpid()})
+        if digest:
+            extra["state_digest"] = _digest(model, optimizer, progress)
+        metrics = {"epoch": epoch, "loss": loss, "pid": os.getpid(), **extra}
+        extra = {}
+        with tempfile.TemporaryDirectory() as directory:
+            saved = every and progress["epoch"] % every == 0
+            rank_0 = train.get_context().get_world_rank() == 0
+            train.report(
+                metrics, Checkpoint.from_directory(directory) if saved and rank_0 else None
+            )
+        if progress["epoch"] == config.get("stop_after"):
+            return
+
+
+def _digest(model: nn.Module, optimizer, progress: dict) -> str:
+    """sha256 of the whole parameters, momentum buffers and progress (FSDP's shards
+    gathered: a collective, on every rank)."""
+    import hashlib
+
+    from torch.distributed.tensor import DTensor
+
+    def whole(t: torch.Tensor) -> torch.Tensor:
+        return t.full_tensor() if isinstance(t, DTensor) else t
+
+    h = hashlib.sha256(repr(sorted(progress.items())).encode())
+    for p in model.parameters():
+        h.update(whole(p).detach().numpy().tobytes())
+        buffer = optimizer.state.get(p, {}).get("momentum_buffer")
+        h.update(b"-" if buffer is None else whole(buffer).numpy().tobytes())
+    return h.hexdigest()
 
 
 def _fully_sharded(model: nn.Module, train) -> nn.Module:

@@ -14,17 +14,19 @@ from fsspec.implementations.local import LocalFileSystem
 
 
 class SlowReportFileSystem(LocalFileSystem):
-    """Writing a file of ``checkpoint_<slow_index>`` first sleeps ``delay_s``."""
+    """Writing a file of ``checkpoint_<slow_index>`` (whose path holds ``only``, when given)
+    first sleeps ``delay_s``."""
 
-    def __init__(self, slow_index: int, delay_s: float, **kwargs):
+    def __init__(self, slow_index: int, delay_s: float, only: str = "", **kwargs):
         super().__init__(**kwargs)
-        self.slow_index, self.delay_s = slow_index, delay_s
+        self.slow_index, self.delay_s, self.only = slow_index, delay_s, only
 
     def open(self, path, mode="rb", **kwargs):
-        if "w" in mode and f"checkpoint_{self.slow_index:06d}/" in str(path):
+        slow = f"checkpoint_{self.slow_index:06d}/" in str(path) and self.only in str(path)
+        if "w" in mode and slow:
             time.sleep(self.delay_s)
         return super().open(path, mode, **kwargs)
 
 
-def slow_storage(slow_index: int, delay_s: float) -> pafs.FileSystem:
-    return pafs.PyFileSystem(pafs.FSSpecHandler(SlowReportFileSystem(slow_index, delay_s)))
+def slow_storage(slow_index: int, delay_s: float, only: str = "") -> pafs.FileSystem:
+    return pafs.PyFileSystem(pafs.FSSpecHandler(SlowReportFileSystem(slow_index, delay_s, only)))

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from raytrain_ext.user_loop.registered import (
     Registration,
@@ -31,40 +30,11 @@ from raytrain_ext.user_loop.registered_state import layout_of, state_of
 from raytrain_ext.worker.dist_env import destroy_distributed
 from raytrain_ext.worker.rendezvous import free_port
 from tests.helpers.dist import distinct_free_ports, init_local_rank, spawn_ranks
+from tests.helpers.registered_mlp import mlp_objects, train_steps, whole_state
 
 
 def _hsdp_objects(mesh, seed: int) -> dict:
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-    for layer in (model[0], model[2]):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, foreach=False)
-    return {"model": model, "optimizer": optimizer, "progress": {"epoch": 0}}
-
-
-def _train(objects: dict, steps: int) -> None:
-    model, optimizer = objects["model"], objects["optimizer"]
-    for step in range(steps):
-        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * dist.get_rank() + step))
-        model(x).pow(2).mean().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        objects["progress"]["epoch"] += 1
-
-
-def _whole(objects: dict) -> dict:
-    """Every parameter and Adam moment as a whole tensor (a collective)."""
-    model, optimizer = objects["model"], objects["optimizer"]
-    out = {name: p.full_tensor() for name, p in model.named_parameters()}
-    for i, p in enumerate(model.parameters()):
-        state = optimizer.state[p]
-        out[f"exp_avg.{i}"] = state["exp_avg"].full_tensor()
-        out[f"exp_avg_sq.{i}"] = state["exp_avg_sq"].full_tensor()
-        out[f"step.{i}"] = state["step"].clone()
-    return out
+    return mlp_objects(mesh, seed)
 
 
 def _hsdp_at_report_2(rank: int, port: int):
@@ -75,16 +45,16 @@ def _hsdp_at_report_2(rank: int, port: int):
     init_local_rank(rank, 4, port)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     objects = _hsdp_objects(mesh, seed=0)
-    _train(objects, 2)
+    train_steps(objects, 2)
     keeper = SnapshotKeeper()
     keeper.take("run", 2, {"train": (0, 16)}, objects, layout_of(state_of(objects), 4))
-    return mesh, objects, keeper, _whole(objects)
+    return mesh, objects, keeper, whole_state(objects)
 
 
 def _resume_after_a_lost_replica(rank: int, port: int, out_dir: str) -> None:
     try:
         mesh, objects, keeper, expected = _hsdp_at_report_2(rank, port)
-        _train(objects, 1)  # the live objects move on; the copy stays at report 2
+        train_steps(objects, 1)  # the live objects move on; the copy stays at report 2
         if rank == 1:
             keeper = SnapshotKeeper()  # a new process: it holds nothing
         offers: list = [None] * 4
@@ -93,7 +63,7 @@ def _resume_after_a_lost_replica(rank: int, port: int, out_dir: str) -> None:
         fresh = _hsdp_objects(mesh, seed=1)
         layout = layout_of(state_of(fresh), 4)
         record = keeper.resume("run", start, fresh, layout, group=None)
-        got = _whole(fresh)
+        got = whole_state(fresh)
         result = {
             "sources": list(start.sources),
             "layout": list(offers[rank][2].__dict__.values()) if offers[rank][2] else None,
@@ -124,16 +94,8 @@ def test_hsdp_shards_come_back_from_their_live_replicas(tmp_path):
 
 def _fsdp_objects(world: int, seed: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
-    torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-    mesh = init_device_mesh("cpu", (world,))
-    for layer in (model[0], model[2]):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, foreach=False)
-    return {"model": model, "optimizer": optimizer, "progress": {"epoch": 0}}
+    return mlp_objects(init_device_mesh("cpu", (world,)), seed)
 
 
 def _regroup(keeper: SnapshotKeeper, rank: int, world: int, port: int) -> dict:
@@ -148,10 +110,10 @@ def _regroup(keeper: SnapshotKeeper, rank: int, world: int, port: int) -> dict:
     fresh = _fsdp_objects(world, seed=7)
     layout = layout_of(state_of(fresh), world)
     record = keeper.resume("run", start, fresh, layout, group=None)
-    got = _whole(fresh)
+    got = whole_state(fresh)
     local = {n: p.to_local().shape[0] for n, p in fresh["model"].named_parameters()}
     progress = dict(fresh["progress"])
-    _train(fresh, 1)  # the restored objects train on
+    train_steps(fresh, 1)  # the restored objects train on
     destroy_distributed()
     return {"whole": got, "progress": progress, "record": record, "rows": local}
 
@@ -197,13 +159,13 @@ def test_fsdp_and_hsdp_copies_restore_a_shrunk_and_a_grown_group(tmp_path):
 def _pure_fsdp_with_peer_copies(rank: int, ports: list, out_dir: str) -> None:
     init_local_rank(rank, 3, ports[0])
     objects = _fsdp_objects(3, seed=0)
-    _train(objects, 2)
+    train_steps(objects, 2)
     keeper = SnapshotKeeper()
     exchange = peer_exchange([0, 0, 0], rank)  # one node: each rank's copy to the next
     registration = Registration("run", 0, None, keeper, resume=None, world=3, exchange=exchange)
     registration.register(objects, copy_to_peer=True)
     registration.at_report(2, {"train": [0, 16]})
-    expected = _whole(objects)
+    expected = whole_state(objects)
     destroy_distributed()
     before_replacing = copy.deepcopy(keeper)
     report, layout = keeper.peer_offer("run")

@@ -8,6 +8,7 @@ import pytest
 
 from raytrain_ext import TrainingFailed
 from raytrain_ext.data.row_input import reader_name
+from raytrain_ext.user_loop.registered_files import REGISTERED_DIR
 from tests.helpers.leaks import assert_nothing_left
 from tests.helpers.ray_train_loops import (
     OURS,
@@ -19,6 +20,7 @@ from tests.helpers.ray_train_loops import (
     registered_loop,
     standing_ids,
 )
+from tests.helpers.registered_mlp import dcp_files
 from tests.helpers.runs import FitThread, wait_until
 
 
@@ -252,6 +254,86 @@ def test_a_registered_loop_heals_from_its_live_peer_with_nothing_redone(ray_loca
         m["loss"] for m in reference.metrics_history
     ]
     assert_nothing_left()
+
+
+@pytest.mark.slow
+def test_a_restarted_run_loads_its_registered_fsdp_state_from_the_checkpoint_at_another_size(
+    ray_local, tmp_path
+):
+    """A registered FSDP loop whose only checkpoint is rank 0's empty directory: each report
+    with it also holds every rank's shards of the registered state as DCP files.  The run
+    stops after epoch 4 on 2 ranks and is started again on 3: ``register`` loads the state
+    of report 4 from storage, resharded 2 -> 3 by DCP (the whole parameters, momentum and
+    progress equal to the bit), and the loop goes on at epoch 4 with no code of its own to
+    save or load them."""
+    config = {"epochs": 6, "fsdp": True, "checkpoint_every": 2, "digest": True}
+    first = fit(OURS, tmp_path, "files", registered_loop, config={**config, "stop_after": 4})
+    stored = tmp_path / OURS / "files" / "checkpoint_000004" / REGISTERED_DIR
+    files = sorted(p.name for p in stored.iterdir())
+    assert files == dcp_files(2)
+    again = fit(OURS, tmp_path, "files", registered_loop, config=config, workers=3)
+    assert [m["epoch"] for m in first.metrics_history] == [0, 1, 2, 3]
+    assert [m["epoch"] for m in again.metrics_history] == [4, 5]
+    assert again.metrics_history[0]["restored_digest"] == first.metrics_history[3]["state_digest"]
+    assert again.checkpoint.path.endswith("checkpoint_000006")
+    assert_nothing_left()
+
+
+@pytest.mark.slow
+@pytest.mark.chaos
+def test_registered_fsdp_shards_held_in_memory_heal_a_killed_rank_whose_part_no_peer_holds(
+    ray_local, tmp_path
+):
+    """Pure FSDP registered without ``copy_to_peer``, rank 0 reporting an empty checkpoint at
+    every epoch; rank 1's upload of report 3 takes 120 s (its later ones queue behind it).
+    Rank 1 is SIGKILLed once report 3 is held in memory: its half of the state died with it,
+    no live process holds a copy and storage has no report past 2, but the report's DCP files
+    (every rank's shards) are in the memory tier.  The new group loads them through
+    ``register`` (restored from memory, nothing redone), the state it starts from is report
+    3's to the bit, and rank 0 kept its process."""
+    import raytrain_ext.train as train
+    from raytrain_ext.train.torch import TorchTrainer
+    from raytrain_ext.user_loop.held_reports import HeldReports
+    from tests.helpers.slow_storage import slow_storage
+
+    config = {"api": OURS, "epochs": 8, "fsdp": True, "checkpoint_every": 1, "digest": True}
+    run = TorchTrainer(
+        registered_loop,
+        train_loop_config={**config, "copy_to_peer": False, "step_sleep_s": 0.1},
+        scaling_config=train.ScalingConfig(num_workers=2),
+        run_config=train.RunConfig(
+            name="held-shards",
+            storage_path=str(tmp_path / "storage"),
+            storage_filesystem=slow_storage(3, delay_s=120.0, only="__1_"),
+            failure_config=train.FailureConfig(max_failures=1),
+        ),
+    )
+    held = HeldReports("held-shards", keep=2)
+    with FitThread(run) as thread:
+        wait_until(lambda: _held_through(held, 3), "report 3 held in memory")
+        workers = {w["rank"]: w["pid"] for w in run.controller.result.workers}
+        os.kill(workers[1], signal.SIGKILL)
+        assert len(run.controller.result.records) < 8, "the kill came after the last report"
+        result = thread.join(timeout_s=100)  # well before report 3's upload could end
+    assert not isinstance(result, Exception), result
+    (recovery,) = result.summary["recoveries"]
+    assert recovery["restored_from"] == "memory" and recovery["steps_redone"] == 0
+    history = result.metrics_history
+    assert [m["epoch"] for m in history] == list(range(8))
+    first_after = next(m for m in history if "restored_digest" in m and m["epoch"] > 0)
+    restored_at = first_after["epoch"] - 1
+    assert restored_at == recovery["restored_step"] - 1 >= 2
+    assert first_after["restored_digest"] == history[restored_at]["state_digest"]
+    assert {w["rank"]: w["pid"] for w in result.summary["workers"]}[0] == workers[0]
+    assert_nothing_left()
+
+
+def _held_through(held, index: int) -> bool:
+    try:
+        newest = held.newest()
+    except ValueError:  # the run's memory tier is not started yet
+        return False
+    return newest is not None and newest.index >= index
 
 
 @pytest.mark.slow

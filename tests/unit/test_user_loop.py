@@ -195,7 +195,7 @@ def test_a_report_copies_the_directory_and_persists_it_in_the_background(tmp_pat
     uploader.start_group("g2")
     loop_session, pushed, s = session(
         tmp_path,
-        lambda payload: [payload, ("report", 5, True, None, {}, False, None, False)],
+        lambda payload: [payload, ("report", 5, True, None, {}, False, None, False, False)],
         uploader=uploader,
     )
     directory = user_dir(tmp_path, "mine", "rank zero")
@@ -248,7 +248,8 @@ def test_a_stop_asked_on_any_rank_stops_every_rank_at_the_next_checkpointed_repo
     preempted = [("report", 5, False, None, {}, True), ("report", 5, False, "preempt", {}, True)]
     assert stop_here(preempted) is None  # a preemption needs a persisted checkpoint
     loop_session, pushed, _ = session(
-        tmp_path, lambda payload: [payload, ("report", 5, True, "pause", {}, False, None, False)]
+        tmp_path,
+        lambda payload: [payload, ("report", 5, True, "pause", {}, False, None, False, False)],
     )
     with pytest.raises(StopAtBoundary) as stop:
         loop_session.report({"loss": 1.0})
