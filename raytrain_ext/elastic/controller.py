@@ -19,7 +19,8 @@ has been stable (at most once per ``elastic.resize_cooldown_s``).
 Each state has one handler that does the state's work and returns the next
 state and the reason; every transition is logged.  The handlers dispatch:
 ``capacity`` decides sizes, ``recovery`` keeps the recovery records and budgets,
-``notices`` reads drains, heartbeats and stragglers.  The worker group and the
+``notices`` reads drains, heartbeats and stragglers, ``grow`` watches for room to grow
+and plans an in-place grow.  The worker group and the
 cluster are injected (``group_factory``, ``cluster``), so the state machine runs
 without Ray in tests.  The controller owns the group's lifetime: whatever
 happens, the group is shut down before ``run`` returns or raises.
@@ -35,6 +36,7 @@ from raytrain_ext.elastic.capacity import Capacity
 from raytrain_ext.elastic.cluster_probe import Cluster
 from raytrain_ext.elastic.decision import Situation, decide_recovery, run_complete
 from raytrain_ext.elastic.group_port import FitStatus, GroupPort
+from raytrain_ext.elastic.grow import GrowWatch
 from raytrain_ext.elastic.in_place import InPlacePlan
 from raytrain_ext.elastic.notices import Notices
 from raytrain_ext.elastic.policy import Action, Decision
@@ -51,7 +53,6 @@ from raytrain_ext.elastic.recovery import Recoveries
 from raytrain_ext.errors.text import one_line, root_cause
 from raytrain_ext.messages import StepReport
 from raytrain_ext.metrics import MetricsSink
-from raytrain_ext.parallel.dims import state_from_peers
 from raytrain_ext.worker.form_options import FormOptions
 
 log = logging.getLogger(__name__)
@@ -95,8 +96,7 @@ class Controller:
         self.world_size = cfg.scaling.num_workers
         self.attempt = 0  # counts re-forms
         self._last_reform_at = clock()
-        self._resize_target: Optional[int] = None
-        self._grow_in_place = False  # the pending resize: spares join paused ranks
+        self.grow = GrowWatch(cfg, self.group, self.capacity)  # RUNNING's watch, RESIZING's plan
         self._in_place: Optional[InPlacePlan] = None  # the next SCHEDULING re-forms in place
         self._books: Optional[Union[Recovery, Resize]] = None  # closed by the next first step
         self._stop_reason: Optional[str] = None  # set from another thread by ``stop``
@@ -246,7 +246,7 @@ class Controller:
         first = self.result.worker_results[0]
         if first.paused_at is not None and first.steps < self.cfg.run.max_steps:
             return RunState.RESIZING, (
-                f"paused at step {first.paused_at}; growing to {self._resize_target} "
+                f"paused at step {first.paused_at}; growing to {self._grow_target()} "
                 "workers in place"
             )
         preempted = first.preempted_at
@@ -255,10 +255,10 @@ class Controller:
                 f"interrupted ({self._interrupt_reason}): checkpoint at step {preempted} "
                 "committed; rerun the same command to resume"
             )
-        if preempted is not None and self._resize_target is not None:
+        if preempted is not None and self.grow.pending is not None:
             return RunState.RESIZING, (
                 f"checkpoint at step {preempted} committed; growing to "
-                f"{self._resize_target} workers"
+                f"{self._grow_target()} workers"
             )
         if preempted is not None:
             return self._after_preemption(preempted)
@@ -270,7 +270,7 @@ class Controller:
         self.notices.forward_drains()
         if self.notices.eviction is not None:
             return self._evict(self.notices.eviction)
-        self._maybe_grow()
+        self.grow.watch(self._last_reform_at)
         hung = self.notices.check_heartbeats()
         if hung is not None:
             self.notices.dump_stacks(self.attempt)
@@ -300,93 +300,41 @@ class Controller:
             return RunState.FAILED, reason
         return self._after_failure(reason)
 
-    def _maybe_grow(self) -> None:
-        """Below max_workers: when warm spares wait in the gang's slots (a lost node's slot
-        Ray re-placed), pause every rank at the next step boundary and re-form in place
-        with them.  Else watch for capacity; when the grow policy agrees, ask for a
-        checkpoint boundary (every rank saves, then stops) and re-form bigger from it."""
-        if self._resize_target is not None:
-            return
-        world, s = self.group.world_size, self.cfg.scaling
-        if world < s.max_workers and (self.cfg.checkpoint.enabled or state_from_peers(self.cfg)):
-            self.group.replenish(self.cfg.elastic.spare_workers + s.max_workers - world)
-            with_spares = self.capacity.scaling.size_for(world + self.group.ready_spare_count())
-            if with_spares > world:
-                self._resize_target, self._grow_in_place = with_spares, True
-                self.group.pause()
-                return
-        if not self.cfg.checkpoint.enabled:
-            return  # growing onto new slots re-forms from a checkpoint: without one, never
-        target = self.capacity.grow_target(
-            self.group.world_size, self.group.avoid_nodes, self._last_reform_at
-        )
-        if target is None:
-            return
-        self._resize_target = target
-        self.group.preempt([0], self.cfg.checkpoint.preemption_grace_s)
+    def _grow_target(self) -> Optional[int]:
+        return None if self.grow.pending is None else self.grow.pending.target
 
     def _resize(self) -> Next:
-        """Re-form with the capacity there is now (a planned stop: nothing to redo)."""
-        if self._grow_in_place:
-            return self._grow_with_spares()
-        before, target = self.group.world_size, self._resize_target
-        if target is None:  # RESIZING is entered with one
-            raise RuntimeError("controller: a resize without a target size")
-        started = self.clock()
-        # every rank stopped at the boundary and answered: their nodes count without a ping
-        self.capacity.note_alive(info.node_id for info in self.group.infos)
-        self.group.shutdown()
-        self._resize_target = None
-        decision = self._decide(self.cfg.elastic.wait_for_capacity_s)
-        if decision.action == Action.FAIL:
-            return RunState.FAILED, decision.reason
-        self.world_size = decision.world_size
+        """Re-form bigger (``grow``): in place with the ready spares, or with the capacity
+        there is now after the checkpoint boundary (a planned stop: nothing to redo)."""
+        pending = self.grow.take()
+        if pending.in_place:
+            plan, resize, reason = self.grow.in_place_plan(
+                pending.target, self._last_step(), self._last_step_at(), self.clock()
+            )
+            self._in_place, self.world_size = plan, plan.size
+        else:
+            before, started = self.group.world_size, self.clock()
+            # every rank stopped at the boundary and answered: their nodes count without a ping
+            self.capacity.note_alive(info.node_id for info in self.group.infos)
+            self.group.shutdown()
+            decision = self._decide(self.cfg.elastic.wait_for_capacity_s)
+            if decision.action == Action.FAIL:
+                return RunState.FAILED, decision.reason
+            self.world_size, reason = decision.world_size, decision.reason
+            resize = Resize(
+                self._last_step(),
+                before,
+                self.world_size,
+                pending.target,
+                self.clock() - started,
+                False,
+                self._last_step_at(),
+                decided_at=self.clock(),
+            )
         self.attempt += 1
-        resize = Resize(
-            self._last_step(),
-            before,
-            self.world_size,
-            target,
-            self.clock() - started,
-            False,
-            self._last_step_at(),
-            decided_at=self.clock(),
-        )
         self.result.resize_log.append(resize)
         self._books = resize
-        return RunState.SCHEDULING, decision.reason
-
-    def _grow_with_spares(self) -> Next:
-        """Every rank paused at a step boundary, state in memory: the ready spares join
-        them (the group's state comes from the ranks, or, sharded, from the checkpoint
-        saved at the pause)."""
-        before, wanted = self.group.world_size, self._resize_target
-        if wanted is None:  # RESIZING is entered with one
-            raise RuntimeError("controller: a resize without a target size")
-        self._resize_target, self._grow_in_place = None, False
-        spares = self.group.ready_spare_count()
-        size = max(before, self.capacity.scaling.size_for(before + spares))
-        self._in_place = InPlacePlan(
-            list(range(before)), [], [], spares=spares, size=size, from_size=before
-        )
-        self.world_size = size
-        self.attempt += 1
-        resize = Resize(
-            self._last_step(),
-            before,
-            size,
-            wanted,
-            0.0,
-            True,
-            self._last_step_at(),
-            decided_at=self.clock(),
-        )
-        self.result.resize_log.append(resize)
-        self._books = resize
-        return RunState.SCHEDULING, (
-            f"growing {before} -> {size} in place at step {resize.step}: "
-            f"{size - before} warm spare(s) join"
-        )
+        return RunState.SCHEDULING, reason
 
     def _forward_interrupt(self) -> Optional[Next]:
         """Ask every rank for the emergency checkpoint once an interrupt came (rank 0's
@@ -465,7 +413,7 @@ class Controller:
         survivors, see what fits now, and re-form from the newest checkpoint.  What to do
         is ``decision.decide_recovery``'s; this executes it."""
         recovery = self.recoveries.current
-        self._resize_target, self._grow_in_place = None, False  # a failure overtook a resize
+        self.grow.cancel()  # a failure overtook a resize
         situation = self.recoveries.situation(self.notices.hung_ranks)
         decision = decide_recovery(situation, self.recoveries.failure_budget, self.capacity.scaling)
         if decision.plan is not None:
