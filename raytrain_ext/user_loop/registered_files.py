@@ -40,6 +40,8 @@ import pyarrow.fs as pafs
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import _init_optim_state
 
 from raytrain_ext.checkpoint.manifest import CHUNK, FileEntry, Manifest, checksum_file, verify_dir
@@ -93,7 +95,6 @@ class RegisteredFiles:
         found = part.filesystem.get_file_info(posixpath.join(part.path, METADATA))
         if found.type != pafs.FileType.File:
             return None
-        target = load_target(objects)
         with part.as_directory() as directory:
             damage = damage_in(Path(directory))
             if damage is not None:
@@ -102,8 +103,9 @@ class RegisteredFiles:
                     f"{damage}; resume from an earlier checkpoint (resume_from_checkpoint)"
                 )
             reader = dcp.FileSystemReader(directory)
-            saved = reader.read_metadata().state_dict_metadata
-            check_same_names({fqn.split(".", 1)[0] for fqn in saved}, target)
+            metadata = reader.read_metadata()
+            target = load_target(objects, metadata)
+            check_same_names({path[0] for path in metadata.planner_data.values()}, target)
             dcp.load(target, storage_reader=reader, process_group=self.group)
         install_loaded(objects, target)
         return {"bytes": tensor_bytes(target), "load_s": time.perf_counter() - started}
@@ -131,14 +133,37 @@ def damage_in(directory: Path) -> Optional[str]:
     return verify_dir(directory, Manifest(step=0, world_size=0, tier="", files=files))
 
 
-def load_target(objects: Dict[str, Any]) -> Dict[str, Any]:
-    """What DCP loads into: each object's state, its tensors the live ones.  An optimizer
-    that has not stepped yet gets its state first (torch's own zero-gradient step at
-    learning rate 0), so its moments have somewhere to go."""
-    for obj in objects.values():
+def load_target(objects: Dict[str, Any], metadata: Metadata) -> Dict[str, Any]:
+    """What DCP loads into: each object's state, its tensors the live ones; a dict of plain
+    values as the checkpoint holds it (every key saved, as a live copy restores it, not
+    only those the fresh dict has).  An optimizer that has not stepped yet gets its state
+    first (torch's own zero-gradient step at learning rate 0), so its moments have
+    somewhere to go."""
+    target: Dict[str, Any] = {}
+    for name, obj in objects.items():
+        if isinstance(obj, dict):
+            target[name] = saved_dict(name, metadata)
+            continue
         if isinstance(obj, torch.optim.Optimizer):
             _init_optim_state(obj)
-    return state_of(objects)
+        target[name] = unwrapped(obj).state_dict()
+    return target
+
+
+def saved_dict(name: str, metadata: Metadata) -> Dict[str, Any]:
+    """The dict registered as ``name`` with the checkpoint's keys (nested dicts and lists
+    as saved), each value a placeholder DCP loads into: a host tensor of the saved size
+    and dtype, or None for any other value."""
+    root: Dict[str, Any] = {}
+    for fqn, path in metadata.planner_data.items():
+        if path[0] != name:
+            continue
+        item = metadata.state_dict_metadata[fqn]
+        placeholder = None
+        if isinstance(item, TensorStorageMetadata):
+            placeholder = torch.empty(item.size, dtype=item.properties.dtype)
+        set_element(root, path, placeholder)
+    return root.get(name, {})
 
 
 def install_loaded(objects: Dict[str, Any], target: Dict[str, Any]) -> None:

@@ -90,6 +90,39 @@ def test_a_reported_checkpoint_holds_the_registered_state_and_loads_it_back(tmp_
     assert fresh["progress"] == {"epoch": 0}
 
 
+def test_a_registered_dict_comes_back_with_every_key_it_was_saved_with(tmp_path):
+    """The loop's progress dict gained keys after it was built (a list, a nested dict with a
+    tensor): the fresh dict, which has only its first key, gets all of them back, as a live
+    copy gives them; a scheduler's state comes back too."""
+
+    def objects(lr: float, step_size: int) -> dict:
+        model = nn.Linear(2, 2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size)
+        return {"model": model, "optimizer": optimizer, "scheduler": scheduler, "progress": {}}
+
+    saved = objects(0.1, 3)
+    saved["optimizer"].step()
+    saved["scheduler"].step()
+    best = {"loss": 0.5, "at": torch.arange(3.0), "steps": [torch.zeros(1), 4]}
+    saved["progress"].update(epoch=3, history=[1, 2], best=best, name="run-a")
+    staged = RegisteredFiles().add_to(None, saved, "run")
+    fresh = objects(0.5, 7)
+    fresh["progress"]["epoch"] = 0
+    RegisteredFiles().load(fresh, Checkpoint(staged.directory))
+    progress = fresh["progress"]
+    assert {k: progress[k] for k in ("epoch", "history", "name")} == {
+        "epoch": 3,
+        "history": [1, 2],
+        "name": "run-a",
+    }
+    assert progress["best"]["loss"] == 0.5 and torch.equal(progress["best"]["at"], best["at"])
+    assert torch.equal(progress["best"]["steps"][0], torch.zeros(1))
+    assert progress["best"]["steps"][1] == 4
+    assert fresh["scheduler"].state_dict() == saved["scheduler"].state_dict()
+    assert fresh["optimizer"].param_groups[0]["lr"] == 0.1
+
+
 def test_a_registered_state_that_cannot_be_written_keeps_no_checkpoint(tmp_path):
     """A value DCP cannot save (a lambda in the progress dict): the report is still made,
     keeps no checkpoint (one without the registered state would resume from state it
