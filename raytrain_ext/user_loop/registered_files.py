@@ -34,7 +34,7 @@ import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Dict, Optional, Set
+from typing import Any, Dict, List, Optional, Set
 
 import pyarrow.fs as pafs
 import torch
@@ -97,18 +97,33 @@ class RegisteredFiles:
             return None
         with part.as_directory() as directory:
             damage = damage_in(Path(directory))
+            problem, target = None, {}
             if damage is not None:
-                raise ValueError(
+                problem = (
                     f"register(): the registered state in {checkpoint.path} is damaged: "
                     f"{damage}; resume from an earlier checkpoint (resume_from_checkpoint)"
                 )
             reader = dcp.FileSystemReader(directory)
-            metadata = reader.read_metadata()
-            target = load_target(objects, metadata)
-            check_same_names({path[0] for path in metadata.planner_data.values()}, target)
+            if problem is None:
+                metadata = reader.read_metadata()
+                target = load_target(objects, metadata)
+                problem = names_problem(
+                    {path[0] for path in metadata.planner_data.values()}, target
+                )
+            problem = self._agreed(problem)  # no rank goes into the load another refused
+            if problem is not None:
+                raise ValueError(problem)
             dcp.load(target, storage_reader=reader, process_group=self.group)
         install_loaded(objects, target)
         return {"bytes": tensor_bytes(target), "load_s": time.perf_counter() - started}
+
+    def _agreed(self, problem: Optional[str]) -> Optional[str]:
+        """The first rank's problem with the files, on every rank (one all-gather)."""
+        if not dist.is_initialized():
+            return problem
+        problems: List[Optional[str]] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(problems, problem, group=self.group)
+        return next((p for p in problems if p is not None), None)
 
 
 def write_checksums(directory: Path, rank: int, entries: Dict[str, FileEntry]) -> None:
@@ -178,13 +193,15 @@ def install_loaded(objects: Dict[str, Any], target: Dict[str, Any]) -> None:
             unwrapped(obj).load_state_dict(target[name])
 
 
-def check_same_names(saved: Set[str], target: Dict[str, Any]) -> None:
-    """The checkpoint holds the state of the objects registered now, by the same names
-    (an object whose state is empty, a stateless optimizer's moments, saves nothing)."""
+def names_problem(saved: Set[str], target: Dict[str, Any]) -> Optional[str]:
+    """Unless the checkpoint holds the state of the objects registered now, by the same
+    names (an object whose state is empty, a stateless optimizer's moments, saves
+    nothing), what is wrong."""
     registered = {name for name, state in target.items() if state}
-    if not registered <= saved <= set(target):
-        raise ValueError(
-            f"register(): the checkpoint's registered state holds {sorted(saved)}, this group "
-            f"registered {sorted(target)}; register the same objects, by the same names, in "
-            "every run that resumes from it"
-        )
+    if registered <= saved <= set(target):
+        return None
+    return (
+        f"register(): the checkpoint's registered state holds {sorted(saved)}, this group "
+        f"registered {sorted(target)}; register the same objects, by the same names, in "
+        "every run that resumes from it"
+    )
