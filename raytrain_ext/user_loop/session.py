@@ -267,7 +267,7 @@ class LoopSession:
         at a report, every rank is at the same place in every dataset."""
         if all(g[KIND] == kind and g[INDEX] == index for g in gathered):
             self._check_positions(gathered, index)
-            self._check_copies(gathered, index)
+            self._check_registered_alike(gathered, index)
             return
         calls: Dict[Tuple[str, int], List[int]] = {}
         for rank, g in enumerate(gathered):
@@ -283,7 +283,7 @@ class LoopSession:
         )
 
     @staticmethod
-    def _check_copies(gathered: List[Tuple], index: int) -> None:
+    def _check_registered_alike(gathered: List[Tuple], index: int) -> None:
         """Every rank sends its registered copy to a peer, or none does (the exchange that
         follows the report is a collective); every rank registered its state, or none did
         (writing it into a checkpoint is a collective)."""
@@ -309,8 +309,8 @@ class LoopSession:
             if staged is not None:
                 shutil.rmtree(staged.directory, ignore_errors=True)
             level = logging.ERROR if self.context.world_rank == 0 else logging.DEBUG
-            log.log(level, "ALARM: report %d keeps no checkpoint: its registered state "
-                    "could not be written: %s", index, e)  # fmt: skip
+            text = "ALARM: report %d keeps no checkpoint: its registered state could not be written: %s"
+            log.log(level, text, index, e)
             self.failed_writes.append(index)
             return None
 

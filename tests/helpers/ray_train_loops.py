@@ -78,11 +78,12 @@ def registered_loop(config):
     momentum, so the optimizer has state; the epoch in a progress dict) and reporting every
     epoch with no checkpoint at all: a re-formed group goes on from the newest report a
     live process holds.  ``config["fsdp"]``: the model sharded by FSDP2 over every rank
-    instead of DDP, each rank's copy also sent to a peer (``copy_to_peer``, unless the config
-    says False).  ``checkpoint_every``: rank 0 reports an empty directory as a checkpoint every that many
-    epochs (the registered state is all it holds); ``stop_after``: return after that many
-    epochs; ``digest``: each report carries ``state_digest`` of the whole registered state,
-    and the first ``restored_digest``, of what ``register`` loaded."""
+    instead of DDP, each rank's copy also sent to a peer (``copy_to_peer``, unless the
+    config says False).  ``checkpoint_every``: rank 0 reports an empty directory as a
+    checkpoint every that many epochs (the registered state is all it holds);
+    ``stop_after``: return after that many epochs; ``digest``: each report carries
+    ``state_digest`` of the whole registered state, and the first ``restored_digest``, of
+    what ``register`` loaded."""
     train, train_torch, Checkpoint = api(config)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))

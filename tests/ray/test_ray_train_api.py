@@ -366,16 +366,8 @@ def test_a_report_held_in_memory_is_resumed_from_while_its_upload_is_still_on_it
         ),
     )
     held = HeldReports("held", keep=2)
-
-    def held_through_3() -> bool:
-        try:
-            newest = held.newest()
-        except ValueError:  # the run's memory tier is not started yet
-            return False
-        return newest is not None and newest.index >= 3
-
     with FitThread(run) as thread:
-        wait_until(held_through_3, "report 3 held in memory")
+        wait_until(lambda: _held_through(held, 3), "report 3 held in memory")
         workers = {w["rank"]: w["pid"] for w in run.controller.result.workers}
         os.kill(workers[0], signal.SIGKILL)
         result = thread.join(timeout_s=100)  # well before report 3's upload could end
