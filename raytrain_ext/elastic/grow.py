@@ -83,9 +83,7 @@ class GrowWatch:
         spares = self.group.ready_spare_count()
         size = max(before, self.capacity.scaling.size_for(before + spares))
         plan = InPlacePlan(list(range(before)), [], [], spares=spares, size=size, from_size=before)
-        resize = Resize(
-            last_step, before, size, wanted, 0.0, True, last_step_at, decided_at=now
-        )  # fmt: skip
+        resize = Resize(last_step, before, size, wanted, 0.0, True, last_step_at, decided_at=now)
         reason = (
             f"growing {before} -> {size} in place at step {last_step}: "
             f"{size - before} warm spare(s) join"

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
+from raytrain_ext.checkpoint.agreement import gather_from_all
 from raytrain_ext.checkpoint.manager import REQUEST_EMERGENCY, SaveRequests
 from raytrain_ext.data.row_input import reader_name
 from raytrain_ext.errors.text import is_peer_loss
@@ -129,7 +130,7 @@ class FunctionLoop:
         uploader.abandon(self.cfg.parallel.timeout_s / 4)
         keeper, run = process_snapshots(), self.spec.storage.root
         mine = (keeper.offer(run), keeper.peer_offer(run), self.env.node_rank)
-        offers, peers, nodes = zip(*self._all_gather(mine, group), strict=True)
+        offers, peers, nodes = zip(*gather_from_all(mine, group), strict=True)
         start = self._starting_point(group, list(offers), list(peers))
         self._settle(group, start, uploader)
         self._replay(group, run, start.index)
@@ -150,7 +151,7 @@ class FunctionLoop:
             self._context(),
             start_index=index,
             start_checkpoint=start.checkpoint,
-            exchange=lambda payload: self._all_gather(payload, group),
+            exchange=lambda payload: gather_from_all(payload, group),
             push=self._push_report,
             stop_asked=self._stop_asked,
             uploader=uploader,
@@ -216,7 +217,7 @@ class FunctionLoop:
         tier = "storage"
         if start.held is not None and self.held is not None:  # chosen only with a memory tier
             checkpoint = self._materialize(self.held, start.held)
-            if all(self._all_gather(checkpoint is not None, group)):
+            if all(gather_from_all(checkpoint is not None, group)):
                 start, tier = replace(start, checkpoint=checkpoint), "memory"
             else:
                 start = fall_back(start, offers, self.env.world_size, peers)
@@ -242,7 +243,7 @@ class FunctionLoop:
         (every group has its own id), and held reports past the start are reported
         again."""
         settled = uploader.settle(start.index, self.cfg.parallel.timeout_s / 2)
-        late = [rank for rank, ok in enumerate(self._all_gather(settled, group)) if not ok]
+        late = [rank for rank, ok in enumerate(gather_from_all(settled, group)) if not ok]
         if late:
             raise RuntimeError(
                 f"ranks {late} still upload a checkpoint of the last group past report "
@@ -291,12 +292,6 @@ class FunctionLoop:
             self.spec.storage,
             self.spec.metadata,
         )
-
-    @staticmethod
-    def _all_gather(payload: Any, group) -> list:
-        gathered: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, payload, group=group)
-        return gathered
 
     def _stop_asked(self) -> Optional[str]:
         if self.requests.paused:

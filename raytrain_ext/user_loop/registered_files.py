@@ -34,7 +34,7 @@ import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Set
+from typing import Any, Dict, Optional, Set
 
 import pyarrow.fs as pafs
 import torch
@@ -44,6 +44,7 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import _init_optim_state
 
+from raytrain_ext.checkpoint.agreement import gather_from_all
 from raytrain_ext.checkpoint.manifest import CHUNK, FileEntry, Manifest, checksum_file, verify_dir
 from raytrain_ext.checkpoint.state import tensor_bytes
 from raytrain_ext.checkpoint.writer import ChecksummingWriter
@@ -121,9 +122,7 @@ class RegisteredFiles:
         """The first rank's problem with the files, on every rank (one all-gather)."""
         if not dist.is_initialized():
             return problem
-        problems: List[Optional[str]] = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(problems, problem, group=self.group)
-        return next((p for p in problems if p is not None), None)
+        return next((p for p in gather_from_all(problem, self.group) if p is not None), None)
 
 
 def write_checksums(directory: Path, rank: int, entries: Dict[str, FileEntry]) -> None:

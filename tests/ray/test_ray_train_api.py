@@ -291,28 +291,11 @@ def test_registered_fsdp_shards_held_in_memory_heal_a_killed_rank_whose_part_no_
     (every rank's shards) are in the memory tier.  The new group loads them through
     ``register`` (restored from memory, nothing redone), the state it starts from is report
     3's to the bit, and rank 0 kept its process."""
-    import raytrain_ext.train as train
-    from raytrain_ext.train.torch import TorchTrainer
-    from raytrain_ext.user_loop.held_reports import HeldReports
-    from tests.helpers.slow_storage import slow_storage
-
-    config = {"api": OURS, "epochs": 8, "fsdp": True, "checkpoint_every": 1, "digest": True}
-    run = TorchTrainer(
-        registered_loop,
-        train_loop_config={**config, "copy_to_peer": False, "step_sleep_s": 0.1},
-        scaling_config=train.ScalingConfig(num_workers=2),
-        run_config=train.RunConfig(
-            name="held-shards",
-            storage_path=str(tmp_path / "storage"),
-            storage_filesystem=slow_storage(3, delay_s=120.0, only="__1_"),
-            failure_config=train.FailureConfig(max_failures=1),
-        ),
-    )
-    held = HeldReports("held-shards", keep=2)
+    config = {"epochs": 8, "fsdp": True, "checkpoint_every": 1, "digest": True}
+    config = {**config, "copy_to_peer": False, "step_sleep_s": 0.1}
+    run = _slow_report_3_run(tmp_path, "held-shards", registered_loop, config, only="__1_")
     with FitThread(run) as thread:
-        wait_until(lambda: _held_through(held, 3), "report 3 held in memory")
-        workers = {w["rank"]: w["pid"] for w in run.controller.result.workers}
-        os.kill(workers[1], signal.SIGKILL)
+        workers = _kill_once_report_3_is_held(run, "held-shards", rank=1)
         assert len(run.controller.result.records) < 8, "the kill came after the last report"
         result = thread.join(timeout_s=100)  # well before report 3's upload could end
     assert not isinstance(result, Exception), result
@@ -328,12 +311,45 @@ def test_registered_fsdp_shards_held_in_memory_heal_a_killed_rank_whose_part_no_
     assert_nothing_left()
 
 
-def _held_through(held, index: int) -> bool:
-    try:
-        newest = held.newest()
-    except ValueError:  # the run's memory tier is not started yet
-        return False
-    return newest is not None and newest.index >= index
+def _slow_report_3_run(tmp_path, name: str, loop, config: dict, only: str = ""):
+    """``TorchTrainer(loop)`` on 2 workers whose storage (an fsspec store passed as
+    ``storage_filesystem``, so the memory tier is on) takes 120 s to take report 3's files
+    (those whose path holds ``only``), one failure allowed."""
+    import raytrain_ext.train as train
+    from raytrain_ext.train.torch import TorchTrainer
+    from tests.helpers.slow_storage import slow_storage
+
+    return TorchTrainer(
+        loop,
+        train_loop_config={"api": OURS, **config},
+        scaling_config=train.ScalingConfig(num_workers=2),
+        run_config=train.RunConfig(
+            name=name,
+            storage_path=str(tmp_path / "storage"),
+            storage_filesystem=slow_storage(3, delay_s=120.0, only=only),
+            failure_config=train.FailureConfig(max_failures=1),
+        ),
+    )
+
+
+def _kill_once_report_3_is_held(run, name: str, rank: int) -> dict:
+    """SIGKILL ``rank``'s process from outside once run ``name``'s report 3 is held in its
+    memory tier; the ranks' pids before the kill."""
+    from raytrain_ext.user_loop.held_reports import HeldReports
+
+    held = HeldReports(name, keep=2)
+
+    def held_through_3() -> bool:
+        try:
+            newest = held.newest()
+        except ValueError:  # the run's memory tier is not started yet
+            return False
+        return newest is not None and newest.index >= 3
+
+    wait_until(held_through_3, "report 3 held in memory")
+    workers = {w["rank"]: w["pid"] for w in run.controller.result.workers}
+    os.kill(workers[rank], signal.SIGKILL)
+    return workers
 
 
 @pytest.mark.slow
@@ -349,27 +365,10 @@ def test_a_report_held_in_memory_is_resumed_from_while_its_upload_is_still_on_it
     record names the memory tier, every epoch is in the history once (those rank 0
     reported before it died included), report 3 never reached storage, and the Result
     names the newest persisted checkpoint."""
-    import raytrain_ext.train as train
-    from raytrain_ext.train.torch import TorchTrainer
-    from raytrain_ext.user_loop.held_reports import HeldReports
-    from tests.helpers.slow_storage import slow_storage
-
-    run = TorchTrainer(
-        quickstart_loop,
-        train_loop_config={"api": OURS, "epochs": 6, "checkpoint_every": 1, "step_sleep_s": 0.02},
-        scaling_config=train.ScalingConfig(num_workers=2),
-        run_config=train.RunConfig(
-            name="held",
-            storage_path=str(tmp_path / "storage"),
-            storage_filesystem=slow_storage(3, delay_s=120.0),
-            failure_config=train.FailureConfig(max_failures=1),
-        ),
-    )
-    held = HeldReports("held", keep=2)
+    config = {"epochs": 6, "checkpoint_every": 1, "step_sleep_s": 0.02}
+    run = _slow_report_3_run(tmp_path, "held", quickstart_loop, config)
     with FitThread(run) as thread:
-        wait_until(lambda: _held_through(held, 3), "report 3 held in memory")
-        workers = {w["rank"]: w["pid"] for w in run.controller.result.workers}
-        os.kill(workers[0], signal.SIGKILL)
+        workers = _kill_once_report_3_is_held(run, "held", rank=0)
         result = thread.join(timeout_s=100)  # well before report 3's upload could end
     assert not isinstance(result, Exception), result
     (recovery,) = result.summary["recoveries"]
