@@ -29,7 +29,7 @@ def connect_ray(address: Optional[str]) -> bool:
         ray.init(address=address, log_to_driver=True)
         return False
     _pin_local_ray_to_loopback()
-    with without_api_server():
+    with private_node_start():
         ray.init(
             address="local",
             include_dashboard=False,
@@ -41,30 +41,50 @@ def connect_ray(address: Optional[str]) -> bool:
 
 
 @contextmanager
-def without_api_server() -> Iterator[None]:
-    """Start a private Ray without its dashboard API server.
+def private_node_start() -> Iterator[None]:
+    """Start a private Ray without its dashboard API server, its dashboard agent listening
+    on a free port.
 
-    Why: with ``include_dashboard=False`` Ray still starts that process, loading only its
-    usage-stats module, and ``ray.init`` waits for it to register before it even starts
-    the raylet: 1.0-1.7 s of every cold start measured here (``ray.init`` median 3.3 s
-    with it, 1.7 s without, five runs each).  A private Ray serves this process only: no
-    job submission, dashboard or state API goes through that server (none is loaded
-    when the dashboard is off), so nothing of ours or the user's needs it.  Best effort,
-    as :func:`yield_auxiliary_daemons` is: the node's start is private API, so another Ray
-    version costs one debug line and starts the server as before.  The tests' private Ray
-    and their multi-node clusters' heads start the same way (``tests/conftest.py``)."""
+    Why no API server: with ``include_dashboard=False`` Ray still starts that process,
+    loading only its usage-stats module, and ``ray.init`` waits for it to register before
+    it even starts the raylet: 1.0-1.7 s of every cold start measured here (``ray.init``
+    median 3.3 s with it, 1.7 s without, five runs each).  A private Ray serves this
+    process only: no job submission, dashboard or state API goes through that server (none
+    is loaded when the dashboard is off), so nothing of ours or the user's needs it.
+
+    Why a free port for the agent: a head node's dashboard agent listens on 52365, and
+    the agent of a Ray that ended abruptly (a killed driver or raylet) outlives it for up
+    to a minute, still holding that port.  The next start's agent then retries the bind
+    for 3.4 s before it gives up, and the raylet waits for it: measured here, ``ray.init``
+    took 5.4-6.4 s instead of 2.2-2.5 s.  Ray's own ``Cluster`` gives its worker nodes'
+    agents a free port for the same reason; the port is registered with the node, so
+    whatever asks for it finds it.  A port the caller chose is kept.
+
+    Best effort, as :func:`yield_auxiliary_daemons` is: the node's start is private API,
+    so another Ray version costs one debug line and starts as before.  The tests' private
+    Ray and their multi-node clusters' heads start the same way (``tests/conftest.py``)."""
     from ray._private import node as ray_node
+    from ray._private.ray_constants import DEFAULT_DASHBOARD_AGENT_LISTEN_PORT
 
-    original = ray_node.Node.__dict__.get("start_api_server")
-    if original is None:
-        log.debug("Ray's node has no start_api_server: the API server starts as before")
+    original_api = ray_node.Node.__dict__.get("start_api_server")
+    original_init = ray_node.Node.__dict__.get("__init__")
+    if original_api is None or original_init is None:
+        log.debug("Ray's node has no start_api_server or __init__: it starts as before")
         yield
         return
+
+    def init_on_a_free_agent_port(self, ray_params, *args, **kwargs):
+        if ray_params.dashboard_agent_listen_port == DEFAULT_DASHBOARD_AGENT_LISTEN_PORT:
+            ray_params.dashboard_agent_listen_port = None  # the node makes it 0: a free port
+        original_init(self, ray_params, *args, **kwargs)
+
     ray_node.Node.start_api_server = _skip_api_server
+    ray_node.Node.__init__ = init_on_a_free_agent_port
     try:
         yield
     finally:
-        ray_node.Node.start_api_server = original
+        ray_node.Node.start_api_server = original_api
+        ray_node.Node.__init__ = original_init
 
 
 def _skip_api_server(self, *, include_dashboard: Optional[bool], raise_on_failure: bool) -> None:

@@ -30,10 +30,10 @@ def ray_local():
     """
     import ray
 
-    from raytrain_ext.ray_session import without_api_server
+    from raytrain_ext.ray_session import private_node_start
 
     if not ray.is_initialized():
-        with without_api_server():  # as the CLI's private Ray: 1-2 s less per start
+        with private_node_start():  # as the CLI's private Ray: 1-2 s less per start
             ray.init(
                 address="local",
                 num_cpus=4,
@@ -57,7 +57,7 @@ def ray_cluster():
     import ray
     from ray.cluster_utils import Cluster
 
-    from raytrain_ext.ray_session import without_api_server
+    from raytrain_ext.ray_session import private_node_start
 
     ray.shutdown()
     fast = {
@@ -67,7 +67,7 @@ def ray_cluster():
     }
     saved = {k: os.environ.get(k) for k in fast}
     os.environ.update(fast)
-    with without_api_server():  # the head's start: 1-2 s less (see ray_session)
+    with private_node_start():  # the head's start: 1-2 s less (see ray_session)
         cluster = Cluster(
             initialize_head=True,
             head_node_args={

@@ -47,7 +47,7 @@ def with_niceness(runtime_env: Optional[Dict[str, Any]], niceness: int) -> Dict[
 
 # A private Ray's daemons that no step, rendezvous, recovery or runtime environment waits
 # for: the autoscaler's monitor, the log monitor (worker output to the driver), the
-# dashboard's API server (where one runs: ``ray_session.without_api_server`` starts none)
+# dashboard's API server (where one runs: ``ray_session.private_node_start`` starts none)
 # and the dashboard agent (metrics export).  The GCS, the raylet and the runtime-env agent
 # (which starts our actors' environments) keep their priority.
 AUXILIARY_PROCESS_TYPES = ("monitor", "log_monitor", "dashboard")

@@ -9,12 +9,18 @@ import sys
 import pytest
 
 PROBE = """
-import json, os
+import json, os, socket
 from ray._private import worker
 from raytrain_ext.ray_session import connect_ray, stop_private_ray
 from raytrain_ext.worker.priority import AUXILIARY_AGENT, children_named, threads_of
 
+lingering = socket.socket()  # as the agent of a Ray that ended abruptly holds it
+lingering.bind(("127.0.0.1", 52365))  # the head agent's default port
+lingering.listen()
 assert connect_ray(None)  # started here
+node = worker._global_node
+with open(os.path.join(node.get_logs_dir_path(), "dashboard_agent.log")) as f:
+    agent = {"port": node.dashboard_agent_listen_port, "bind_retries": f.read().count("Failed to bind")}
 processes = worker._global_node.all_processes
 pids = {t: [p.process.pid for p in processes[t]] for t in processes}
 raylet = pids["raylet"][0]
@@ -28,7 +34,7 @@ terminated = []  # what Ray's shutdown finds still running, it terminates and wa
 monitor.terminate = lambda: terminated.append(monitor.pid)
 stop_private_ray()
 exits = {"monitor": monitor.returncode, "terminated_by_ray": terminated}
-print(json.dumps({"niceness": found, "exits": exits}))
+print(json.dumps({"niceness": found, "exits": exits, "agent": agent}))
 """
 
 
@@ -36,8 +42,9 @@ def test_a_private_ray_runs_its_auxiliary_daemons_below_the_ranks_and_stops_with
     """The autoscaler monitor, log monitor and dashboard agent wait at nice 19 (nothing a
     step or a recovery needs); the GCS, the raylet and the runtime-env agent (which starts
     our actors' environments) keep the ranks' nice 0; the dashboard API server, which
-    ``ray.init`` would wait for, is not started; and it stops without waiting on the
-    monitor."""
+    ``ray.init`` would wait for, is not started; its dashboard agent listens on a free
+    port, so an agent left over from an earlier Ray on the default port costs no retries;
+    and it stops without waiting on the monitor."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     done = subprocess.run(
         [sys.executable, "-c", PROBE], capture_output=True, text=True, env=env, timeout=120
@@ -50,6 +57,8 @@ def test_a_private_ray_runs_its_auxiliary_daemons_below_the_ranks_and_stops_with
     assert "dashboard" not in niceness, niceness  # the API server
     for core in ("gcs_server", "raylet", "runtime_env_agent"):
         assert niceness[core] == [[0]], (core, niceness)
+    agent = probed["agent"]
+    assert agent["port"] > 0 and agent["port"] != 52365 and agent["bind_retries"] == 0, agent
 
     # stopping it kills the autoscaler monitor before Ray's shutdown reaches it: Ray's
     # order stops the GCS first, and a monitor it terminates then reports its end to the
@@ -57,17 +66,18 @@ def test_a_private_ray_runs_its_auxiliary_daemons_below_the_ranks_and_stops_with
     assert probed["exits"] == {"monitor": -signal.SIGKILL, "terminated_by_ray": []}, probed
 
 
-def test_the_api_server_is_skipped_only_inside_the_block():
-    """Ray's own ``Node.start_api_server`` is back once the private Ray has started, also
-    when the start raised: a later ``ray.init`` of the user's (another address, a
-    dashboard) is Ray's, untouched."""
+def test_the_node_start_is_changed_only_inside_the_block():
+    """Ray's own ``Node.start_api_server`` and ``Node.__init__`` are back once the private
+    Ray has started, also when the start raised: a later ``ray.init`` of the user's
+    (another address, a dashboard, the agent's default port) is Ray's, untouched."""
     from ray._private import node as ray_node
 
-    from raytrain_ext.ray_session import without_api_server
+    from raytrain_ext.ray_session import private_node_start
 
-    original = ray_node.Node.start_api_server
+    originals = (ray_node.Node.start_api_server, ray_node.Node.__init__)
     with pytest.raises(RuntimeError, match="the start failed"):
-        with without_api_server():
-            assert ray_node.Node.start_api_server is not original
+        with private_node_start():
+            assert ray_node.Node.start_api_server is not originals[0]
+            assert ray_node.Node.__init__ is not originals[1]
             raise RuntimeError("the start failed")
-    assert ray_node.Node.start_api_server is original
+    assert (ray_node.Node.start_api_server, ray_node.Node.__init__) == originals
