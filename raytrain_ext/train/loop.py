@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import numpy as np
 import torch
@@ -37,8 +37,6 @@ from raytrain_ext.data.prefetch import BatchPrefetcher
 from raytrain_ext.errors.text import is_peer_loss
 from raytrain_ext.faults import FaultInjector
 from raytrain_ext.messages import FitResult, StepReport
-from raytrain_ext.metrics.flops import mfu, model_flops_per_token, peak_flops_for
-from raytrain_ext.metrics.memory import peak_memory_bytes
 from raytrain_ext.models import model_spec
 from raytrain_ext.models.moe import moe_layers
 from raytrain_ext.objectives import build_objective
@@ -49,7 +47,7 @@ from raytrain_ext.train.evaluation import Evaluator
 from raytrain_ext.train.exchange import exchange
 from raytrain_ext.train.expert_load import ExpertLoad
 from raytrain_ext.train.forward_backward import ForwardBackward
-from raytrain_ext.train.guards import StepAction, StragglerDetector
+from raytrain_ext.train.guards import StepAction
 from raytrain_ext.train.handover import Handover
 from raytrain_ext.train.ledger import SampleLedger, params_sha256
 from raytrain_ext.train.live_state import LiveState
@@ -60,6 +58,7 @@ from raytrain_ext.train.reference import ReferenceLogps, compute_logps
 from raytrain_ext.train.run_input import open_run_input
 from raytrain_ext.train.seeding import seed_everything, step_seed
 from raytrain_ext.train.step_clock import StepClock
+from raytrain_ext.train.step_record import StepRecorder
 from raytrain_ext.typed_config.serialize import config_digest
 from raytrain_ext.user_code import UserCode
 
@@ -133,7 +132,6 @@ class TrainLoop:
         tokens are worth."""
         self.ledger = SampleLedger()
         self.progress = Progress()
-        self.global_tokens = cfg.data.global_batch_size * cfg.model.seq_len
         self.max_local = math.ceil(cfg.data.global_batch_size / self.ctx.dp_size)
         self.config_digest = config_digest(cfg)
         self.state = TrainState(
@@ -151,7 +149,7 @@ class TrainLoop:
         )
 
     def _build_step_parts(self, cfg) -> None:
-        """The step's compute, its straggler guard, profiler and FLOPs accounting."""
+        """The step's compute, its report (straggler guard, FLOPs accounting) and profiler."""
         self.compute = ForwardBackward(
             cfg,
             self.ctx,
@@ -167,15 +165,8 @@ class TrainLoop:
         )
         self._first_report = True
         self._reported_s = 0.0  # the last step's reporting, after its clock stopped
-        self.stragglers = StragglerDetector(
-            cfg.guards.straggler_factor, cfg.guards.straggler_window
-        )
+        self.recorder = StepRecorder(cfg, self.ctx, self.objective.metric_names, self.expert_load)
         self.profiler = StepProfiler(cfg.profile, self.ctx.rank, self.ctx.device)
-        self.flops_per_token = model_flops_per_token(cfg.model)
-        device = self.ctx.device
-        self.peak_flops = (
-            peak_flops_for(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
-        )
 
     def _resume(self, cfg, live: Optional[LiveState], held: Optional[HeldChunks]) -> None:
         """Where the run stands: the live ranks' state, else the newest usable checkpoint,
@@ -329,7 +320,17 @@ class TrainLoop:
             return loss
         stall = self._checkpoint(exchanged, clock)
         clock.stop()
-        report = self._step_report(clock, loss, lr, float(grad_norm), stall, exchanged, units)
+        report = self.recorder.report(  # the step just taken: progress counts it now
+            self.progress.step,
+            clock,
+            self.compute,
+            loss,
+            lr,
+            float(grad_norm),
+            stall,
+            exchanged,
+            units,
+        )
         report.skipped = skipped
         self._report_step(report, clock)
         return loss
@@ -453,49 +454,6 @@ class TrainLoop:
         self.faults.after_step(self.progress.step, self.mark)
         self._reported_s = clock.since_stop() - evaluated_s
 
-    def _step_report(
-        self,
-        clock: StepClock,
-        loss: float,
-        lr: float,
-        grad_norm: float,
-        stall: float,
-        exchanged,
-        units: float,
-    ) -> StepReport:
-        """The step's report (every rank builds it: the straggler guard observes on each;
-        rank 0's goes to the controller)."""
-        step_time, ctx = clock.seconds, self.ctx
-        flagged = self.stragglers.observe(exchanged.compute_s)
-        return StepReport(
-            step=self.progress.step,
-            time=time.time(),
-            step_time_s=step_time,
-            loss=loss,
-            lr=lr,
-            grad_norm=grad_norm,
-            tokens_per_s=self.global_tokens / step_time,
-            compute_s=self.compute.compute_s,
-            data_s=self.compute.data_s,
-            ckpt_stall_s=stall,
-            wait_s=max(0.0, step_time - self.compute.compute_s - stall),  # comm + peers
-            phases_s=clock.phases(),
-            world_size=ctx.world_size,
-            peak_memory_gb=peak_memory_bytes(ctx.device) / 2**30,
-            mfu=mfu(
-                self.global_tokens / step_time,
-                self.flops_per_token,
-                self.peak_flops,
-                ctx.world_size,
-            ),
-            metrics={
-                **self._objective_fields(exchanged.metrics, units),
-                **self.expert_load.field(exchanged.expert_tokens),
-            },
-            rank_compute_s=[round(s, 6) for s in exchanged.compute_s] if ctx.rank == 0 else None,
-            stragglers=flagged if ctx.rank == 0 else [],
-        )
-
     @property
     def finished(self) -> bool:
         """The run is complete: every step done, not stopped by a pause or a preemption
@@ -513,8 +471,3 @@ class TrainLoop:
     def held_chunks(self) -> Optional[HeldChunks]:
         """This rank's own shards at the last step boundary (``Handover``)."""
         return self.handover.held_chunks(self.state)
-
-    def _objective_fields(self, metric_sums: List[float], units: float) -> Dict[str, float]:
-        """The objective's metrics for the step, per loss unit (DPO: accuracy, margins)."""
-        names = self.objective.metric_names
-        return {name: value / units for name, value in zip(names, metric_sums, strict=True)}
