@@ -7,11 +7,12 @@ imported the trainer and the trainer the data pipeline.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import subprocess
 from contextlib import contextmanager
-from typing import Iterator, Optional
+from typing import Callable, Dict, Iterator, Optional
 
 from raytrain_ext.worker.priority import yield_auxiliary_daemons
 
@@ -58,33 +59,37 @@ def private_node_start() -> Iterator[None]:
     for 3.4 s before it gives up, and the raylet waits for it: measured here, ``ray.init``
     took 5.4-6.4 s instead of 2.2-2.5 s.  Ray's own ``Cluster`` gives its worker nodes'
     agents a free port for the same reason; the port is registered with the node, so
-    whatever asks for it finds it.  A port the caller chose is kept.
+    whatever asks for it finds it.  A port other than the default is kept.
 
     Best effort, as :func:`yield_auxiliary_daemons` is: the node's start is private API,
     so another Ray version costs one debug line and starts as before.  The tests' private
     Ray and their multi-node clusters' heads start the same way (``tests/conftest.py``)."""
     from ray._private import node as ray_node
-    from ray._private.ray_constants import DEFAULT_DASHBOARD_AGENT_LISTEN_PORT
+    from ray._private import ray_constants
 
-    original_api = ray_node.Node.__dict__.get("start_api_server")
+    patches: Dict[str, Callable[..., None]] = {"start_api_server": _skip_api_server}
     original_init = ray_node.Node.__dict__.get("__init__")
-    if original_api is None or original_init is None:
-        log.debug("Ray's node has no start_api_server or __init__: it starts as before")
-        yield
-        return
+    default_port = getattr(ray_constants, "DEFAULT_DASHBOARD_AGENT_LISTEN_PORT", None)
+    if original_init is not None and default_port is not None:
 
-    def init_on_a_free_agent_port(self, ray_params, *args, **kwargs):
-        if ray_params.dashboard_agent_listen_port == DEFAULT_DASHBOARD_AGENT_LISTEN_PORT:
-            ray_params.dashboard_agent_listen_port = None  # the node makes it 0: a free port
-        original_init(self, ray_params, *args, **kwargs)
+        @functools.wraps(original_init)
+        def init_on_a_free_agent_port(self, ray_params, *args, **kwargs):
+            if ray_params.dashboard_agent_listen_port == default_port:
+                ray_params.dashboard_agent_listen_port = None  # the node makes it 0: free
+            original_init(self, ray_params, *args, **kwargs)
 
-    ray_node.Node.start_api_server = _skip_api_server
-    ray_node.Node.__init__ = init_on_a_free_agent_port
+        patches["__init__"] = init_on_a_free_agent_port
+    originals = {name: ray_node.Node.__dict__.get(name) for name in patches}
+    for name in [name for name, original in originals.items() if original is None]:
+        log.debug("Ray's node has no %s: that part of its start is as before", name)
+        del patches[name], originals[name]
+    for name, patch in patches.items():
+        setattr(ray_node.Node, name, patch)
     try:
         yield
     finally:
-        ray_node.Node.start_api_server = original_api
-        ray_node.Node.__init__ = original_init
+        for name, original in originals.items():
+            setattr(ray_node.Node, name, original)
 
 
 def _skip_api_server(self, *, include_dashboard: Optional[bool], raise_on_failure: bool) -> None:

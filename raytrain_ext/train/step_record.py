@@ -2,11 +2,11 @@
 loop's counters; rank 0's goes to the controller.
 
 Why every rank builds it: the straggler guard observes the exchanged per-rank compute
-times on each rank (a rank's own verdict names it in its own log), while only rank 0's
-report leaves the process.
+times on each rank, so each keeps the same window; only rank 0's verdict and per-rank
+times leave the process.
 
-Invariant: tokens/s and MFU count the global batch's tokens (every rank's), so each
-rank's report says the same about the step.
+Invariant: tokens/s and MFU count the global batch's tokens (every rank's), over the
+rank's own step time.
 """
 
 from __future__ import annotations

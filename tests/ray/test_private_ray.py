@@ -15,8 +15,11 @@ from raytrain_ext.ray_session import connect_ray, stop_private_ray
 from raytrain_ext.worker.priority import AUXILIARY_AGENT, children_named, threads_of
 
 lingering = socket.socket()  # as the agent of a Ray that ended abruptly holds it
-lingering.bind(("127.0.0.1", 52365))  # the head agent's default port
-lingering.listen()
+try:
+    lingering.bind(("127.0.0.1", 52365))  # the head agent's default port
+    lingering.listen()
+except OSError:  # another process holds it already: the same case
+    pass
 assert connect_ray(None)  # started here
 node = worker._global_node
 with open(os.path.join(node.get_logs_dir_path(), "dashboard_agent.log")) as f:
