@@ -128,8 +128,8 @@ class TrainLoop:
             )
 
     def _build_state(self, cfg) -> None:
-        """What a checkpoint and a live handover carry (``TrainState``), and what a step's
-        tokens are worth."""
+        """What a checkpoint and a live handover carry (``TrainState``), and the largest
+        slice of a global batch this rank takes."""
         self.ledger = SampleLedger()
         self.progress = Progress()
         self.max_local = math.ceil(cfg.data.global_batch_size / self.ctx.dp_size)
