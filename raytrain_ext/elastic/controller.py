@@ -60,6 +60,7 @@ log = logging.getLogger(__name__)
 # how often RUNNING looks at what another thread or a signal handler asked (stop, Ctrl-C)
 # between two polls of the ranks: ``elastic.poll_interval_s`` is longer, to spare them
 FLAG_CHECK_S = 0.25
+STOP_DRAIN_S = 5.0  # a stop waits at most this for rank 0's last records
 # deterministic failures, a restart would repeat them: a non-finite loss under
 # guards.nan_policy=fail, a checkpoint of another model, bad input only a worker can see
 NOT_RETRIED = ("NonFiniteLossError", "CheckpointMismatch", "InputError", "ConfigError")
@@ -240,6 +241,9 @@ class Controller:
             if interrupted is not None:
                 return interrupted
         if self._stop_reason is not None:
+            # rank 0's records since the last poll: a step it finished may have committed
+            # its checkpoint, and the next fit() resumes after that step
+            self._drain_events(timeout_s=STOP_DRAIN_S)
             return RunState.FAILED, f"stopped: {self._stop_reason}"
         self.result.worker_results = self.group.fit_results()
         self._drain_events()
@@ -469,9 +473,9 @@ class Controller:
         """When the newest step ended (rank 0's clock); None before the first."""
         return self.result.records[-1]["time"] if self.result.records else None
 
-    def _drain_events(self) -> None:
+    def _drain_events(self, timeout_s: float = 30.0) -> None:
         """Forward rank 0's new per-step records to the sinks."""
-        events = self.group.poll([0], timeout_s=30)
+        events = self.group.poll([0], timeout_s=timeout_s)
         if 0 in events:  # else rank 0 is gone; its fit() reports the error
             self._forward(events[0].reports)
 

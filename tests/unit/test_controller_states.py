@@ -619,13 +619,18 @@ def test_hang_names_the_rank_dumps_stacks_and_recovers():
     assert result.state is RunState.FINISHED
 
 
-def test_stop_from_another_thread_ends_in_failed():
-    run = make_run({"n1": 1, "n2": 1})
+def test_stop_from_another_thread_ends_in_failed_with_every_step_made_recorded():
+    """A stop ends the run FAILED, and rank 0's records made since the last poll are
+    forwarded first: a step it finished may have committed its checkpoint, and the next
+    fit() resumes after it."""
+    run = make_run({"n1": 1, "n2": 1}, ["elastic.poll_interval_s=60"])  # no poll before it
     run.group.at_step[2] = lambda: run.controller.stop("user pressed stop")
     with pytest.raises(TrainingFailed, match="stopped: user pressed stop"):
         run.controller.run()
     assert run.states() == ["SCHEDULING", "RUNNING", "FAILED"]
     assert run.group.calls[-1] == ("shutdown",)
+    assert run.group.step >= 2 and not run.group.pending
+    assert [r["step"] for r in run.controller.result.records] == list(range(1, run.group.step + 1))
 
 
 def test_an_interrupt_checkpoints_at_the_next_boundary_and_ends_interrupted():
