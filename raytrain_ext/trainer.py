@@ -238,7 +238,8 @@ class Trainer:
     def stop(self, reason: str = "stopped by the user") -> None:
         """End a fit() running in another thread (a notebook cell, a test): within a
         quarter of a second while training (``controller.FLAG_CHECK_S``; a group still
-        being placed is placed first) its workers are shut down and fit() raises
+        being placed is placed first), and once rank 0's latest step records are in
+        (``controller.STOP_DRAIN_S`` at most), its workers are shut down and fit() raises
         ``TrainingFailed`` naming ``reason``.  Committed checkpoints are kept; the next
         fit() of the same run resumes from them."""
         self._stop_reason = reason

@@ -135,9 +135,10 @@ class Controller:
 
     def stop(self, reason: str) -> None:
         """End the run from another thread: the loop ends within ``FLAG_CHECK_S`` while
-        running (as before in the other states) in FAILED, and ``run`` shuts the group
-        down and raises ``TrainingFailed`` naming ``reason``.  Committed checkpoints stay,
-        so a later fit() resumes from the newest one."""
+        running (as before in the other states) in FAILED, once rank 0's records made
+        since the last poll are forwarded (at most ``STOP_DRAIN_S`` more), and ``run``
+        shuts the group down and raises ``TrainingFailed`` naming ``reason``.  Committed
+        checkpoints stay, so a later fit() resumes from the newest one."""
         self._stop_reason = reason
 
     def interrupt(self, reason: str) -> None:
