@@ -46,9 +46,9 @@ def with_niceness(runtime_env: Optional[Dict[str, Any]], niceness: int) -> Dict[
 
 
 # A private Ray's daemons that no step, rendezvous, recovery or runtime environment waits
-# for: the autoscaler's monitor, the log monitor (worker output to the driver), the
-# dashboard's API server (where one runs: ``ray_session.private_node_start`` starts none)
-# and the dashboard agent (metrics export).  The GCS, the raylet and the runtime-env agent
+# for: the log monitor (worker output to the driver), the dashboard agent (metrics export),
+# and, where they run (``ray_session.private_node_start`` starts neither), the autoscaler's
+# monitor and the dashboard's API server.  The GCS, the raylet and the runtime-env agent
 # (which starts our actors' environments) keep their priority.
 AUXILIARY_PROCESS_TYPES = ("monitor", "log_monitor", "dashboard")
 # the dashboard agent, by its process title or, before it sets one, by its script

@@ -2,7 +2,6 @@
 
 import json
 import os
-import signal
 import subprocess
 import sys
 
@@ -32,22 +31,18 @@ pids["runtime_env_agent"] = children_named(raylet, ("ray::RuntimeEnvAgent", "age
 def niceness(pid):  # every thread's: Linux keeps one per thread
     return sorted({os.getpriority(os.PRIO_PROCESS, t) for t in threads_of(pid)})
 found = {t: [niceness(p) for p in ps] for t, ps in pids.items()}
-monitor = processes["monitor"][0].process
-terminated = []  # what Ray's shutdown finds still running, it terminates and waits 1 s for
-monitor.terminate = lambda: terminated.append(monitor.pid)
 stop_private_ray()
-exits = {"monitor": monitor.returncode, "terminated_by_ray": terminated}
-print(json.dumps({"niceness": found, "exits": exits, "agent": agent}))
+print(json.dumps({"niceness": found, "agent": agent}))
 """
 
 
-def test_a_private_ray_runs_its_auxiliary_daemons_below_the_ranks_and_stops_without_a_wait():
-    """The autoscaler monitor, log monitor and dashboard agent wait at nice 19 (nothing a
-    step or a recovery needs); the GCS, the raylet and the runtime-env agent (which starts
-    our actors' environments) keep the ranks' nice 0; the dashboard API server, which
-    ``ray.init`` would wait for, is not started; its dashboard agent listens on a free
-    port, so an agent left over from an earlier Ray on the default port costs no retries;
-    and it stops without waiting on the monitor."""
+def test_a_private_ray_runs_its_auxiliary_daemons_below_the_ranks_and_no_monitor():
+    """The log monitor and dashboard agent wait at nice 19 (nothing a step or a recovery
+    needs); the GCS, the raylet and the runtime-env agent (which starts our actors'
+    environments) keep the ranks' nice 0; neither the dashboard API server, which
+    ``ray.init`` would wait for, nor the autoscaler monitor, which Ray's shutdown would
+    wait 1 s for, is started; its dashboard agent listens on a free port, so an agent left
+    over from an earlier Ray on the default port costs no retries."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     done = subprocess.run(
         [sys.executable, "-c", PROBE], capture_output=True, text=True, env=env, timeout=120
@@ -55,32 +50,31 @@ def test_a_private_ray_runs_its_auxiliary_daemons_below_the_ranks_and_stops_with
     assert done.returncode == 0, done.stderr[-3000:]
     probed = json.loads(done.stdout.strip().splitlines()[-1])
     niceness = probed["niceness"]
-    for daemon in ("monitor", "log_monitor", "dashboard_agent"):
+    for daemon in ("log_monitor", "dashboard_agent"):
         assert niceness[daemon] == [[19]], (daemon, niceness)
     assert "dashboard" not in niceness, niceness  # the API server
+    assert "monitor" not in niceness, niceness  # the autoscaler's
     for core in ("gcs_server", "raylet", "runtime_env_agent"):
         assert niceness[core] == [[0]], (core, niceness)
     agent = probed["agent"]
     assert agent["port"] > 0 and agent["port"] != 52365 and agent["bind_retries"] == 0, agent
 
-    # stopping it kills the autoscaler monitor before Ray's shutdown reaches it: Ray's
-    # order stops the GCS first, and a monitor it terminates then reports its end to the
-    # stopped GCS until Ray's 1 s grace runs out
-    assert probed["exits"] == {"monitor": -signal.SIGKILL, "terminated_by_ray": []}, probed
-
 
 def test_the_node_start_is_changed_only_inside_the_block():
-    """Ray's own ``Node.start_api_server`` and ``Node.__init__`` are back once the private
-    Ray has started, also when the start raised: a later ``ray.init`` of the user's
-    (another address, a dashboard, the agent's default port) is Ray's, untouched."""
+    """Ray's own ``Node.start_api_server``, ``Node.__init__`` and ``services.get_node`` are
+    back once the private Ray has started, also when the start raised: a later
+    ``ray.init`` of the user's (another address, a dashboard, the agent's default port, an
+    autoscaler) is Ray's, untouched."""
     from ray._private import node as ray_node
+    from ray._private import services
 
     from raytrain_ext.ray_session import private_node_start
 
-    originals = (ray_node.Node.start_api_server, ray_node.Node.__init__)
+    originals = (ray_node.Node.start_api_server, ray_node.Node.__init__, services.get_node)
     with pytest.raises(RuntimeError, match="the start failed"):
         with private_node_start():
             assert ray_node.Node.start_api_server is not originals[0]
             assert ray_node.Node.__init__ is not originals[1]
+            assert services.get_node is not originals[2]
             raise RuntimeError("the start failed")
-    assert (ray_node.Node.start_api_server, ray_node.Node.__init__) == originals
+    assert (ray_node.Node.start_api_server, ray_node.Node.__init__, services.get_node) == originals
