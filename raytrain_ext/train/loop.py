@@ -165,7 +165,9 @@ class TrainLoop:
         )
         self._first_report = True
         self._reported_s = 0.0  # the last step's reporting, after its clock stopped
-        self.recorder = StepRecorder(cfg, self.ctx, self.objective.metric_names, self.expert_load)
+        self.recorder = StepRecorder(
+            cfg, self.ctx, self.compute, self.objective.metric_names, self.expert_load
+        )
         self.profiler = StepProfiler(cfg.profile, self.ctx.rank, self.ctx.device)
 
     def _resume(self, cfg, live: Optional[LiveState], held: Optional[HeldChunks]) -> None:
@@ -323,7 +325,6 @@ class TrainLoop:
         report = self.recorder.report(  # the step just taken: progress counts it now
             self.progress.step,
             clock,
-            self.compute,
             loss,
             lr,
             float(grad_norm),

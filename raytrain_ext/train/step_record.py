@@ -33,10 +33,12 @@ class StepRecorder:
         self,
         cfg,
         ctx: DistContext,
+        compute: ForwardBackward,
         metric_names: Sequence[str],
         expert_load: ExpertLoad,
     ):
         self.ctx = ctx
+        self.compute = compute  # the loop's, whose times are the step's just taken
         self.metric_names = tuple(metric_names)  # the objective's, in the exchange's order
         self.expert_load = expert_load
         self.global_tokens = cfg.data.global_batch_size * cfg.model.seq_len
@@ -53,7 +55,6 @@ class StepRecorder:
         self,
         step: int,
         clock: StepClock,
-        compute: ForwardBackward,
         loss: float,
         lr: float,
         grad_norm: float,
@@ -62,7 +63,7 @@ class StepRecorder:
         units: float,
     ) -> StepReport:
         """Step ``step``'s report, ``exchanged`` being its all-gather's result."""
-        step_time, ctx = clock.seconds, self.ctx
+        step_time, ctx, compute = clock.seconds, self.ctx, self.compute
         flagged = self.stragglers.observe(exchanged.compute_s)
         return StepReport(
             step=step,
