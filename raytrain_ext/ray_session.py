@@ -126,21 +126,28 @@ def _private_node_init(original_init: Callable[..., None], default_port: Optiona
 
 
 def _get_node_once_registered(original_get_node: Callable[[str, str], Any]):
-    """``services.get_node`` that first asks the GCS every 0.1 s (up to Ray's own 30 s)
-    whether the node is registered, so that Ray's call finds it at its first ask."""
+    """``services.get_node`` that first asks the GCS every 0.1 s whether the node is
+    registered, so that Ray's call finds it at its first ask.  A node still unregistered
+    after 30 s raises the ``RuntimeError`` Ray's start loop turns into its own timeout
+    (``raylet_start_wait_time_s``, 30 s); a GCS that cannot be asked leaves the wait to
+    Ray's call, as before."""
 
     @functools.wraps(original_get_node)
     def get_node(gcs_address: str, node_id: str) -> Any:
         try:
-            _wait_for_registration(gcs_address, node_id, timeout_s=30.0, period_s=0.1)
+            registered = _wait_for_registration(gcs_address, node_id, 30.0, period_s=0.1)
         except Exception as e:  # noqa: BLE001 - Ray's own wait follows and reports
             log.debug("waiting for the node's registration: %s", e)
+            registered = True
+        if not registered:
+            raise RuntimeError(f"node {node_id} not registered with the GCS in 30 s")
         return original_get_node(gcs_address, node_id)
 
     return get_node
 
 
 def _wait_for_registration(gcs_address: str, node_id: str, timeout_s: float, period_s: float):
+    """Whether the GCS lists ``node_id`` alive within ``timeout_s``."""
     from ray._raylet import GcsClient, NodeID  # type: ignore[attr-defined]
     from ray.core.generated.gcs_pb2 import GcsNodeInfo
     from ray.core.generated.gcs_service_pb2 import GetAllNodeInfoRequest
@@ -148,15 +155,16 @@ def _wait_for_registration(gcs_address: str, node_id: str, timeout_s: float, per
     client = GcsClient(address=gcs_address)
     selector = GetAllNodeInfoRequest.NodeSelector(node_id=NodeID.from_hex(node_id).binary())
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    while (left := deadline - time.monotonic()) > 0:
         alive = client.get_all_node_info(
-            timeout=timeout_s,
+            timeout=min(left, 2.0),
             node_selectors=[selector],
             state_filter=GcsNodeInfo.GcsNodeState.ALIVE,
         )
         if alive:
-            return
+            return True
         time.sleep(period_s)
+    return False
 
 
 def _skip_api_server(self, *, include_dashboard: Optional[bool], raise_on_failure: bool) -> None:

@@ -8,6 +8,9 @@ import time
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+# DeepSpeed keeps the accelerator it finds when first imported (in the multi-process tier's
+# fork server, ``helpers.rank_imports``): the CPU one, whatever this machine has.
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
 # Ray Train, the peer some tests compare results with, polls its workers every 2 s by
 # default and each report waits for a poll; its results do not depend on the pace (10 s
 # of the quick-start comparison's 50 s here).  Read by its controller, a Ray worker that

@@ -99,23 +99,11 @@ def _rank_with_deadline(
 # Ranks start from a fork server that has imported these once (per test session): a fresh
 # interpreter per rank would import torch, transformers and the loop again (seconds each on
 # 2 cores, ~60 times in this tier).  The server only imports (no threads, no process group),
-# so each rank still starts from a clean, single-threaded state.  Beyond the loop's own
-# imports, this holds what ranks import lazily (measured with ``PYTHONPROFILEIMPORTTIME``
-# over this tier): DDP's first construction imports ``torch._dynamo`` (1.0-1.4 s a rank); a
-# ZeRO rank imports ``deepspeed`` and, in ``deepspeed.initialize``, its Muon optimizer's
-# module (1.5-2 s, most of it ``torch._inductor``); an HF model ``transformers.modeling_utils``
-# (0.8 s); a PP rank ``torch.distributed.pipelining``.  The tier took 393 s without them and
-# 316-328 s with them.  A module the server fails to import is left to the rank, as before.
+# so each rank still starts from a clean, single-threaded state.  ``rank_imports`` adds
+# what ranks import lazily, each module apart, so that one failing cannot end the server.
 FORKSERVER_PRELOAD = [
     "torch",
-    "torch._dynamo",
-    "torch.distributed.pipelining",
-    "torch.distributed.tensor.debug",
-    "transformers",
-    "transformers.modeling_utils",
-    "deepspeed",
-    "deepspeed.runtime.zero.muon.muon_optimizer",
-    "boto3",
+    "tests.helpers.rank_imports",
     "raytrain_ext.train.loop",
     "tests.helpers.dist",
 ]

@@ -78,3 +78,21 @@ def test_the_node_start_is_changed_only_inside_the_block():
             assert services.get_node is not originals[2]
             raise RuntimeError("the start failed")
     assert (ray_node.Node.start_api_server, ray_node.Node.__init__, services.get_node) == originals
+
+
+def test_the_registration_wait_finds_the_node_and_gives_up_on_one_never_registered(ray_local):
+    """The wait that replaces Ray's once-a-second poll answers at once for a registered
+    node, and False (Ray's start then raises its own timeout) for one that never registers,
+    within its timeout rather than after it."""
+    import time
+
+    import ray
+    from ray._private import worker
+
+    from raytrain_ext.ray_session import _wait_for_registration
+
+    gcs = worker._global_node.gcs_address
+    assert _wait_for_registration(gcs, ray.get_runtime_context().get_node_id(), 5.0, 0.1)
+    started = time.monotonic()
+    assert not _wait_for_registration(gcs, "ab" * 28, 0.5, 0.1)
+    assert time.monotonic() - started < 5.0
