@@ -138,9 +138,9 @@ def _get_node_once_registered(original_get_node: Callable[[str, str], Any]):
             registered = _wait_for_registration(gcs_address, node_id, 30.0, period_s=0.1)
         except Exception as e:  # noqa: BLE001 - Ray's own wait follows and reports
             log.debug("waiting for the node's registration: %s", e)
-            registered = True
-        if not registered:
-            raise RuntimeError(f"node {node_id} not registered with the GCS in 30 s")
+        else:
+            if not registered:
+                raise RuntimeError(f"node {node_id} not registered with the GCS in 30 s")
         return original_get_node(gcs_address, node_id)
 
     return get_node
