@@ -41,6 +41,7 @@ from raytrain_ext.rollout.config import check_rollout
 from raytrain_ext.run_dir import METRICS, SUMMARY, RunDirectory, refuse_finished_run
 from raytrain_ext.user_code import UserCode
 from raytrain_ext.worker.priority import with_niceness
+from raytrain_ext.worker.process_env import rank_env_vars
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +151,9 @@ class Trainer:
     def _run(self, start: float) -> ControllerResult:
         """Connect to Ray, run the controller; whatever fails, nothing it started is left."""
         self._marks = {"ray_connecting_at": time.time()}
-        started_ray = connect_ray(self.cfg.scaling.ray_address)
+        rank_env = rank_env_vars(self.cfg.scaling.worker_niceness, {})
+        started_ray = connect_ray(self.cfg.scaling.ray_address, rank_env)
+        inherited_env = rank_env if started_ray else {}  # what its processes start with
         self._marks["ray_connected_at"] = time.time()
         run_actors: list = []  # the memory tier's and the dataset readers: this fit's
         rollout = None  # GRPO: the run's rollout service (it owns the engines)
@@ -177,7 +180,9 @@ class Trainer:
             self._controller = Controller(
                 self.cfg,
                 sink,
-                group_factory=partial(RayGroup.for_config, user=self._user),
+                group_factory=partial(
+                    RayGroup.for_config, user=self._user, inherited_env=inherited_env
+                ),
                 cluster=RayCluster(),
             )
             if self._stop_reason is not None:  # stop() came before the controller existed

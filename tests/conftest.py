@@ -33,7 +33,7 @@ def ray_local():
     """
     import ray
 
-    from raytrain_ext.ray_session import private_node_start
+    from raytrain_ext.ray_session import SOCKET_RETRY_CONFIG, private_node_start
 
     if not ray.is_initialized():
         with private_node_start():  # as the CLI's private Ray: 1-2 s less per start
@@ -44,6 +44,7 @@ def ray_local():
                 _node_ip_address="127.0.0.1",
                 object_store_memory=200 * 1024**2,
                 log_to_driver=False,
+                _system_config=SOCKET_RETRY_CONFIG,
             )
     yield ray
 
@@ -53,20 +54,23 @@ def ray_cluster():
     """A real multi-node Ray cluster on this machine: a CPU-less head and nodes the test adds.
 
     Health checks are tightened (before the head starts) so a removed node is
-    declared dead in about 2 s instead of about 14 s.  The head runs no autoscaler
-    monitor: nothing here scales, drain requests go to the GCS, and Ray's teardown waits
-    1 s for a monitor it stops after the GCS.
+    declared dead in about 3 s instead of about 14 s: a check every 0.5 s, 6 missed in a
+    row (3 missed had a loaded raylet declared dead in CI, before any test removed a node).
+    Every node retries its local sockets as the CLI's private Ray does (``ray_session``),
+    so a node's start is not 1 s longer for a missed first try.  The head runs no
+    autoscaler monitor: nothing here scales, drain requests go to the GCS, and Ray's
+    teardown waits 1 s for a monitor it stops after the GCS.
     """
     import ray
     from ray.cluster_utils import Cluster
 
-    from raytrain_ext.ray_session import private_node_start
+    from raytrain_ext.ray_session import SOCKET_RETRY_CONFIG, private_node_start
 
     ray.shutdown()
     fast = {
         "RAY_health_check_period_ms": "500",
         "RAY_health_check_timeout_ms": "500",
-        "RAY_health_check_failure_threshold": "3",
+        "RAY_health_check_failure_threshold": "6",
     }
     saved = {k: os.environ.get(k) for k in fast}
     os.environ.update(fast)
@@ -79,6 +83,7 @@ def ray_cluster():
                 "include_dashboard": False,
                 "node_ip_address": "127.0.0.1",
                 "no_monitor": True,
+                "_system_config": SOCKET_RETRY_CONFIG,  # the nodes that join get it too
             },
         )
     try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set
 
 import ray
 from omegaconf import DictConfig
@@ -22,10 +22,9 @@ from raytrain_ext.messages import FitResult, Heartbeat, PollReply, RankInfo
 from raytrain_ext.ray_group.diagnostics import dump_worker_stacks
 from raytrain_ext.ray_group.survivors import first_error, gather_evidence
 from raytrain_ext.user_code import UserCode
-from raytrain_ext.worker.allocator import with_one_malloc_arena
 from raytrain_ext.worker.form_options import FormOptions
 from raytrain_ext.worker.group import WorkerGroup
-from raytrain_ext.worker.priority import with_niceness
+from raytrain_ext.worker.process_env import rank_env_vars, runtime_env_beyond
 from raytrain_ext.worker.process_pool import ProcessPool
 
 NO_ANSWER = (ray.exceptions.RayError, ray.exceptions.GetTimeoutError)
@@ -47,13 +46,18 @@ class RayGroup:
         self._pending: List[ray.ObjectRef] = []
 
     @classmethod
-    def for_config(cls, cfg, user: UserCode = UserCode()) -> RayGroup:
+    def for_config(
+        cls, cfg, user: UserCode = UserCode(), inherited_env: Optional[Mapping[str, str]] = None
+    ) -> RayGroup:
+        """``inherited_env``: what every process of a private Ray this driver started
+        inherits from its raylet (``ray_session.connect_ray``); none on a cluster."""
         s = cfg.scaling
-        pool = ProcessPool() if cfg.elastic.prestart_processes else None
+        fresh_ray = bool(inherited_env)
+        pool = ProcessPool(fresh_ray=fresh_ray) if cfg.elastic.prestart_processes else None
         group = WorkerGroup(dict(s.resources_per_worker), s.placement_strategy, process_pool=pool)
         job_env_vars = ray.get_runtime_context().runtime_env.get("env_vars") or {}
-        runtime_env = with_one_malloc_arena(with_niceness(None, s.worker_niceness), job_env_vars)
-        return cls(group, user=user, runtime_env=runtime_env)
+        env_vars = rank_env_vars(s.worker_niceness, job_env_vars)
+        return cls(group, user=user, runtime_env=runtime_env_beyond(env_vars, inherited_env or {}))
 
     @property
     def avoid_nodes(self) -> Set[str]:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import ray
+from ray.runtime_env import RuntimeEnv
 from ray.util.placement_group import (
     placement_group,
     placement_group_table,
@@ -127,18 +128,20 @@ class WorkerGroup:
             )
         self._placed_at = time.time()
         self._runtime_env = runtime_env
-        self._rank_env = (
-            self.process_pool.runtime_env(runtime_env) if self.process_pool else runtime_env
-        )
-        actors = [self._create(i, self._rank_env) for i in range(num_workers)]
+        pool = self.process_pool
+        self._rank_env = pool.runtime_env(runtime_env) if pool else runtime_env
+        first_env = pool.first_group_env(runtime_env) if pool else runtime_env
+        actors = [self._create(i, first_env) for i in range(num_workers)]
         self.spares = [self._create_spare(i) for i in range(num_workers, total)]
         self.vacant, self.unplaced = [], {}
         infos = ray.get([a.node_info.remote() for a in actors])
         self._form(list(zip(actors, range(num_workers), infos, strict=True)), form)
         self._runtime_env_string = None
-        if self.process_pool is not None:  # asked now, while every rank is one started as such
+        if pool is not None and first_env == self._rank_env:  # asked of a rank started as such
             ref = self.actors[0].serialized_runtime_env.remote()
             self._runtime_env_string = ray.get(ref, timeout=30)
+        elif pool is not None:  # a fresh Ray's job has no environment for Ray to merge in
+            self._runtime_env_string = RuntimeEnv(**(self._rank_env or {})).serialize()
 
     def reform(
         self,

@@ -22,7 +22,11 @@ runtime environment sets a setup hook keeps it: our actors then start without ou
 Only the group's ranks are created with the hook's environment, so only they can take a
 stocked process (a spare, which warms up by itself, starts with the caller's); a
 rank's new process was a stocked one exactly when it is older than the time since it
-was asked for, each read on its own clock (``WorkerGroup``).
+was asked for, each read on its own clock (``WorkerGroup``).  On a Ray this driver has
+just started for the run (``fresh_ray``) no earlier run can have stocked one, so the
+first group's ranks start with the caller's environment instead, which is empty there
+(``worker.process_env``): a process with no runtime environment starts without Ray's
+setup interpreter.
 
 A stocked process announces itself once its imports are done (a key in Ray's internal
 key-value store naming its job, node and pid) and withdraws when an actor takes it, so a
@@ -174,8 +178,9 @@ def adopt_thread_count() -> None:
 class ProcessPool:
     """One idle, warmed process per node of the gang, asked of each node's raylet."""
 
-    def __init__(self, keep_alive_s: int = 24 * 3600):
+    def __init__(self, keep_alive_s: int = 24 * 3600, fresh_ray: bool = False):
         self.keep_alive_s = keep_alive_s
+        self.fresh_ray = fresh_ray  # a private Ray this driver started for this run
         # (node id, serialized runtime env) asked for an idle process, not taken since
         self._stocked: Set[Tuple[str, str]] = set()
 
@@ -188,6 +193,11 @@ class ProcessPool:
             return env
         env["env_vars"] = {**env.get("env_vars", {}), WORKER_PROCESS_SETUP_HOOK_ENV_VAR: SETUP_HOOK}
         return env
+
+    def first_group_env(self, runtime_env: Optional[dict]) -> dict:
+        """The environment of the first group's ranks: :meth:`runtime_env`'s, to take an
+        earlier run's stocked process, except on a fresh Ray (module doc)."""
+        return dict(runtime_env or {}) if self.fresh_ray else self.runtime_env(runtime_env)
 
     def warm_processes(self) -> Set[Tuple[str, int]]:
         """(node id, pid) of each stocked process of this job whose imports are done and

@@ -96,3 +96,59 @@ def test_the_registration_wait_finds_the_node_and_gives_up_on_one_never_register
     started = time.monotonic()
     assert not _wait_for_registration(gcs, "ab" * 28, 0.5, 0.1)
     assert time.monotonic() - started < 5.0
+
+
+@pytest.mark.slow
+def test_a_private_rays_ranks_inherit_their_variables_and_the_pool_still_replaces_one(
+    monkeypatch,
+):
+    """A private Ray started with the ranks' variables gives them to every process its
+    raylet starts: the first group's ranks run with no runtime environment (no setup
+    interpreter) and still with nice 0 and one malloc arena.  The pool's process keeps the
+    hook's environment, which the driver names without asking a rank: a rank killed from
+    outside is replaced by exactly that process, which has the same variables."""
+    import signal
+
+    import psutil
+    import ray
+
+    from raytrain_ext.ray_session import connect_ray, stop_private_ray
+    from raytrain_ext.worker.form_options import FormOptions
+    from raytrain_ext.worker.group import WorkerGroup
+    from raytrain_ext.worker.process_env import rank_env_vars, runtime_env_beyond
+    from raytrain_ext.worker.process_pool import ProcessPool
+    from tests.helpers.leaks import idle_processes_with_torch
+    from tests.helpers.runs import wait_until
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
+    ray.shutdown()  # the tests' own Ray, if one runs: the next test that needs it restarts it
+    env_vars = rank_env_vars(0, {})
+    assert env_vars == {"RAY_worker_niceness": "0", "MALLOC_ARENA_MAX": "1"}
+    assert connect_ray(None, env_vars)
+    group = WorkerGroup({"CPU": 1}, process_pool=ProcessPool(keep_alive_s=600, fresh_ray=True))
+    form = FormOptions("auto", timeout_s=30, placement_timeout_s=30)
+
+    def started_with(self):
+        return (
+            ray.get_runtime_context().get_runtime_env_string(),
+            os.environ.get("MALLOC_ARENA_MAX"),
+            os.getpriority(os.PRIO_PROCESS, 0),
+        )
+
+    try:
+        before = idle_processes_with_torch()
+        group.start(2, form, runtime_env=runtime_env_beyond(env_vars, env_vars))
+        ranks = ray.get([a.__ray_call__.remote(started_with) for a in group.actors])
+        assert ranks == [("{}", "1", 0)] * 2
+        group.replenish(0)
+        idle = wait_until(lambda: idle_processes_with_torch() - before, "stocked process", 90)
+        os.kill(group.infos[1].pid, signal.SIGKILL)
+        wait_until(lambda: not psutil.pid_exists(group.infos[1].pid), "death of rank 1", 90)
+        filled = group.reform([0], form, size=2, refill_ranks=[1], deferred_ranks=[])
+        assert filled["prestarted"] == 1 and group.infos[1].pid in idle
+        hook_env, arena, niceness = ray.get(group.actors[1].__ray_call__.remote(started_with))
+        assert "RAY_WORKER_PROCESS_SETUP_HOOK" in hook_env and (arena, niceness) == ("1", 0)
+    finally:
+        group.shutdown()
+        stop_private_ray()

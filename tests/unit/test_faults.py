@@ -34,7 +34,8 @@ def _step_then_report(queue, overrides, step):
 
 @pytest.mark.parametrize("step, code", [(4, 1), (3, 0)])
 def test_kill_exits_the_process_after_its_step(step, code):
-    ctx = multiprocessing.get_context("spawn")
+    # forked: a spawned child re-imported torch and this module (2 s of the unit tier each)
+    ctx = multiprocessing.get_context("fork")
     queue = ctx.Queue()
     child = ctx.Process(
         target=_step_then_report, args=(queue, ["kill_rank=0", "kill_at_step=4"], step)
