@@ -137,11 +137,11 @@ class WorkerGroup:
         infos = ray.get([a.node_info.remote() for a in actors])
         self._form(list(zip(actors, range(num_workers), infos, strict=True)), form)
         self._runtime_env_string = None
-        if pool is not None and first_env == self._rank_env:  # asked of a rank started as such
+        if pool is not None and pool.fresh_ray:  # its job has no environment for Ray to merge in
+            self._runtime_env_string = RuntimeEnv(**(self._rank_env or {})).serialize()
+        elif pool is not None:  # asked of a rank, started with exactly that environment
             ref = self.actors[0].serialized_runtime_env.remote()
             self._runtime_env_string = ray.get(ref, timeout=30)
-        elif pool is not None:  # a fresh Ray's job has no environment for Ray to merge in
-            self._runtime_env_string = RuntimeEnv(**(self._rank_env or {})).serialize()
 
     def reform(
         self,
