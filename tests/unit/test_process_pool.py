@@ -1,10 +1,12 @@
 """The process pool's pieces that run in a worker process before Ray hands it an actor."""
 
+import gc
 import os
 import subprocess
 import sys
 import textwrap
 
+from raytrain_ext.collector import collection_paused
 from raytrain_ext.worker import process_age, process_pool
 
 
@@ -23,10 +25,12 @@ def _run(code: str, **env) -> str:
 
 def test_the_setup_hook_imports_the_warm_modules_without_asking_cuda_anything():
     """Ray sets CUDA_VISIBLE_DEVICES only when an actor takes the process: the hook runs
-    before, so nothing it imports may query CUDA (the driver would fix its device list)."""
+    before, so nothing it imports may query CUDA (the driver would fix its device list).
+    The garbage collector runs no collection during those imports, and runs again after
+    (``raytrain_ext.collector``)."""
     out = _run(
         """
-        import sys, torch, torch.cuda
+        import gc, sys, torch, torch.cuda
         calls = []
         for name in ("device_count", "is_available", "_lazy_init", "init", "current_device"):
             real = getattr(torch.cuda, name)
@@ -37,18 +41,42 @@ def test_the_setup_hook_imports_the_warm_modules_without_asking_cuda_anything():
         from raytrain_ext.worker.process_pool import (
             WARM_MODULES, await_warm_imports, import_warm_modules,
         )
+        collections = gc.get_stats()[2]["collections"]  # full collections
         import_warm_modules()
         await_warm_imports()
-        print(calls, [m for m in WARM_MODULES if m not in sys.modules])
+        during = gc.get_stats()[2]["collections"] - collections
+        print(calls, [m for m in WARM_MODULES if m not in sys.modules], during, gc.isenabled())
         """
     )
-    assert out == "[] []"
+    assert out == "[] [] 0 True"
 
 
 def test_a_module_that_fails_to_import_does_not_fail_the_hook(monkeypatch):
     monkeypatch.setattr(process_pool, "WARM_MODULES", ("json", "no_such_module_here"))
     process_pool.import_warm_modules()  # a raising hook would end the process and its actor
     process_pool.await_warm_imports()
+
+
+def test_a_process_without_the_hook_imports_with_the_collector_paused(monkeypatch, tmp_path):
+    """The actor's own imports (no pool, or the job's own hook) pause the collector too,
+    and leave it as they found it."""
+    (tmp_path / "records_the_collector.py").write_text("import gc\nENABLED = gc.isenabled()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(process_pool, "WARM_MODULES", ("records_the_collector",))
+    process_pool.import_warm_modules_now()
+    import records_the_collector
+
+    assert records_the_collector.ENABLED is False and gc.isenabled()
+
+
+def test_a_paused_collector_that_was_off_stays_off():
+    gc.disable()
+    try:
+        with collection_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
 
 
 def test_the_thread_count_follows_what_ray_gave_the_actor_not_the_import():
