@@ -45,8 +45,9 @@ def register(*, copy_to_peer: bool = False, **objects: Any) -> int:
     checkpoint.  Replicated state (DDP, one rank) loads at any world size; state sharded
     by FSDP or HSDP (one mesh) loads into a group of any size when a live process holds
     every shard (HSDP: another replica's rank; with ``copy_to_peer=True``, which sends each
-    rank's copy to a rank on another node at every report, also pure FSDP's), else the
-    group resumes from the checkpoint.  Every report that carries a checkpoint (on any rank)
+    rank's copy to a rank on another node at every report, also pure FSDP's, and keeps the
+    previous report's copies too, so a failure during a report's exchange costs one report),
+    else the group resumes from the checkpoint.  Every report that carries a checkpoint (on any rank)
     also holds their state as DCP files, which ``register`` loads, resharded to this
     group's layout, when the group starts from that checkpoint instead of live copies (a
     run restarted from storage, ``resume_from_checkpoint``, a part whose every holder was

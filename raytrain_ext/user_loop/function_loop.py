@@ -24,7 +24,7 @@ import tempfile
 import time
 import traceback
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
@@ -129,7 +129,7 @@ class FunctionLoop:
         drain(self.cfg.parallel.timeout_s / 4)
         uploader.abandon(self.cfg.parallel.timeout_s / 4)
         keeper, run = process_snapshots(), self.spec.storage.root
-        mine = (keeper.offer(run), keeper.peer_offer(run), self.env.node_rank)
+        mine = (keeper.offers(run), keeper.peer_offers(run), self.env.node_rank)
         offers, peers, nodes = zip(*gather_from_all(mine, group), strict=True)
         start = self._starting_point(group, list(offers), list(peers))
         self._settle(group, start, uploader)
@@ -199,7 +199,9 @@ class FunctionLoop:
         deadline = self.requests.deadline
         return 0.0 if deadline is None else max(0.0, deadline - time.time())
 
-    def _starting_point(self, group, offers: List[Offer], peers: List[PeerOffer]) -> Start:
+    def _starting_point(
+        self, group, offers: List[Sequence[Offer]], peers: List[Sequence[PeerOffer]]
+    ) -> Start:
         """Where this group starts, the same on every rank (``starting_point``); a held
         report's files are written here on every rank, and when any rank cannot read them
         every rank starts from storage's newest instead."""

@@ -22,6 +22,15 @@ a live holder: HSDP's replicas, or under pure FSDP the peer copy ``copy_to_peer`
 at each report (the rank after the same local rank's node; without it a pure FSDP
 rank's part dies with it, and the checkpoint has it).  A peer copy is offered with its
 layout and report, and only where both match the copies a group starts from.
+With ``copy_to_peer`` each rank keeps two reports' copies, its own and its peer's, and
+writes a report's into the buffers of the report before the previous one
+(:meth:`SnapshotKeeper.take_with_peer`): every rank finished the previous report's copy
+and exchange before any rank agreed on this one, so a failure at any moment of this
+report's copy or exchange (the exchange moves the whole part, and takes seconds) leaves
+that previous report whole on the survivors, each part with its two holders, and
+:func:`live_start` falls back to it when the newest report is not whole.  With one
+generation, the copies being overwritten and the exchange not yet done, a lost node's
+parts had no holder.  It costs a second copy of the own and the peer part in host memory.
 What a copy holds never aliases the live objects: it is copied out at the report and
 copied in at the restore.
 """
@@ -53,11 +62,11 @@ from raytrain_ext.user_loop.reshard import PartJoiner
 from raytrain_ext.user_loop.staging import Staged
 
 Positions = Dict[str, Tuple[int, int]]  # each dataset shard's (epoch, row)
-# (report index of this process's copy or -1, its positions, its part of the whole)
-Offer = Tuple[int, Positions, Optional[Layout]]
-# (report index, its layout) of the copy of another rank's part this process holds
-# (``register(copy_to_peer=True)``), or None
-PeerOffer = Optional[Tuple[int, Layout]]
+# (report index of one of this process's copies, its positions, its part of the whole)
+Offer = Tuple[int, Positions, Layout]
+# (report index, its layout) of a copy of another rank's part this process holds
+# (``register(copy_to_peer=True)``)
+PeerOffer = Tuple[int, Layout]
 
 
 @dataclass
@@ -71,6 +80,8 @@ class Snapshot:
     state: Dict[str, Any]  # local shards, on the host
     sharded: Any  # ``state``'s structure, True at each leaf that is a part of a whole tensor
     reusable: bool = True  # its buffers may take the next copy (a broadcast's may not: views)
+    # a received peer copy's flat buffers by dtype (``exchange_tree``), which its tensors view
+    flats: Dict[Any, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -87,38 +98,55 @@ class LiveResume:
 
 
 def live_start(
-    offers: List[Offer], committed: int, world: int, peers: Sequence[PeerOffer] = ()
+    offers: Sequence[Sequence[Offer]],
+    committed: int,
+    world: int,
+    peers: Sequence[Sequence[PeerOffer]] = (),
 ) -> Optional[LiveResume]:
-    """Where a group of ``world`` ranks starts when live processes hold copies: the newest
-    report, each part sent by its lowest holder, when it is at least as new as the newest
-    committed checkpoint (``committed``, 0 for none) and its copies hold every part of a
-    layout that loads into this group or joins into the whole state (``Layout.reshardable``:
-    FSDP/HSDP copies restore a group of another size); a part no live rank holds as its
-    own may come from a rank that holds a copy of it (``peers``: each rank's
-    :data:`PeerOffer`).  None to start from that checkpoint.  Pure, and the same on every
-    rank."""
-    newest = max((index for index, _, _ in offers), default=-1)
-    if newest <= 0 or newest < committed:
-        return None
-    held = [(rank, layout) for rank, (index, _, layout) in enumerate(offers) if index == newest]
-    layouts = [layout for _, layout in held if layout is not None]
-    first = layouts[0]
-    if not all(first.same_cut(layout) for layout in layouts):
+    """Where a group of ``world`` ranks starts when live processes hold copies (``offers``:
+    each rank's own copies; ``peers``: each rank's copies of other ranks' parts): the
+    newest report at least as new as the newest committed checkpoint (``committed``, 0 for
+    none) whose copies hold every part of a layout that loads into this group or joins
+    into the whole state (``Layout.reshardable``: FSDP/HSDP copies restore a group of
+    another size), each part sent by its lowest holder of its own copy, else by the lowest
+    holder of a peer copy.  A rank holds two reports' copies with ``copy_to_peer`` (module
+    doc): the older is taken when a failure left the newer without a part.  None to start
+    from that checkpoint.  Pure, and the same on every rank."""
+    for index in sorted({index for own in offers for index, _, _ in own}, reverse=True):
+        if index <= 0 or index < committed:
+            break
+        start = _whole_at(index, offers, world, peers)
+        if start is not None:
+            return start
+    return None
+
+
+def _whole_at(
+    index: int,
+    offers: Sequence[Sequence[Offer]],
+    world: int,
+    peers: Sequence[Sequence[PeerOffer]],
+) -> Optional[LiveResume]:
+    """:func:`live_start` from report ``index``'s copies; None when they make no whole."""
+    held = [
+        (rank, at, layout) for rank, own in enumerate(offers) for i, at, layout in own if i == index
+    ]
+    first = held[0][2]
+    if not all(first.same_cut(layout) for _, _, layout in held):
         return None
     if not (first.loads_into(world) or first.reshardable):
         return None
     sources: Dict[int, int] = {}
-    for rank, layout in held:
-        if layout is not None:
-            sources.setdefault(layout.index, rank)
-    for rank, peer in enumerate(peers):
-        if peer is not None and peer[0] == newest and first.same_cut(peer[1]):
-            sources.setdefault(peer[1].index, rank)
+    for rank, _, layout in held:
+        sources.setdefault(layout.index, rank)
+    for rank, copies in enumerate(peers):
+        for i, layout in copies:
+            if i == index and first.same_cut(layout):
+                sources.setdefault(layout.index, rank)
     if len(sources) < first.shards:
-        return None  # a part died with its only holders: the checkpoint has it
+        return None  # a part died with its only holders: an older report or the checkpoint
     order = tuple(sources[part] for part in range(first.shards))
-    cut = first if first.sharded else None
-    return LiveResume(newest, order, dict(offers[held[0][0]][1]), cut)
+    return LiveResume(index, order, dict(held[0][1]), first if first.sharded else None)
 
 
 def peer_ranks(nodes: Sequence[int], rank: int) -> Tuple[int, int]:
@@ -136,7 +164,7 @@ def peer_ranks(nodes: Sequence[int], rank: int) -> Tuple[int, int]:
 
 def peer_exchange(nodes: Sequence[int], rank: int, group: Any = None) -> Optional[Callable]:
     """The exchange of copies with this rank's peers (:func:`peer_ranks`) over ``group``,
-    as ``SnapshotKeeper.take_peer`` calls it; None for a group of one."""
+    as ``SnapshotKeeper.take_with_peer`` calls it; None for a group of one."""
     if len(nodes) < 2:
         return None
     dst, src = peer_ranks(nodes, rank)
@@ -146,63 +174,94 @@ def peer_exchange(nodes: Sequence[int], rank: int, group: Any = None) -> Optiona
 
 @dataclass
 class SnapshotKeeper:
-    """This process's newest copy, kept across its groups (they come and go; the process
-    and this keeper stay), and with ``register(copy_to_peer=True)`` the copy of another
-    rank's part (``peer``) it received at the same report."""
+    """This process's copies, kept across its groups (they come and go; the process and
+    this keeper stay): its own copy of the newest report (``latest``), and with
+    ``register(copy_to_peer=True)`` its own copy of the report before (``earlier``) and the
+    copies of another rank's part it received at those two reports (``peer``,
+    ``peer_before``; module doc)."""
 
     latest: Optional[Snapshot] = None
+    earlier: Optional[Snapshot] = None
     peer: Optional[Snapshot] = None
-    # the flat buffers the peer copy was received into, by dtype (``exchange_tree``)
-    peer_buffers: Dict[Any, torch.Tensor] = field(default_factory=dict)
+    peer_before: Optional[Snapshot] = None
 
-    def peer_offer(self, run: str) -> PeerOffer:
-        """(report index, layout) of the peer copy this process holds for ``run``, or None."""
-        if self.peer is None or self.peer.run != run:
-            return None
-        return self.peer.index, self.peer.layout
+    def offers(self, run: str) -> Tuple[Offer, ...]:
+        """(report index, positions, layout) of each own copy of ``run``, newest first."""
+        own = (self.latest, self.earlier)
+        return tuple((c.index, dict(c.positions), c.layout) for c in own if c and c.run == run)
 
-    def take_peer(self, exchange: Callable[[Any, Dict[Any, torch.Tensor]], Any]) -> int:
-        """After :meth:`take`: send this rank's copy to its peer and keep the one its own
-        peer sends (``exchange``: the group's permutation, ``tree_broadcast.exchange_tree``);
-        returns the bytes received.  No offer of a peer copy while it is replaced (its
-        buffers take the next one)."""
-        own, self.peer = self.latest, None
-        assert own is not None, "take() first"
-        sent = {"state": own.state, "sharded": own.sharded, "layout": own.layout}
-        got, nbytes = exchange({**sent, "index": own.index}, self.peer_buffers)
-        self.peer = Snapshot(
-            own.run, got["index"], own.positions, got["layout"], got["state"], got["sharded"], False
-        )
-        return nbytes
+    def peer_offers(self, run: str) -> Tuple[PeerOffer, ...]:
+        """(report index, layout) of each peer copy of ``run`` this process holds."""
+        peer = (self.peer, self.peer_before)
+        return tuple((c.index, c.layout) for c in peer if c is not None and c.run == run)
 
-    def _copy_of(self, part: int, index: int) -> Optional[Dict[str, Any]]:
-        """This process's copy of ``part`` at report ``index`` (its own or its peer copy)."""
-        for copy in (self.latest, self.peer):
-            if copy is not None and copy.index == index and copy.layout.index == part:
-                return {"state": copy.state, "sharded": copy.sharded}
-        return None
-
-    def offer(self, run: str) -> Offer:
-        """(report index, positions, layout) of this run's copy; (-1, {}, None) without."""
-        if self.latest is None or self.latest.run != run:
-            return -1, {}, None
-        return self.latest.index, dict(self.latest.positions), self.latest.layout
+    def drop_peer_copies(self) -> None:
+        """Keep the newest own copy alone (a group that sends no peer copies)."""
+        self.earlier = self.peer = self.peer_before = None
 
     def take(
         self, run: str, index: int, positions: Positions, objects: Dict[str, Any], layout: Layout
     ) -> None:
-        """Copy the registered objects' state at report ``index`` (its buffers reused);
-        ``layout``: the part of the whole they hold (``registered_state.layout_of``)."""
-        latest, self.latest = self.latest, None  # no offer while its buffers are rewritten
-        self.peer = None  # older than the copy taken now: never a source again
-        reuse = None
-        if latest is not None and latest.run == run and latest.reusable:
-            reuse = latest.state
+        """Copy the registered objects' state at report ``index`` (the buffers of the copy
+        it replaces reused); ``layout``: the part of the whole they hold
+        (``registered_state.layout_of``).  Every other copy is older: never a source again."""
+        self.drop_peer_copies()
+        spare, self.latest = self.latest, None  # no offer while its buffers are rewritten
+        self.latest = self._copied(spare, run, index, positions, objects, layout)
+
+    def take_with_peer(
+        self,
+        run: str,
+        index: int,
+        positions: Positions,
+        objects: Dict[str, Any],
+        layout: Layout,
+        exchange: Callable[[Any, Dict[Any, torch.Tensor]], Tuple[Any, int]],
+    ) -> int:
+        """:meth:`take`, keeping the previous report's copies: this report's own copy goes
+        into the buffers of ``earlier``, then it goes to this rank's peer while the copy its
+        own peer sends comes into those of ``peer_before`` (``exchange``: the group's
+        permutation, ``tree_broadcast.exchange_tree``); returns the bytes received.  No copy
+        is offered while its buffers are written, and the previous report's are never
+        touched (module doc)."""
+        spare, self.earlier = self.earlier, None
+        own = self._copied(spare, run, index, positions, objects, layout)
+        self.earlier, self.latest = self.latest, own
+        spare_peer, self.peer_before = self.peer_before, None
+        flats = {} if spare_peer is None else spare_peer.flats
+        sent = {"state": own.state, "sharded": own.sharded, "layout": layout, "index": index}
+        got, nbytes = exchange(sent, flats)
+        received = Snapshot(
+            run, got["index"], own.positions, got["layout"], got["state"], got["sharded"],
+            reusable=False, flats=flats,
+        )  # fmt: skip
+        self.peer_before, self.peer = self.peer, received
+        return nbytes
+
+    def _copy_of(self, part: int, index: int) -> Optional[Dict[str, Any]]:
+        """This process's copy of ``part`` at report ``index`` (its own or a peer copy)."""
+        for copy in (self.latest, self.earlier, self.peer, self.peer_before):
+            if copy is not None and copy.index == index and copy.layout.index == part:
+                return {"state": copy.state, "sharded": copy.sharded}
+        return None
+
+    @staticmethod
+    def _copied(
+        spare: Optional[Snapshot],
+        run: str,
+        index: int,
+        positions: Positions,
+        objects: Dict[str, Any],
+        layout: Layout,
+    ) -> Snapshot:
+        """The objects' state at report ``index``, copied into ``spare``'s buffers where
+        they may take it (the same run's, not a broadcast's views)."""
+        reuse = spare.state if spare is not None and spare.run == run and spare.reusable else None
         live = state_of(objects)
         state = snapshot(local_view(live), reuse)
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.current_stream().synchronize()  # GPU copies were queued; a restore reads them
-        self.latest = Snapshot(run, index, dict(positions), layout, state, sharded_leaves(live))
+        return Snapshot(run, index, dict(positions), layout, state, sharded_leaves(live))
 
     def resume(
         self, run: str, start: LiveResume, objects: Dict[str, Any], layout: Layout, group: Any
@@ -235,8 +294,7 @@ class SnapshotKeeper:
                 mine = tree["state"]
             del tree  # the next part is received without this one held
         sent = time.perf_counter()
-        self.peer = None  # another layout's part, or this one's: the next report sends anew
-        self.peer_buffers = {}
+        self.drop_peer_copies()  # another layout's, or this one's: the next report sends anew
         if joiner is not None:
             install(objects, joiner.local())
             self.latest = None  # its buffers are another layout's
@@ -267,7 +325,7 @@ class Registration:
     ``start_checkpoint``, whose registered state ``files`` loads when it holds one).
     ``resume(start, objects, layout)``: the collective that loads the live copies on every
     rank; ``world``: the group's size; ``exchange``: the group's peer permutation for
-    ``register(copy_to_peer=True)`` (``SnapshotKeeper.take_peer``), None for one rank;
+    ``register(copy_to_peer=True)`` (``SnapshotKeeper.take_with_peer``), None for one rank;
     ``files``: the registered state's DCP files in the group's checkpoints
     (``registered_files``), None to write and load none."""
 
@@ -324,7 +382,7 @@ class Registration:
         alone = layout.sharded and layout.shards == layout.world
         self.copy_to_peer = copy_to_peer and alone and self._exchange is not None
         if not self.copy_to_peer:  # this group sends none: nothing kept for it
-            self.keeper.peer, self.keeper.peer_buffers = None, {}
+            self.keeper.drop_peer_copies()
         return self.start_index
 
     def check_registered(self, what: str) -> None:
@@ -355,9 +413,11 @@ class Registration:
         if self.objects is not None and self.layout is not None:
             started = time.perf_counter()
             at = {name: (int(epoch), int(row)) for name, (epoch, row) in positions.items()}
-            self.keeper.take(self.run, index, at, self.objects, self.layout)
+            copy = (self.run, index, at, self.objects, self.layout)
             if self.copy_to_peer and self._exchange is not None:
-                self.keeper.take_peer(self._exchange)
+                self.keeper.take_with_peer(*copy, self._exchange)
+            else:
+                self.keeper.take(*copy)
             self.copy_s.append(time.perf_counter() - started)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, replace
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 from raytrain_ext.user_loop.checkpoint import Checkpoint
 from raytrain_ext.user_loop.dataset_shard import positions_of
@@ -52,7 +52,10 @@ class Start:
 
 
 def fall_back(
-    start: Start, offers: List[Offer], world_size: int, peers: Sequence[PeerOffer] = ()
+    start: Start,
+    offers: Sequence[Sequence[Offer]],
+    world_size: int,
+    peers: Sequence[Sequence[PeerOffer]] = (),
 ) -> Start:
     """``start`` with its held report given up (unreadable on some rank): storage's newest,
     or the live copies when they are newer (the same ``offers`` on every rank, so the same
@@ -67,10 +70,10 @@ def fall_back(
 def choose_start(
     storage: RunStorage,
     held_reports: Optional[HeldReports],
-    offers: List[Offer],
+    offers: Sequence[Sequence[Offer]],
     world_size: int,
     resume_from: Optional[Checkpoint],
-    peers: Sequence[PeerOffer] = (),
+    peers: Sequence[Sequence[PeerOffer]] = (),
 ) -> Start:
     """Rank 0's choice (module doc); a new group id with it."""
     latest = storage.latest()

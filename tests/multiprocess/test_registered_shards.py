@@ -15,6 +15,7 @@ process joins them as FSDP over 3 ranks, whose chunks (16 rows as 6, 6 and 4; 4 
 
 import copy
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -58,7 +59,7 @@ def _resume_after_a_lost_replica(rank: int, port: int, out_dir: str) -> None:
         if rank == 1:
             keeper = SnapshotKeeper()  # a new process: it holds nothing
         offers: list = [None] * 4
-        dist.all_gather_object(offers, keeper.offer("run"))
+        dist.all_gather_object(offers, keeper.offers("run"))
         start = live_start(offers, committed=0, world=4)
         fresh = _hsdp_objects(mesh, seed=1)
         layout = layout_of(state_of(fresh), 4)
@@ -66,11 +67,11 @@ def _resume_after_a_lost_replica(rank: int, port: int, out_dir: str) -> None:
         got = whole_state(fresh)
         result = {
             "sources": list(start.sources),
-            "layout": list(offers[rank][2].__dict__.values()) if offers[rank][2] else None,
+            "layout": list(offers[rank][0][2].__dict__.values()) if offers[rank] else None,
             "equal": all(torch.equal(expected[k], got[k]) for k in expected),
             "progress": fresh["progress"],
             "source_rank": record["source_rank"],
-            "kept": keeper.offer("run")[0],
+            "kept": keeper.offers("run")[0][0],
         }
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     finally:
@@ -103,9 +104,9 @@ def _regroup(keeper: SnapshotKeeper, rank: int, world: int, port: int) -> dict:
     seed and resume from the live copies; the whole state, the layout and the record."""
     init_local_rank(rank, world, port)
     offers: list = [None] * world
-    dist.all_gather_object(offers, keeper.offer("run"))
+    dist.all_gather_object(offers, keeper.offers("run"))
     peers: list = [None] * world
-    dist.all_gather_object(peers, keeper.peer_offer("run"))
+    dist.all_gather_object(peers, keeper.peer_offers("run"))
     start = live_start(offers, committed=0, world=world, peers=peers)
     fresh = _fsdp_objects(world, seed=7)
     layout = layout_of(state_of(fresh), world)
@@ -168,7 +169,7 @@ def _pure_fsdp_with_peer_copies(rank: int, ports: list, out_dir: str) -> None:
     expected = whole_state(objects)
     destroy_distributed()
     before_replacing = copy.deepcopy(keeper)
-    report, layout = keeper.peer_offer("run")
+    [(report, layout)] = keeper.peer_offers("run")
     results = {"peer": [report, layout.index]}
     fresh = SnapshotKeeper() if rank == 1 else keeper  # rank 1's process is replaced
     results["replaced"] = _regroup(fresh, rank, 3, ports[1])
@@ -199,3 +200,58 @@ def test_pure_fsdp_parts_outlive_their_rank_with_copies_on_peers(tmp_path):
         assert r["replaced"] == {"equal": True, "resharded": False, "sources": [0, 2, 2]}
     for r in (results[0], results[2]):
         assert r["shrunk"] == {"equal": True, "resharded": True, "sources": [0, 1, 1]}
+
+
+def _a_rank_lost_while_copies_are_exchanged(rank: int, ports: list, out_dir: str) -> None:
+    init_local_rank(rank, 3, ports[0])
+    objects = _fsdp_objects(3, seed=0)
+    keeper = SnapshotKeeper()
+    exchange = peer_exchange([0, 0, 0], rank)  # rank r's part also on rank r + 1
+    registration = Registration("run", 0, None, keeper, resume=None, world=3, exchange=exchange)
+    registration.register(objects, copy_to_peer=True)
+    train_steps(objects, 1)
+    registration.at_report(1, {"train": [0, 8]})
+    train_steps(objects, 1)
+    registration.at_report(2, {"train": [0, 16]})
+    expected = whole_state(objects)
+    train_steps(objects, 1)
+    if rank == 2:
+        os._exit(0)  # lost as report 3 is copied: its part of report 3 reaches no peer
+    try:
+        registration.at_report(3, {"train": [0, 24]})
+    except RuntimeError as e:  # gloo: the lost peer's connection closed
+        error = str(e)
+    else:
+        error = "none"
+    destroy_distributed()
+    held = {"own": [i for i, _, _ in keeper.offers("run")]}
+    held["peer"] = [[i, layout.index] for i, layout in keeper.peer_offers("run")]
+    shrunk = _regroup(keeper, rank, 2, ports[1])
+    summary = {
+        "error": error,
+        **held,
+        "equal": all(torch.equal(expected[k], shrunk["whole"][k]) for k in expected),
+        "record": {k: shrunk["record"][k] for k in ("step", "sources", "resharded")},
+    }
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(summary))
+
+
+def test_a_node_lost_while_peer_copies_are_exchanged_costs_one_report_not_the_checkpoint(
+    tmp_path,
+):
+    """FSDP over 3 ranks with peer copies; rank 2's process ends as report 3 is copied, so
+    no peer holds its part of report 3.  The survivors kept report 2's own and peer copies
+    (``SnapshotKeeper.take_with_peer``): their group of 2 starts at report 2 from them,
+    part 2 from rank 0's peer copy, every tensor equal to report 2's.  With one report's
+    copies (before) rank 0 had overwritten report 2 and the group started from the
+    checkpoint."""
+    spawn_ranks(
+        _a_rank_lost_while_copies_are_exchanged, (distinct_free_ports(2), str(tmp_path)), nprocs=3
+    )
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert all(r["error"] != "none" for r in results)
+    assert [r["own"] for r in results] == [[3, 2], [3, 2]]  # report 3's own copies, and 2's
+    assert [r["peer"] for r in results] == [[[2, 2]], [[2, 0]]]  # report 2's peer copies
+    for r in results:
+        assert r["record"] == {"step": 2, "sources": [0, 1, 0], "resharded": True}
+        assert r["equal"]

@@ -74,8 +74,8 @@ def test_a_copy_taken_at_a_report_restores_fresh_objects_to_that_report():
         torch.equal(a, s["exp_avg_sq"])
         for a, s in zip(moments, live["optimizer"].state.values(), strict=True)
     )
-    assert keeper.offer("run") == (3, {"train": (0, 24)}, Layout(2))
-    assert keeper.offer("other") == (-1, {}, None)
+    assert keeper.offers("run") == ((3, {"train": (0, 24)}, Layout(2)),)
+    assert keeper.offers("other") == ()
 
 
 def test_the_copy_reuses_its_buffers_and_never_aliases_the_restored_objects():
@@ -153,18 +153,18 @@ def test_a_copy_that_fails_part_way_is_not_offered():
     keeper.take("run", 1, {}, objects, Layout(1))
     with pytest.raises(RuntimeError, match="state lost"):
         keeper.take("run", 2, {}, objects, Layout(1))
-    assert keeper.offer("run") == (-1, {}, None)
+    assert keeper.offers("run") == ()
 
 
 def test_a_group_starts_from_the_newest_live_copy_unless_a_checkpoint_is_newer():
     at, whole = {"train": (1, 8)}, Layout(world=4)
-    offers = [(-1, {}, None), (7, at, whole), (7, at, whole), (5, {}, whole)]
+    offers = [(), ((7, at, whole),), ((7, at, whole),), ((5, {}, whole),)]
     assert live_start(offers, committed=6, world=3) == LiveResume(7, sources=(1,), positions=at)
     assert live_start(offers, committed=7, world=5) == LiveResume(7, sources=(1,), positions=at)
     assert live_start(offers, committed=8, world=4) is None  # a restarted run's newer checkpoint
-    assert live_start([(-1, {}, None)] * 2, committed=0, world=2) is None  # nobody registered
-    assert live_start([(0, {}, whole), (-1, {}, None)], committed=0, world=2) is None
-    resized = [(7, at, Layout(world=4)), (7, at, Layout(world=3))]  # a restore cut short
+    assert live_start([(), ()], committed=0, world=2) is None  # nobody registered
+    assert live_start([((0, {}, whole),), ()], committed=0, world=2) is None
+    resized = [((7, at, Layout(world=4)),), ((7, at, Layout(world=3)),)]  # a restore cut short
     assert live_start(resized, committed=0, world=3) == LiveResume(7, (0,), at)
 
 
@@ -174,16 +174,16 @@ def test_sharded_copies_restore_a_group_only_with_every_shard_held():
     FSDP on 4 ranks (4 shards): rank 1's shard died with it, so the checkpoint has it."""
     for join_dim in (None, 0):
         hsdp = [Layout(4, 2, i % 2, sharded=True, join_dim=join_dim) for i in range(4)]
-        offers = [(9, {}, layout) for layout in hsdp]
-        offers[1] = (-1, {}, None)
+        offers = [((9, {}, layout),) for layout in hsdp]
+        offers[1] = ()
         assert live_start(offers, committed=5, world=4).sources == (0, 3)
         other_size = live_start(offers, committed=5, world=3)
         if join_dim is None:
             assert other_size is None  # its shards would not load into another cut
         else:
             assert other_size == LiveResume(9, (0, 3), {}, cut=hsdp[0])
-        fsdp = [(9, {}, Layout(4, 4, i, sharded=True, join_dim=join_dim)) for i in range(4)]
-        fsdp[1] = (-1, {}, None)
+        fsdp = [((9, {}, Layout(4, 4, i, sharded=True, join_dim=join_dim)),) for i in range(4)]
+        fsdp[1] = ()
         assert live_start(fsdp, committed=5, world=4) is None
         assert live_start(fsdp, committed=5, world=3) is None
 
@@ -239,13 +239,60 @@ def test_peer_copies_go_to_another_node_and_fill_a_part_no_rank_holds_as_its_own
     assert [peer_ranks([0, 0, 0], r) for r in range(3)] == [(1, 2), (2, 0), (0, 1)]
     assert [peer_ranks([0, 0, 1], r)[0] for r in range(3)] == [2, 0, 1]  # a permutation
     assert peer_ranks([0], 0) == (0, 0)
-    fsdp = [(9, {}, Layout(4, 4, i, sharded=True, join_dim=0)) for i in range(4)]
-    fsdp[1] = (-1, {}, None)  # rank 1 lost; rank 2 holds its part (rank 1 sent it there)
     part = [Layout(4, 4, i, sharded=True, join_dim=0) for i in range(4)]
-    peers = [(9, part[3]), None, (9, part[1]), (9, part[2])]
+    fsdp = [((9, {}, part[i]),) for i in range(4)]
+    fsdp[1] = ()  # rank 1 lost; rank 2 holds its part (rank 1 sent it there)
+    peers = [((9, part[3]),), (), ((9, part[1]),), ((9, part[2]),)]
     assert live_start(fsdp, committed=5, world=4, peers=peers).sources == (0, 2, 2, 3)
-    assert live_start(fsdp, committed=5, world=3, peers=peers).cut == fsdp[0][2]
-    older = [(8, part[3]), None, (8, part[1]), (8, part[2])]  # an earlier report's copies
+    assert live_start(fsdp, committed=5, world=3, peers=peers).cut == part[0]
+    older = [((8, part[3]),), (), ((8, part[1]),), ((8, part[2]),)]  # an earlier report's
     assert live_start(fsdp, committed=5, world=4, peers=older) is None
-    other_cut = [(9, Layout(3, 3, 1, sharded=True, join_dim=0))] * 4  # another group's part
+    other_cut = [((9, Layout(3, 3, 1, sharded=True, join_dim=0)),)] * 4  # another group's part
     assert live_start(fsdp, committed=5, world=4, peers=other_cut) is None
+
+
+def test_a_report_whose_exchange_a_lost_rank_cut_short_falls_back_to_the_one_before():
+    """FSDP over 3 ranks with peer copies (rank r's part also on rank r+1).  Rank 2 dies
+    while report 9's copies are exchanged: rank 1 had received part 0 of report 9, rank 0
+    had not received part 2.  Report 9 lacks part 2; report 8 is whole on the survivors
+    (their own copies of 8, rank 0's peer copy of part 2 at 8), so the group starts there,
+    not from the checkpoint; with rank 0's copy of part 2 at 9 it starts at 9."""
+    part = [Layout(3, 3, i, sharded=True, join_dim=0) for i in range(3)]
+    own = [((9, {"t": (0, 9)}, part[r]), (8, {"t": (0, 8)}, part[r])) for r in range(2)] + [()]
+    cut_short = [((8, part[2]),), ((9, part[0]), (8, part[0])), ()]
+    start = live_start(own, committed=5, world=2, peers=cut_short)
+    assert start == LiveResume(8, (0, 1, 0), {"t": (0, 8)}, cut=part[0])
+    done = [((9, part[2]), (8, part[2])), ((9, part[0]), (8, part[0])), ()]
+    assert live_start(own, committed=5, world=2, peers=done).index == 9
+    assert live_start(own, committed=9, world=2, peers=cut_short) is None  # 8 < checkpoint 9
+
+
+class _ExchangeCutShort:
+    """An exchange whose peer is lost part way (the first call returns its own tree as the
+    peer's; the second raises, as gloo does when the peer's connection closes)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, tree, buffers):
+        self.calls += 1
+        if self.calls > 1:
+            buffers[torch.float32] = torch.zeros(1)  # a buffer written part way
+            raise RuntimeError("Connection closed by peer")
+        return {**tree, "layout": Layout(2, 2, 1, sharded=True)}, 0
+
+
+def test_a_failed_exchange_leaves_the_previous_reports_copies_offered():
+    keeper, objects = SnapshotKeeper(), built()
+    mine = Layout(2, 2, 0, sharded=True)
+    exchange = _ExchangeCutShort()
+    keeper.take_with_peer("run", 4, {"t": (0, 4)}, objects, mine, exchange)
+    report_4 = {k: v.clone() for k, v in keeper.latest.state["model"].items()}
+    train(objects, 1)
+    with pytest.raises(RuntimeError, match="closed by peer"):
+        keeper.take_with_peer("run", 5, {"t": (0, 5)}, objects, mine, exchange)
+    assert [index for index, _, _ in keeper.offers("run")] == [5, 4]
+    assert keeper.peer_offers("run") == ((4, Layout(2, 2, 1, sharded=True)),)
+    kept = keeper.earlier.state["model"]
+    assert all(torch.equal(report_4[k], kept[k]) for k in report_4)  # untouched by report 5
+    assert not torch.equal(report_4["0.weight"], keeper.latest.state["model"]["0.weight"])
