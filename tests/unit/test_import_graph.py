@@ -5,10 +5,13 @@ Unit rung: reads the source with ``ast``, imports nothing.  Imports under
 """
 
 import ast
+import functools
 from pathlib import Path
 from typing import Dict, List, Set
 
-from tests.helpers.imports import modules_imported_by
+import pytest
+
+from tests.helpers.imports import Probe
 
 PACKAGE = Path(__file__).resolve().parents[2] / "raytrain_ext"
 
@@ -49,6 +52,14 @@ def imported_modules(path: Path, known: Set[str]) -> Set[str]:
 
 
 def import_graph() -> Dict[str, Set[str]]:
+    """Module -> the package's modules it imports (a fresh copy of :func:`_parsed_graph`)."""
+    return {name: set(imported) for name, imported in _parsed_graph().items()}
+
+
+@functools.lru_cache(maxsize=1)
+def _parsed_graph() -> Dict[str, Set[str]]:
+    """Parsed once per session: every test of the graph read the whole package again (0.8 s
+    each)."""
     paths = {module_name(p): p for p in PACKAGE.rglob("*.py")}
     return {name: imported_modules(path, set(paths)) for name, path in paths.items()}
 
@@ -217,67 +228,87 @@ def test_the_package_has_no_import_cycle():
     )
 
 
-def test_a_data_prepare_worker_imports_neither_torch_nor_the_trainer():
+@pytest.fixture(scope="module")
+def probes(tmp_path_factory) -> Dict[str, Probe]:
+    """The new interpreters of the tests below, by test, started together: each imports
+    torch or most of the package, and side by side the cores finished this module in
+    10-11 s against 16-18 s one after another.  Each runs what its test's path runs and
+    nothing more."""
+    run_dir = tmp_path_factory.mktemp("train_command")
+    saved_run = tmp_path_factory.mktemp("saved_run")
+    from raytrain_ext.config import load_config, to_yaml
+
+    saved = load_config(PACKAGE.parent / "configs" / "sft_llama_tiny.yaml")
+    (saved_run / "config.yaml").write_text(to_yaml(saved))
+    codes = {
+        "data_prepare_worker": (
+            "import raytrain_ext.prepare.pipeline",
+            ("torch", "raytrain_ext.trainer"),
+        ),
+        "rank": (
+            "import raytrain_ext.worker.actor, raytrain_ext.train.loop, "
+            "raytrain_ext.parallel.registry",
+            ("torch.distributed.pipelining",),
+        ),
+        "driver": (
+            "import raytrain_ext.cli, raytrain_ext.trainer, raytrain_ext.ray_group.port\n"
+            "from raytrain_ext.config import load_config\n"
+            "from raytrain_ext.inputs.preflight import preflight\n"
+            "from raytrain_ext.objectives import check_objective\n"
+            "cfg = load_config(None, [])\n"
+            "check_objective(cfg)\n",
+            ("torch",),
+        ),
+        "train_command": (
+            "import raytrain_ext.trainer\n"
+            "def stop_at_fit(self):\n"
+            "    raise KeyboardInterrupt\n"
+            "raytrain_ext.trainer.Trainer.fit = stop_at_fit\n"
+            "from raytrain_ext.cli import main\n"
+            f"assert main(['train', 'run.output_dir={run_dir}']) == 130\n",
+            ("torch",),
+        ),
+        "saved_hf_config": (
+            "from raytrain_ext.ops.report import load_run_config\n"
+            f"cfg = load_run_config({str(saved_run)!r})\n"
+            f"assert (cfg.model.source.value, cfg.model.d_model) == ('hf', {saved.model.d_model})\n",
+            ("torch", "transformers"),
+        ),
+    }
+    return {name: Probe(code, modules) for name, (code, modules) in codes.items()}
+
+
+def test_a_data_prepare_worker_imports_neither_torch_nor_the_trainer(probes):
     """What a ``data prepare`` Ray task imports: its module, not torch (3.3 s per worker
     process when the package's ``__init__`` imported the trainer)."""
-    code = "import raytrain_ext.prepare.pipeline"
-    assert modules_imported_by(code, ("torch", "raytrain_ext.trainer")) == []
+    assert probes["data_prepare_worker"].modules() == []
 
 
-def test_a_rank_without_pipeline_stages_does_not_import_pipelining():
-    """What every rank's process imports before its first step (the process pool's list)
-    leaves out ``torch.distributed.pipelining``: 0.35 s of each rank's start, which only a
-    run with ``parallel.pp > 1`` uses."""
-    code = (
-        "import raytrain_ext.worker.actor, raytrain_ext.train.loop, raytrain_ext.parallel.registry"
-    )
-    assert modules_imported_by(code, ("torch.distributed.pipelining",)) == []
+def test_a_rank_without_pipeline_stages_does_not_import_pipelining(probes):
+    """What every rank's process imports before its first step (the process pool's list:
+    the actor, the loop, the strategies' registry) leaves out
+    ``torch.distributed.pipelining``: 0.35 s of each rank's start, which only a run with
+    ``parallel.pp > 1`` uses."""
+    assert probes["rank"].modules() == []
 
 
-def test_the_driver_checks_a_config_and_builds_its_trainer_without_torch():
+def test_the_driver_checks_a_config_and_builds_its_trainer_without_torch(probes):
     """What ``raytrain-ext train`` runs before its workers: the CLI, the config, the
     preflight, the trainer, the controller and the worker group's module.  None of it
     imports torch (2-3 s of the command's start when the config checks imported the
     strategies, and the worker group the process-group code)."""
-    code = (
-        "import raytrain_ext.cli, raytrain_ext.trainer, raytrain_ext.ray_group.port\n"
-        "from raytrain_ext.config import load_config\n"
-        "from raytrain_ext.inputs.preflight import preflight\n"
-        "from raytrain_ext.objectives import check_objective\n"
-        "cfg = load_config(None, [])\n"
-        "check_objective(cfg)\n"
-    )
-    assert modules_imported_by(code, ("torch",)) == []
+    assert probes["driver"].modules() == []
 
 
-def test_the_train_command_imports_no_torch_before_its_fit(tmp_path):
+def test_the_train_command_imports_no_torch_before_its_fit(probes):
     """The ``train`` command itself, up to ``Trainer.fit`` (stopped there): what it imports
     on its own path counts too (the failed-save lines' module imported torch, 0.8 s of every
     start, which the list of modules above did not see)."""
-    code = (
-        "import raytrain_ext.trainer\n"
-        "def stop_at_fit(self):\n"
-        "    raise KeyboardInterrupt\n"
-        "raytrain_ext.trainer.Trainer.fit = stop_at_fit\n"
-        "from raytrain_ext.cli import main\n"
-        f"assert main(['train', 'run.output_dir={tmp_path}']) == 130\n"
-    )
-    assert modules_imported_by(code, ("torch",)) == []
+    assert probes["train_command"].modules() == []
 
 
-def test_reading_a_hugging_face_runs_saved_config_imports_neither_torch_nor_transformers(
-    tmp_path,
-):
+def test_reading_a_hugging_face_runs_saved_config_imports_neither_torch_nor_transformers(probes):
     """``report`` and ``ckpt export`` read the run's own ``config.yaml``, which holds the
-    model's resolved shape: resolving the model source again imported transformers and
-    torch (2.3 s of a 3.4 s ``report``)."""
-    from raytrain_ext.config import load_config, to_yaml
-
-    saved = load_config(PACKAGE.parent / "configs" / "sft_llama_tiny.yaml")
-    (tmp_path / "config.yaml").write_text(to_yaml(saved))
-    code = (
-        "from raytrain_ext.ops.report import load_run_config\n"
-        f"cfg = load_run_config({str(tmp_path)!r})\n"
-        f"assert (cfg.model.source.value, cfg.model.d_model) == ('hf', {saved.model.d_model})\n"
-    )
-    assert modules_imported_by(code, ("torch", "transformers")) == []
+    model's resolved shape (``configs/sft_llama_tiny.yaml``'s, saved): resolving the model
+    source again imported transformers and torch (2.3 s of a 3.4 s ``report``)."""
+    assert probes["saved_hf_config"].modules() == []

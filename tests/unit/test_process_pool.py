@@ -6,49 +6,90 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from raytrain_ext.collector import collection_paused
 from raytrain_ext.worker import process_age, process_pool
 
 
+class _Interpreter:
+    """``code`` in a new interpreter (this one has imported everything already), started
+    at once; :meth:`output` waits for it."""
+
+    def __init__(self, code: str, **env):
+        self._process = subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(code)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **env},
+        )
+
+    def output(self) -> str:
+        out, err = self._process.communicate(timeout=120)
+        assert self._process.returncode == 0, err
+        return out.strip()
+
+
 def _run(code: str, **env) -> str:
-    """``code`` in a new interpreter (this one has imported everything already)."""
-    done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, **env},
-    )
-    assert done.returncode == 0, done.stderr
-    return done.stdout.strip()
+    return _Interpreter(code, **env).output()
 
 
-def test_the_setup_hook_imports_the_warm_modules_without_asking_cuda_anything():
+@pytest.fixture(scope="module")
+def interpreters():
+    """The new interpreters of the tests that only read what one did, started together so
+    that the cores run them side by side (this module: 8-9 s against 12-13 s one after
+    another).  The priority
+    test below runs alone: its timing must not depend on other processes' load."""
+    return {
+        "hook": _Interpreter(
+            """
+            import gc, sys, torch, torch.cuda
+            calls = []
+            for name in ("device_count", "is_available", "_lazy_init", "init", "current_device"):
+                real = getattr(torch.cuda, name)
+                def spy(*a, _n=name, _real=real, **k):
+                    calls.append(_n)
+                    return _real(*a, **k)
+                setattr(torch.cuda, name, spy)
+            from raytrain_ext.worker.process_pool import (
+                WARM_MODULES, await_warm_imports, import_warm_modules,
+            )
+            collections = gc.get_stats()[2]["collections"]  # full collections
+            import_warm_modules()
+            await_warm_imports()
+            during = gc.get_stats()[2]["collections"] - collections
+            print(calls, [m for m in WARM_MODULES if m not in sys.modules], during, gc.isenabled())
+            """
+        ),
+        "threads": _Interpreter(
+            """
+            import os, torch
+            before = torch.get_num_threads()
+            os.environ["OMP_NUM_THREADS"] = "1"
+            from raytrain_ext.worker.process_pool import adopt_thread_count
+            adopt_thread_count()
+            print(before, torch.get_num_threads())
+            """,
+            OMP_NUM_THREADS="",
+        ),
+        "age": _Interpreter(
+            """
+            import time
+            time.sleep(1.0)
+            from raytrain_ext.worker.process_age import process_age_s
+            print(process_age_s())
+            """
+        ),
+    }
+
+
+def test_the_setup_hook_imports_the_warm_modules_without_asking_cuda_anything(interpreters):
     """Ray sets CUDA_VISIBLE_DEVICES only when an actor takes the process: the hook runs
     before, so nothing it imports may query CUDA (the driver would fix its device list).
     The garbage collector runs no collection during those imports, and runs again after
     (``raytrain_ext.collector``)."""
-    out = _run(
-        """
-        import gc, sys, torch, torch.cuda
-        calls = []
-        for name in ("device_count", "is_available", "_lazy_init", "init", "current_device"):
-            real = getattr(torch.cuda, name)
-            def spy(*a, _n=name, _real=real, **k):
-                calls.append(_n)
-                return _real(*a, **k)
-            setattr(torch.cuda, name, spy)
-        from raytrain_ext.worker.process_pool import (
-            WARM_MODULES, await_warm_imports, import_warm_modules,
-        )
-        collections = gc.get_stats()[2]["collections"]  # full collections
-        import_warm_modules()
-        await_warm_imports()
-        during = gc.get_stats()[2]["collections"] - collections
-        print(calls, [m for m in WARM_MODULES if m not in sys.modules], during, gc.isenabled())
-        """
-    )
-    assert out == "[] [] 0 True"
+    assert interpreters["hook"].output() == "[] [] 0 True"
 
 
 def test_a_module_that_fails_to_import_does_not_fail_the_hook(monkeypatch):
@@ -79,35 +120,15 @@ def test_a_paused_collector_that_was_off_stays_off():
         gc.enable()
 
 
-def test_the_thread_count_follows_what_ray_gave_the_actor_not_the_import():
+def test_the_thread_count_follows_what_ray_gave_the_actor_not_the_import(interpreters):
     """torch imported with no OMP_NUM_THREADS (a stocked process) uses every core; once
     the actor's variable is set, ``adopt_thread_count`` brings it to that."""
-    out = _run(
-        """
-        import os, torch
-        before = torch.get_num_threads()
-        os.environ["OMP_NUM_THREADS"] = "1"
-        from raytrain_ext.worker.process_pool import adopt_thread_count
-        adopt_thread_count()
-        print(before, torch.get_num_threads())
-        """,
-        OMP_NUM_THREADS="",
-    )
-    before, after = map(int, out.split())
+    before, after = map(int, interpreters["threads"].output().split())
     assert after == 1 and before >= after
 
 
-def test_process_age_is_read_on_the_kernel_clock():
-    age = float(
-        _run(
-            """
-            import time
-            time.sleep(1.0)
-            from raytrain_ext.worker.process_age import process_age_s
-            print(process_age_s())
-            """
-        )
-    )
+def test_process_age_is_read_on_the_kernel_clock(interpreters):
+    age = float(interpreters["age"].output())  # an interpreter that slept 1 s
     assert 1.0 <= age < 30
     assert process_age.process_age_s() > age  # this test's process started earlier
 
