@@ -2,47 +2,27 @@
 
 import gc
 import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 
 from raytrain_ext.collector import collection_paused
 from raytrain_ext.worker import process_age, process_pool
-
-
-class _Interpreter:
-    """``code`` in a new interpreter (this one has imported everything already), started
-    at once; :meth:`output` waits for it."""
-
-    def __init__(self, code: str, **env):
-        self._process = subprocess.Popen(
-            [sys.executable, "-c", textwrap.dedent(code)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**os.environ, **env},
-        )
-
-    def output(self) -> str:
-        out, err = self._process.communicate(timeout=120)
-        assert self._process.returncode == 0, err
-        return out.strip()
+from tests.helpers.imports import Interpreter
 
 
 def _run(code: str, **env) -> str:
-    return _Interpreter(code, **env).output()
+    """``code`` in a new interpreter (this one has imported everything already)."""
+    return Interpreter(code, env).output()
 
 
 @pytest.fixture(scope="module")
 def interpreters():
     """The new interpreters of the tests that only read what one did, started together so
     that the cores run them side by side (this module: 8-9 s against 12-13 s one after
-    another).  The priority
-    test below runs alone: its timing must not depend on other processes' load."""
+    another).  The priority test below runs alone: its timing must not depend on other
+    processes' load."""
     return {
-        "hook": _Interpreter(
+        "hook": Interpreter(
             """
             import gc, sys, torch, torch.cuda
             calls = []
@@ -62,7 +42,7 @@ def interpreters():
             print(calls, [m for m in WARM_MODULES if m not in sys.modules], during, gc.isenabled())
             """
         ),
-        "threads": _Interpreter(
+        "threads": Interpreter(
             """
             import os, torch
             before = torch.get_num_threads()
@@ -71,9 +51,9 @@ def interpreters():
             adopt_thread_count()
             print(before, torch.get_num_threads())
             """,
-            OMP_NUM_THREADS="",
+            {"OMP_NUM_THREADS": ""},
         ),
-        "age": _Interpreter(
+        "age": Interpreter(
             """
             import time
             time.sleep(1.0)
